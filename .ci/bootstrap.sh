@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up .venv at the repo root on a fresh machine (Debian, root, python3 + make).
+# Idempotent; `make` calls it only when pyproject.toml changed or .venv is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else return 1; fi; }
+apt_install() {
+  command -v apt-get >/dev/null || return 1
+  as_root apt-get install -y -q "$@" >/dev/null 2>&1 || { as_root apt-get update -q >/dev/null 2>&1 && as_root apt-get install -y -q "$@" >/dev/null; }
+}
+
+if [ "$(uname -s)" = Linux ]; then
+  blas="/usr/lib/$(uname -m)-linux-gnu/openblas-pthread/libblas.so.3"
+  if [ ! -e "$blas" ]; then
+    echo "[setup] installing OpenBLAS (MLX's CPU backend is ~50x slower without it)"
+    apt_install libopenblas0-pthread || echo "[setup] WARNING: could not install OpenBLAS; MLX CPU matmul will be slow" >&2
+  fi
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv"
+  python3 -m venv .venv 2>/dev/null || { apt_install python3-venv && rm -rf .venv && python3 -m venv .venv; }
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+if [ "$(uname -s)" = Linux ] && ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  # xgrammar needs torch; the pinned release resolves to a CPU wheel here (see shared/PLATFORM.md).
+  echo "[setup] installing torch (CPU build)"
+  .venv/bin/python -m pip install -q "torch==2.13.0" || .venv/bin/python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+fi
+echo "[setup] installing mlxrt and its dependencies"
+.venv/bin/python -m pip install -q -e ".[dev]"

@@ -1,0 +1,1 @@
+"""The runtime's actors (one module each) and their synchronous policies."""

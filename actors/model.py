@@ -1,0 +1,62 @@
+"""The model lease actor: the only door to the MLX thread.
+
+Loads the model (and tokenizer) on the dedicated MLX thread, builds the engine
+there, then executes `RunStep` plans one at a time, answering each with a
+`StepOutcome` (or `StepFailed`, after which the engine holds no requests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, assert_never
+
+import structlog
+
+from protocols.model import ModelInbox, ModelInfo, RunStep, StepFailed
+from runtime.config import ModelConfig
+from runtime.engine.engine import Engine
+from runtime.engine.loader import load_model
+from runtime.mailbox import Mailbox, answer
+from runtime.mlx_thread import MlxThread
+
+log = structlog.get_logger(actor="model")
+
+
+@dataclass(frozen=True)
+class ModelReady:
+    """What the model actor hands the runtime once loaded."""
+
+    info: ModelInfo
+    # A transformers/mlx-lm tokenizer: plain Python, safe to use off the MLX thread.
+    tokenizer: Any
+
+
+class ModelActor:
+    def __init__(self, config: ModelConfig, thread: MlxThread, *, progress: Callable[[str], None] | None = None):
+        self._config = config
+        self._thread = thread
+        self._progress = progress
+        self._engine: Engine | None = None
+        self.inbox: Mailbox[ModelInbox] = Mailbox(4)
+
+    async def run(self, *, task_status) -> None:
+        loaded = await self._thread.run(load_model, self._config, self._progress)
+        self._engine = await self._thread.run(Engine, loaded.model, loaded.geometry)
+        log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
+        task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer))
+        while True:
+            message = await self.inbox.receive()
+            match message:
+                case RunStep(plan=plan, reply=reply):
+                    answer(reply, await self._step(plan))
+                case _:
+                    assert_never(message)
+
+    async def _step(self, plan):
+        try:
+            return await self._thread.run(self._engine.step, plan)
+        except Exception as exc:
+            log.exception("step_failed")
+            dropped = await self._thread.run(self._engine.reset)
+            return StepFailed(error=f"{type(exc).__name__}: {exc}", dropped=dropped)

@@ -1,0 +1,146 @@
+"""The scheduler actor: admission, continuous batching, cancellation.
+
+Receives `protocols.scheduler` messages; asks the KV store for room before
+admitting; sends one `RunStep` at a time to the model actor; reports tokens,
+progress and endings to each request's session (never blocking on one: session
+inboxes coalesce). Decisions are `SchedulePolicy`'s; this class moves messages.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import assert_never
+
+import anyio
+import msgspec
+import structlog
+
+from actors.scheduling import Ended, SchedulePolicy, Tracked
+from protocols.kv import ReleaseKv, ReportKvUsage, ReserveKv
+from protocols.model import RunStep, StepFailed, StepOutcome
+from protocols.scheduler import (
+    AddRequest,
+    CancelRequest,
+    FinishRequest,
+    GetSchedulerStats,
+    SchedulerInbox,
+    SchedulerStats,
+)
+from protocols.session import PrefillProgressed, RequestFinished, RequestRejected, TokensGenerated
+from runtime.mailbox import Mailbox, answer, ask
+
+log = structlog.get_logger(actor="scheduler")
+
+
+class SchedulerActor:
+    def __init__(self, policy: SchedulePolicy, *, model: Mailbox, kv: Mailbox, capacity: int):
+        self.policy = policy
+        self.inbox: Mailbox[SchedulerInbox] = Mailbox(capacity)
+        self._model = model
+        self._kv = kv
+
+    async def run(self, *, task_status) -> None:
+        task_status.started()
+        while True:
+            if not self.policy.has_work():
+                await self.handle(await self.inbox.receive())
+            await self._drain_inbox()
+            await self._admit()
+            if self.policy.has_work():
+                await self._step()
+
+    async def _drain_inbox(self) -> None:
+        while True:
+            try:
+                message = self.inbox.receive_nowait()
+            except anyio.WouldBlock:
+                return
+            await self.handle(message)
+
+    async def handle(self, message: SchedulerInbox) -> None:
+        match message:
+            case AddRequest():
+                self._enqueue(message)
+            case CancelRequest(request_id=rid):
+                await self._end_early(rid, "cancelled")
+            case FinishRequest(request_id=rid):
+                await self._end_early(rid, "stop")
+            case GetSchedulerStats(reply=reply):
+                counts = self.policy.counts()
+                answer(reply, SchedulerStats(steps=self.policy.num_steps, num_finished=self.policy.num_finished, **counts))
+            case _:
+                assert_never(message)
+
+    def _enqueue(self, message: AddRequest) -> None:
+        rid = message.admit.request_id
+        if not self.policy.can_enqueue():
+            message.session.send_nowait(RequestRejected(request_id=rid, code="busy", message="admission queue is full"))
+            return
+        tracked = Tracked(
+            admit=message.admit,
+            submitted=message.submitted,
+            session=message.session,
+            priority=message.priority,
+            report_progress=message.report_progress,
+        )
+        self.policy.enqueue(tracked)
+
+    async def _end_early(self, request_id: str, reason: str) -> None:
+        ended = self.policy.end_early(request_id, reason)
+        if ended is not None:
+            self._notify_end(ended)
+            await self._kv.send(ReleaseKv(request_id=request_id))
+
+    async def _admit(self) -> None:
+        while (tracked := self.policy.admission_candidate()) is not None:
+            rid, need = tracked.request_id, tracked.kv_tokens_needed
+            reservation = await ask(self._kv, lambda reply: ReserveKv(request_id=rid, num_tokens=need, reply=reply))
+            if reservation.granted:
+                self.policy.admit(tracked, time.monotonic())
+            elif reservation.reason == "never_fits":
+                self.policy.reject_waiting(tracked)
+                message = f"prompt + max_tokens ({need} tokens) can never fit the KV budget"
+                tracked.session.send_nowait(RequestRejected(request_id=rid, code="too_large", message=message))
+            else:
+                return
+
+    async def _step(self) -> None:
+        plan = self.policy.plan(time.monotonic())
+        result = await ask(self._model, lambda reply: RunStep(plan=plan, reply=reply))
+        match result:
+            case StepOutcome():
+                await self._deliver(result)
+            case StepFailed(error=error):
+                log.error("step_failed", error=error)
+                for ended in self.policy.fail_all():
+                    self._notify_end(ended, error=error)
+                    await self._kv.send(ReleaseKv(request_id=ended.tracked.request_id))
+
+    async def _deliver(self, outcome: StepOutcome) -> None:
+        for report in outcome.prefilled:
+            tracked = self.policy.get(report.request_id)
+            if tracked is not None and tracked.report_progress:
+                tracked.session.send_nowait(PrefillProgressed(**msgspec.structs.asdict(report)))
+        for row in outcome.outputs:
+            tracked = self.policy.get(row.request_id)
+            if row.token_ids and tracked is not None and tracked.release_reason is None:
+                tracked.session.send_nowait(
+                    TokensGenerated(request_id=row.request_id, token_ids=row.token_ids, logprobs=row.logprobs)
+                )
+        for ended in self.policy.apply(outcome, time.monotonic()):
+            self._notify_end(ended)
+            await self._kv.send(ReleaseKv(request_id=ended.tracked.request_id))
+        await self._kv.send(ReportKvUsage(live_tokens=outcome.kv_tokens, physical_bytes=outcome.kv_bytes))
+
+    def _notify_end(self, ended: Ended, error: str | None = None) -> None:
+        tracked = ended.tracked
+        tracked.session.send_nowait(
+            RequestFinished(
+                request_id=tracked.request_id,
+                finish_reason="error" if error else ended.reason,
+                timeline=tracked.make_timeline(),
+                stop_token_id=ended.stop_token_id,
+                error=error,
+            )
+        )
+

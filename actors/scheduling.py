@@ -1,0 +1,209 @@
+"""The scheduler's decisions, as a synchronous policy with no anyio or mlx.
+
+Requests move WAITING -> PREFILLING -> DECODING and leave when the engine
+reports a finish or a release the policy asked for. Each step gets one token
+budget shared by decode rows (one token each) and prefill chunks, so a long
+prompt delays running streams by at most one chunk. Prefill chunks go to the
+request with the least prompt left (short prompts get their first token fast),
+except that a request skipped `max_skips` times in a row goes first.
+A request's chunk boundaries depend only on its own prompt, never on what
+else is running, so its tokens do not depend on the load.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocols.model import AdmitRequest, PrefillWork, StepOutcome, StepPlan
+from protocols.session import RequestTimeline
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    RELEASING = "releasing"
+
+
+@dataclass
+class Tracked:
+    """The scheduler's view of one request."""
+
+    admit: AdmitRequest
+    submitted: float
+    session: Any
+    priority: int = 0
+    report_progress: bool = False
+    phase: Phase = Phase.WAITING
+    num_prefilled: int = 0
+    num_skips: int = 0
+    release_reason: str | None = None
+    timeline: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def request_id(self) -> str:
+        return self.admit.request_id
+
+    @property
+    def prefill_left(self) -> int:
+        return len(self.admit.prompt_ids) - 1 - self.num_prefilled
+
+    @property
+    def kv_tokens_needed(self) -> int:
+        return len(self.admit.prompt_ids) + self.admit.max_tokens
+
+    def stamp(self, name: str, now: float) -> None:
+        self.timeline.setdefault(name, now)
+
+    def make_timeline(self) -> RequestTimeline:
+        return RequestTimeline(submitted=self.submitted, **self.timeline)
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A request the policy is done with, and how it ended."""
+
+    tracked: Tracked
+    reason: str
+    stop_token_id: int | None = None
+
+
+class SchedulePolicy:
+    """Admission, batching and prefill/decode interleaving for one engine."""
+
+    def __init__(self, *, max_batch_size: int, max_queued: int, chunk_size: int, token_budget: int, max_skips: int = 4):
+        self.max_batch_size = max_batch_size
+        self.max_queued = max_queued
+        self.chunk_size = chunk_size
+        self.token_budget = token_budget
+        self.max_skips = max_skips
+        self._waiting: deque[Tracked] = deque()
+        self._active: dict[str, Tracked] = {}
+        self._to_admit: list[Tracked] = []
+        self.num_steps = 0
+        self.num_finished = 0
+
+    # -- queue ---------------------------------------------------------------
+
+    def can_enqueue(self) -> bool:
+        return len(self._waiting) < self.max_queued
+
+    def enqueue(self, tracked: Tracked) -> None:
+        if not self.can_enqueue():
+            raise OverflowError("admission queue full")
+        # Stable by priority: a higher priority goes before lower ones, FIFO within.
+        index = len(self._waiting)
+        while index > 0 and self._waiting[index - 1].priority < tracked.priority:
+            index -= 1
+        self._waiting.insert(index, tracked)
+
+    def admission_candidate(self) -> Tracked | None:
+        """The next waiting request, if the batch has room for it."""
+        if not self._waiting or len(self._active) + len(self._to_admit) >= self.max_batch_size:
+            return None
+        return self._waiting[0]
+
+    def admit(self, tracked: Tracked, now: float) -> None:
+        assert self._waiting and self._waiting[0] is tracked
+        self._waiting.popleft()
+        tracked.stamp("admitted", now)
+        self._to_admit.append(tracked)
+
+    def reject_waiting(self, tracked: Tracked) -> None:
+        self._waiting.remove(tracked)
+
+    # -- early ends ----------------------------------------------------------
+
+    def end_early(self, request_id: str, reason: str) -> Ended | None:
+        """Cancel (or stop) a request. Waiting ones end now; admitted ones after a release step."""
+        for tracked in self._waiting:
+            if tracked.request_id == request_id:
+                self._waiting.remove(tracked)
+                return Ended(tracked, reason)
+        for tracked in self._to_admit:
+            if tracked.request_id == request_id:
+                self._to_admit.remove(tracked)
+                return Ended(tracked, reason)
+        tracked = self._active.get(request_id)
+        if tracked is not None and tracked.release_reason is None:
+            tracked.release_reason = reason
+            tracked.phase = Phase.RELEASING
+        return None
+
+    # -- stepping ------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._active or self._to_admit)
+
+    def plan(self, now: float) -> StepPlan:
+        """The next step. Call only when `has_work()`."""
+        release = [t.request_id for t in self._active.values() if t.phase is Phase.RELEASING]
+        admit = []
+        for tracked in self._to_admit:
+            tracked.phase = Phase.PREFILLING if tracked.prefill_left > 0 else Phase.DECODING
+            self._active[tracked.request_id] = tracked
+            admit.append(tracked.admit)
+        self._to_admit.clear()
+        num_decoding = sum(t.phase is Phase.DECODING for t in self._active.values())
+        prefill = self._plan_prefill(self.token_budget - num_decoding, now)
+        decode = any(t.phase is Phase.DECODING for t in self._active.values())
+        self.num_steps += 1
+        return StepPlan(release=release, admit=admit, prefill=prefill, decode=decode)
+
+    def _plan_prefill(self, budget: int, now: float) -> list[PrefillWork]:
+        prefilling = [t for t in self._active.values() if t.phase is Phase.PREFILLING]
+        prefilling.sort(key=lambda t: (t.num_skips < self.max_skips, -t.priority, t.prefill_left))
+        work = []
+        for tracked in prefilling:
+            chunk = min(self.chunk_size, tracked.prefill_left)
+            if chunk > budget and work:
+                tracked.num_skips += 1
+                continue
+            budget -= chunk
+            tracked.num_skips = 0
+            tracked.num_prefilled += chunk
+            tracked.stamp("prefill_started", now)
+            work.append(PrefillWork(request_id=tracked.request_id, num_tokens=chunk))
+            if tracked.prefill_left == 0:
+                tracked.phase = Phase.DECODING
+        return work
+
+    def apply(self, outcome: StepOutcome, now: float) -> list[Ended]:
+        """Record what a step did; returns the requests that ended in it."""
+        ended = []
+        for rid in outcome.released:
+            tracked = self._active.pop(rid)
+            ended.append(Ended(tracked, tracked.release_reason or "cancelled"))
+        for row in outcome.outputs:
+            tracked = self._active.get(row.request_id)
+            if tracked is None:
+                continue
+            if row.token_ids or row.finish_reason:
+                tracked.stamp("first_token", now)
+                tracked.timeline["last_token"] = now
+            if row.finish_reason is not None:
+                del self._active[row.request_id]
+                ended.append(Ended(tracked, tracked.release_reason or row.finish_reason, row.stop_token_id))
+        self.num_finished += len(ended)
+        return ended
+
+    def get(self, request_id: str) -> Tracked | None:
+        return self._active.get(request_id)
+
+    def counts(self) -> dict[str, int]:
+        phases = [t.phase for t in self._active.values()]
+        return {
+            "waiting": len(self._waiting) + len(self._to_admit),
+            "prefilling": phases.count(Phase.PREFILLING),
+            "decoding": phases.count(Phase.DECODING) + phases.count(Phase.RELEASING),
+        }
+
+    def fail_all(self) -> list[Ended]:
+        """The engine dropped everything: every admitted request ends in error."""
+        ended = [Ended(t, "error") for t in self._active.values()]
+        self._active.clear()
+        self.num_finished += len(ended)
+        return ended

@@ -1,0 +1,131 @@
+"""The session actor: one per request, between the scheduler and the caller.
+
+Receives `protocols.session` messages in a coalescing inbox; detokenizes
+incrementally (mlx-lm's streaming detokenizer), holds back text that may start
+a stop string, asks the scheduler to finish the request when one matches, and
+delivers `TokenDelta`/`PrefillProgress`/`Finished` to the caller through a
+bounded stream. If the caller goes away, it asks for a cancel and ends.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, assert_never
+
+import anyio
+import structlog
+from anyio.streams.memory import MemoryObjectSendStream
+
+from actors.stops import StopMatcher
+from protocols.api import Finished, PrefillProgress, Timings, TokenDelta, Usage
+from protocols.scheduler import CancelRequest, FinishRequest
+from protocols.session import (
+    PrefillProgressed,
+    RequestFinished,
+    RequestRejected,
+    RequestTimeline,
+    TokensGenerated,
+)
+from runtime.mailbox import Mailbox, SessionMailbox
+
+log = structlog.get_logger(actor="session")
+
+
+class SessionActor:
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        num_prompt_tokens: int,
+        detokenizer: Any,
+        stop: list[str],
+        scheduler: Mailbox,
+        events: MemoryObjectSendStream,
+    ):
+        self.request_id = request_id
+        self.inbox = SessionMailbox()
+        self._num_prompt_tokens = num_prompt_tokens
+        self._detokenizer = detokenizer
+        self._matcher = StopMatcher(stop)
+        self._scheduler = scheduler
+        self._events = events
+        self._num_tokens = 0
+        self._stop_sequence: str | None = None
+
+    async def run(self) -> None:
+        with self._events:
+            try:
+                await self._serve()
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                # The caller stopped listening; make sure the request stops too.
+                with anyio.CancelScope(shield=True):
+                    await self._scheduler.send(CancelRequest(request_id=self.request_id))
+
+    async def _serve(self) -> None:
+        while True:
+            message = await self.inbox.receive()
+            match message:
+                case TokensGenerated():
+                    await self._on_tokens(message)
+                case PrefillProgressed(processed_tokens=done, total_tokens=total):
+                    await self._events.send(PrefillProgress(request_id=self.request_id, processed_tokens=done, total_tokens=total))
+                case RequestFinished():
+                    await self._on_finished(message)
+                    return
+                case RequestRejected():
+                    await self._events.send(message)
+                    return
+                case _:
+                    assert_never(message)
+
+    async def _on_tokens(self, message: TokensGenerated) -> None:
+        if self._stop_sequence is not None:
+            return
+        ids, texts = [], []
+        for token in message.token_ids:
+            self._detokenizer.add_token(token)
+            self._num_tokens += 1
+            ids.append(token)
+            text, stop = self._matcher.feed(self._detokenizer.last_segment)
+            texts.append(text)
+            if stop is not None:
+                self._stop_sequence = stop
+                await self._scheduler.send(FinishRequest(request_id=self.request_id))
+                break
+        logprobs = message.logprobs[: len(ids)] if message.logprobs is not None else None
+        await self._events.send(TokenDelta(request_id=self.request_id, token_ids=ids, text="".join(texts), logprobs=logprobs))
+
+    async def _on_finished(self, message: RequestFinished) -> None:
+        if self._stop_sequence is None:
+            self._detokenizer.finalize()
+            text, stop = self._matcher.feed(self._detokenizer.last_segment)
+            self._stop_sequence = stop
+            text += "" if stop is not None else self._matcher.flush()
+            if text:
+                await self._events.send(TokenDelta(request_id=self.request_id, token_ids=[], text=text))
+        num_completion = self._num_tokens + (message.stop_token_id is not None)
+        reason = "stop" if self._stop_sequence is not None and message.finish_reason != "error" else message.finish_reason
+        await self._events.send(
+            Finished(
+                request_id=self.request_id,
+                finish_reason=reason,
+                usage=Usage(prompt_tokens=self._num_prompt_tokens, completion_tokens=num_completion, cached_tokens=message.cached_tokens),
+                timings=_timings(message.timeline, self._num_prompt_tokens, num_completion),
+                stop_sequence=self._stop_sequence,
+                error=message.error,
+            )
+        )
+
+
+def _timings(t: RequestTimeline, num_prompt: int, num_completion: int) -> Timings:
+    values = {"total_s": time.monotonic() - t.submitted}
+    if t.admitted is not None:
+        values["queue_s"] = t.admitted - t.submitted
+    if t.first_token is not None:
+        values["ttft_s"] = t.first_token - t.submitted
+        started = t.prefill_started or t.admitted or t.submitted
+        if t.first_token > started:
+            values["prefill_tokens_per_s"] = num_prompt / (t.first_token - started)
+        if t.last_token is not None and t.last_token > t.first_token and num_completion > 1:
+            values["decode_tokens_per_s"] = (num_completion - 1) / (t.last_token - t.first_token)
+    return Timings(**values)

@@ -1,0 +1,33 @@
+"""Pure data: the messages the runtime's actors and clients exchange.
+
+`protocols.api` is the public surface (requests and events); the other modules
+are one inbox each (`model`, `kv`, `scheduler`, `session`).
+"""
+
+from protocols.api import (
+    Event,
+    FinishReason,
+    Finished,
+    GenerateRequest,
+    PrefillProgress,
+    SamplingParams,
+    Timings,
+    TokenDelta,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+__all__ = [
+    "Event",
+    "FinishReason",
+    "Finished",
+    "GenerateRequest",
+    "PrefillProgress",
+    "SamplingParams",
+    "Timings",
+    "TokenDelta",
+    "TokenLogprob",
+    "TopLogprob",
+    "Usage",
+]

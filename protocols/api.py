@@ -1,0 +1,112 @@
+"""The public request and event types of the embedding API (and, later, the wire).
+
+`Runtime.generate(GenerateRequest)` yields `TokenDelta`s, optional
+`PrefillProgress` events, and exactly one `Finished`. Nothing here imports mlx
+or anyio; validation of values happens in the runtime, which raises
+`InvalidRequestError` with the offending field named.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from protocols.base import Message, Record
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+class SamplingParams(Record):
+    """Per-request sampling; the defaults decode greedily (mlx-lm's defaults)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Tokens (prompt included) the three penalties look back over, as in mlx-lm.
+    penalty_context_size: int = 20
+    seed: int | None = None
+
+
+class GenerateRequest(Record):
+    """One generation. Exactly one of `prompt`, `prompt_ids`, `messages` is set."""
+
+    prompt: str | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    # None: the runtime's `generation.default_max_tokens`.
+    max_tokens: int | None = None
+    sampling: SamplingParams = SamplingParams()
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    request_id: str | None = None
+    priority: int = 0
+    # Emit `PrefillProgress` events while the prompt is being processed.
+    report_progress: bool = False
+
+
+class TopLogprob(Record):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(Record):
+    """Log-probability of a generated token, with the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] | None = None
+
+
+class TokenDelta(Message):
+    """New tokens of one request and the text they completed."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+class PrefillProgress(Message):
+    """Prompt processing progress, sent only when the request asked for it."""
+
+    request_id: str
+    processed_tokens: int
+    total_tokens: int
+
+
+class Usage(Record):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class Timings(Record):
+    """Seconds and rates measured by the runtime for one request."""
+
+    queue_s: float = 0.0
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+
+
+class Finished(Message):
+    """The last event of every request."""
+
+    request_id: str
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings = Timings()
+    # The stop string that ended the request, when one did.
+    stop_sequence: str | None = None
+    error: str | None = None
+
+
+Event = TokenDelta | PrefillProgress | Finished

@@ -1,0 +1,107 @@
+"""Inbox of the model lease actor: step plans in, step outcomes out.
+
+The scheduler sends one `RunStep` at a time and waits for its `StepOutcome`.
+A plan names requests by id; the engine on the MLX thread owns their caches.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from protocols.api import SamplingParams, TokenLogprob
+from protocols.base import Message, Record, Reply
+
+
+class AdmitRequest(Record):
+    """A request entering the engine; no compute happens until it is prefilled."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    # The seed actually used (the request's, or one the runtime drew for it).
+    seed: int
+    # Sampling one of these ends the request (EOS ids plus the request's own).
+    stop_token_ids: list[int]
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+class PrefillWork(Record):
+    """Forward the next `num_tokens` prompt tokens of one request into its cache."""
+
+    request_id: str
+    num_tokens: int
+
+
+class StepPlan(Record):
+    """What one engine step does, in this order: release, admit, prefill, decode."""
+
+    release: list[str] = msgspec.field(default_factory=list)
+    admit: list[AdmitRequest] = msgspec.field(default_factory=list)
+    prefill: list[PrefillWork] = msgspec.field(default_factory=list)
+    # Run one batched decode step over every request whose prompt is done.
+    decode: bool = False
+
+
+class RowOutput(Record):
+    """Tokens a request produced in a step, and whether it ended there."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    # The stop token that ended the request; it is not part of `token_ids`.
+    stop_token_id: int | None = None
+
+
+class PrefillReport(Record):
+    request_id: str
+    processed_tokens: int
+    total_tokens: int
+
+
+class StepOutcome(Record):
+    """Everything a step produced. Requests in `outputs` with a finish reason are gone."""
+
+    outputs: list[RowOutput]
+    prefilled: list[PrefillReport]
+    released: list[str]
+    num_decode_rows: int
+    # KV tokens held per live request, and bytes held by all caches.
+    kv_tokens: dict[str, int]
+    kv_bytes: int
+    step_s: float
+
+
+class ModelInfo(Record):
+    """Facts about the loaded model that the async side needs."""
+
+    path: str
+    model_type: str
+    vocab_size: int
+    max_context: int
+    num_layers: int
+    kv_bytes_per_token: int
+    dtype: str
+    device: str
+    eos_token_ids: list[int]
+    num_parameters: int
+    load_s: float
+
+
+class StepFailed(Record):
+    """The step raised; the engine dropped every request it held."""
+
+    error: str
+    dropped: list[str]
+
+
+class RunStep(Message):
+    plan: StepPlan
+    reply: Reply[StepOutcome | StepFailed]
+
+
+ModelInbox = RunStep

@@ -1,0 +1,44 @@
+"""Inbox of the scheduler actor: requests arrive, are cancelled or finished early."""
+
+from __future__ import annotations
+
+from protocols.base import Message, Record, Reply
+from protocols.model import AdmitRequest
+from protocols.session import SessionInbox
+
+
+class AddRequest(Message):
+    """A validated, tokenized request and where its session listens."""
+
+    admit: AdmitRequest
+    submitted: float
+    session: Reply[SessionInbox]
+    priority: int = 0
+    report_progress: bool = False
+
+
+class CancelRequest(Message):
+    """Stop the request at the next step boundary; it ends `cancelled`."""
+
+    request_id: str
+
+
+class FinishRequest(Message):
+    """The session saw a stop string: end the request as `stop`."""
+
+    request_id: str
+
+
+class SchedulerStats(Record):
+    waiting: int
+    prefilling: int
+    decoding: int
+    steps: int
+    num_finished: int
+
+
+class GetSchedulerStats(Message):
+    reply: Reply[SchedulerStats]
+
+
+SchedulerInbox = AddRequest | CancelRequest | FinishRequest | GetSchedulerStats

@@ -1,0 +1,50 @@
+"""Inbox of a request's session actor: what the scheduler reports about it."""
+
+from __future__ import annotations
+
+from protocols.api import FinishReason, TokenLogprob
+from protocols.base import Message, Record
+
+
+class RequestTimeline(Record):
+    """Monotonic timestamps (seconds) the scheduler took for one request."""
+
+    submitted: float
+    admitted: float | None = None
+    prefill_started: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class TokensGenerated(Message):
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+class PrefillProgressed(Message):
+    request_id: str
+    processed_tokens: int
+    total_tokens: int
+
+
+class RequestFinished(Message):
+    """The scheduler is done with the request; no message follows this one."""
+
+    request_id: str
+    finish_reason: FinishReason
+    timeline: RequestTimeline
+    stop_token_id: int | None = None
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+class RequestRejected(Message):
+    """The request was never admitted (queue full, can never fit)."""
+
+    request_id: str
+    code: str
+    message: str
+
+
+SessionInbox = TokensGenerated | PrefillProgressed | RequestFinished | RequestRejected

@@ -1,0 +1,243 @@
+"""The engine: executes the scheduler's step plans on the MLX thread.
+
+Owns every per-request array: prefill caches (mlx-lm `KVCache`s, one request at
+a time, chunk by chunk), the decode batch's KV slots, the batch sampler state
+and the in-flight step. A plan is applied in order: release, admit, prefill,
+decode. Decode is pipelined like mlx-lm's `generate_step`: step n+1 is
+dispatched (`mx.async_eval`) before step n's tokens are read back, so the only
+host round-trip per step is one `tolist()` of already-computed ids.
+
+A prompt's last token is not prefilled: the request joins the batch with it as
+its pending input, and the batched decode step computes the logits of that one
+position only. Every call returns plain Python data.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+from protocols.api import TokenLogprob, TopLogprob
+from protocols.model import AdmitRequest, PrefillReport, PrefillWork, RowOutput, StepOutcome, StepPlan
+from runtime.engine.sampler import BatchSampler, RowSampling, SampleResult
+from runtime.engine.slots import DecodeBatch, LayerGeometry
+
+CLEAR_CACHE_EVERY = 256
+
+
+class EngineInvariantError(RuntimeError):
+    """A plan asked for something the engine's state makes impossible (a scheduler bug)."""
+
+
+@dataclass
+class Sequence:
+    """One admitted request's engine-side state."""
+
+    admit: AdmitRequest
+    stop_ids: frozenset[int]
+    cache: list | None = None
+    num_prefilled: int = 0
+    num_generated: int = 0
+    in_batch: bool = False
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.admit.prompt_ids)
+
+    @property
+    def is_ready(self) -> bool:
+        return not self.in_batch and self.num_generated == 0 and self.num_prefilled == self.prompt_len - 1
+
+
+@dataclass
+class InFlight:
+    """A dispatched decode step whose tokens have not been read yet."""
+
+    row_ids: list[str]
+    result: SampleResult
+
+
+class Engine:
+    """Runs plans against one model. Not thread-safe: the MLX thread only."""
+
+    def __init__(self, model, geometry: list[LayerGeometry]):
+        self._model = model
+        self._geometry = geometry
+        self._bytes_per_token = sum(g.bytes_per_token for g in geometry)
+        self._thread = threading.current_thread()
+        self._sequences: dict[str, Sequence] = {}
+        self._batch = DecodeBatch(geometry)
+        self._sampler = BatchSampler()
+        self._pending: mx.array | None = None
+        self._in_flight: InFlight | None = None
+        self._num_steps = 0
+
+    def step(self, plan: StepPlan) -> StepOutcome:
+        """Apply one plan; see the module docstring for the order."""
+        if threading.current_thread() is not self._thread:
+            raise EngineInvariantError("the engine was called off its MLX thread")
+        started = time.perf_counter()
+        released = [rid for rid in plan.release if self._release(rid)]
+        for admit in plan.admit:
+            self._admit(admit)
+        prefilled = [self._prefill(work) for work in plan.prefill]
+        outputs = self._decode() if plan.decode else []
+        return StepOutcome(
+            outputs=outputs,
+            prefilled=prefilled,
+            released=released,
+            num_decode_rows=len(self._batch),
+            kv_tokens=self.kv_tokens(),
+            kv_bytes=self.kv_bytes(),
+            step_s=time.perf_counter() - started,
+        )
+
+    def reset(self) -> list[str]:
+        """Drop every request (after a failed step); returns the ids dropped."""
+        dropped = list(self._sequences)
+        self._sequences.clear()
+        self._batch = DecodeBatch(self._geometry)
+        self._sampler = BatchSampler()
+        self._pending = None
+        self._in_flight = None
+        mx.clear_cache()
+        return dropped
+
+    def kv_tokens(self) -> dict[str, int]:
+        tokens = {rid: seq.num_prefilled for rid, seq in self._sequences.items() if seq.cache is not None}
+        tokens.update(zip(self._batch.row_ids, self._batch.lengths))
+        return tokens
+
+    def kv_bytes(self) -> int:
+        prefill = sum(c.nbytes for s in self._sequences.values() if s.cache is not None for c in s.cache)
+        return prefill + self._batch.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self._bytes_per_token
+
+    def _admit(self, admit: AdmitRequest) -> None:
+        if admit.request_id in self._sequences:
+            raise EngineInvariantError(f"request {admit.request_id!r} admitted twice")
+        self._sequences[admit.request_id] = Sequence(admit=admit, stop_ids=frozenset(admit.stop_token_ids))
+
+    def _release(self, request_id: str) -> bool:
+        seq = self._sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq.in_batch:
+            self._leave_batch(request_id)
+        seq.cache = None
+        return True
+
+    def _prefill(self, work: PrefillWork) -> PrefillReport:
+        seq = self._sequences.get(work.request_id)
+        if seq is None:
+            raise EngineInvariantError(f"prefill for unknown request {work.request_id!r}")
+        start, end = seq.num_prefilled, seq.num_prefilled + work.num_tokens
+        if work.num_tokens <= 0 or end > seq.prompt_len - 1:
+            raise EngineInvariantError(f"prefill {start}:{end} outside the prompt of {seq.prompt_len}")
+        if seq.cache is None:
+            seq.cache = make_prompt_cache(self._model)
+        self._model(mx.array(seq.admit.prompt_ids[start:end])[None], cache=seq.cache)
+        mx.eval([c.state for c in seq.cache])
+        mx.clear_cache()
+        seq.num_prefilled = end
+        return PrefillReport(request_id=work.request_id, processed_tokens=end, total_tokens=seq.prompt_len)
+
+    def _decode(self) -> list[RowOutput]:
+        self._retire_exhausted()
+        self._join_ready()
+        dispatched = self._dispatch() if len(self._batch) else None
+        outputs = self._collect(self._in_flight) if self._in_flight is not None else []
+        self._in_flight = dispatched
+        return outputs
+
+    def _retire_exhausted(self) -> None:
+        """Rows whose in-flight token is their last leave before the next dispatch."""
+        for rid in list(self._batch.row_ids):
+            seq = self._sequences[rid]
+            if seq.num_generated + 1 >= seq.admit.max_tokens:
+                self._leave_batch(rid)
+
+    def _join_ready(self) -> None:
+        for rid, seq in self._sequences.items():
+            if not seq.is_ready:
+                continue
+            admit = seq.admit
+            self._batch.add_row(rid, seq.cache or [], seq.num_prefilled)
+            row = RowSampling(admit.sampling, admit.seed, admit.logprobs, admit.top_logprobs)
+            self._sampler.add_row(row, context=admit.prompt_ids)
+            last = mx.array([admit.prompt_ids[-1]], dtype=mx.uint32)
+            self._pending = last if self._pending is None else mx.concatenate([self._pending, last])
+            seq.cache = None
+            seq.in_batch = True
+
+    def _leave_batch(self, request_id: str) -> None:
+        order = self._batch.remove_row(request_id)
+        self._sampler.reorder(order)
+        self._pending = self._pending[mx.array(order, dtype=mx.int32)] if order else None
+        self._sequences[request_id].in_batch = False
+
+    def _dispatch(self) -> InFlight:
+        batch = self._batch
+        batch.begin_step(1)
+        logits = self._model(self._pending[:, None], cache=batch.layers)[:, -1, :]
+        result = self._sampler.sample(logits)
+        batch.end_step()
+        self._pending = result.tokens
+        mx.async_eval(result.arrays())
+        self._num_steps += 1
+        if self._num_steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        return InFlight(row_ids=list(batch.row_ids), result=result)
+
+    def _collect(self, in_flight: InFlight) -> list[RowOutput]:
+        result = in_flight.result
+        tokens = result.tokens.tolist()
+        logprobs = _read_logprobs(result, tokens)
+        outputs = []
+        for i, rid in enumerate(in_flight.row_ids):
+            seq = self._sequences.get(rid)
+            if seq is None:
+                continue
+            outputs.append(self._account(rid, seq, tokens[i], logprobs[i] if logprobs else None))
+        return outputs
+
+    def _account(self, rid: str, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RowOutput:
+        seq.num_generated += 1
+        admit = seq.admit
+        wanted = None
+        if logprob is not None and (admit.logprobs or admit.top_logprobs):
+            top = logprob.top[: admit.top_logprobs] if admit.top_logprobs and logprob.top else None
+            wanted = [TokenLogprob(token_id=token, logprob=logprob.logprob, top=top)]
+        if token in seq.stop_ids:
+            self._finish(rid, seq)
+            return RowOutput(request_id=rid, token_ids=[], finish_reason="stop", stop_token_id=token)
+        if seq.num_generated >= admit.max_tokens:
+            self._finish(rid, seq)
+            return RowOutput(request_id=rid, token_ids=[token], logprobs=wanted, finish_reason="length")
+        return RowOutput(request_id=rid, token_ids=[token], logprobs=wanted)
+
+    def _finish(self, rid: str, seq: Sequence) -> None:
+        if seq.in_batch:
+            self._leave_batch(rid)
+        del self._sequences[rid]
+
+
+def _read_logprobs(result: SampleResult, tokens: list[int]) -> list[TokenLogprob] | None:
+    if result.logprobs is None:
+        return None
+    chosen = result.logprobs.tolist()
+    if result.top_ids is None:
+        return [TokenLogprob(token_id=t, logprob=lp) for t, lp in zip(tokens, chosen)]
+    top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
+    out = []
+    for t, lp, ids, lps in zip(tokens, chosen, top_ids, top_lps):
+        top = sorted((TopLogprob(token_id=i, logprob=v) for i, v in zip(ids, lps)), key=lambda x: -x.logprob)
+        out.append(TokenLogprob(token_id=t, logprob=lp, top=top))
+    return out

@@ -1,0 +1,109 @@
+"""Load an mlx-lm model directory (or a built-in one) on the MLX thread.
+
+Casts floating weights to float32 on the CPU backend, where only float32 matmul
+goes through BLAS, probes each layer's KV geometry with a one-token forward,
+and returns the model, its tokenizer and a plain-data `ModelInfo`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load as mlx_lm_load
+
+from protocols.model import ModelInfo
+from runtime.builtin import builtin_name, ensure_builtin
+from runtime.config import ModelConfig
+from runtime.engine.slots import LayerGeometry
+from runtime.errors import ModelLoadError
+
+DEFAULT_CONTEXT = 4096
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    geometry: list[LayerGeometry]
+    info: ModelInfo
+
+
+def resolve_model_path(path: str, progress: Callable[[str], None] | None = None) -> Path:
+    """A local directory for `path`, building a built-in model if named so."""
+    name = builtin_name(path)
+    if name is not None:
+        try:
+            return ensure_builtin(name, progress=progress)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
+    directory = Path(path).expanduser()
+    if not (directory / "config.json").is_file():
+        raise ModelLoadError(f"{path}: not an mlx-lm model directory (no config.json); models are never downloaded")
+    return directory
+
+
+def load_model(config: ModelConfig, progress: Callable[[str], None] | None = None) -> LoadedModel:
+    started = time.perf_counter()
+    directory = resolve_model_path(config.path, progress)
+    if progress:
+        progress(f"loading {directory}")
+    try:
+        model, tokenizer = mlx_lm_load(str(directory), trust_remote_code=config.trust_remote_code)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ModelLoadError(f"{directory}: {exc}") from exc
+    dtype = _target_dtype(config.dtype)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    geometry = probe_geometry(model)
+    hf_config = json.loads((directory / "config.json").read_text())
+    info = ModelInfo(
+        path=str(directory),
+        model_type=str(hf_config.get("model_type", "unknown")),
+        vocab_size=int(_vocab_size(model, hf_config)),
+        max_context=config.max_context or int(hf_config.get("max_position_embeddings") or DEFAULT_CONTEXT),
+        num_layers=len(geometry),
+        kv_bytes_per_token=sum(g.bytes_per_token for g in geometry),
+        dtype=str(geometry[0].dtype).removeprefix("mlx.core."),
+        device=str(mx.default_device()),
+        eos_token_ids=sorted(tokenizer.eos_token_ids),
+        num_parameters=sum(v.size for _, v in tree_flatten(model.parameters())),
+        load_s=time.perf_counter() - started,
+    )
+    return LoadedModel(model=model, tokenizer=tokenizer, geometry=geometry, info=info)
+
+
+def _target_dtype(name: str) -> mx.Dtype | None:
+    if name != "auto":
+        return _DTYPES[name]
+    return mx.float32 if mx.default_device() == mx.cpu else None
+
+
+def _vocab_size(model: nn.Module, hf_config: dict) -> int:
+    if "vocab_size" in hf_config:
+        return hf_config["vocab_size"]
+    return model.args.vocab_size
+
+
+def probe_geometry(model: nn.Module) -> list[LayerGeometry]:
+    """Run one token through a fresh cache and read every layer's KV shape."""
+    cache = make_prompt_cache(model)
+    unsupported = {type(c).__name__ for c in cache if type(c) is not KVCache}
+    if unsupported:
+        raise ModelLoadError(f"unsupported cache types for batched decoding: {sorted(unsupported)}")
+    model(mx.array([[0]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    return [
+        LayerGeometry(num_heads=c.keys.shape[1], key_dim=c.keys.shape[3], value_dim=c.values.shape[3], dtype=c.keys.dtype)
+        for c in cache
+    ]

@@ -1,0 +1,196 @@
+"""The decode batch's KV: one right-padded slot per running request.
+
+Row `r` holds `lengths[r]` valid positions `[0, lengths[r])` of every layer in
+preallocated buffers `[rows, kv_heads, capacity, head_dim]`. Each row writes at
+its own position, so rows join and leave without touching the others' KV
+(joining copies one row in, leaving moves the last row into the hole), unlike a
+left-padded batch cache that re-pads every row on each join.
+
+mlx-lm's attention layers call `update_and_fetch`, read `offset` for RoPE and ask
+`make_mask`; `SlotLayer` answers them from the batch's per-step geometry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+ROW_STEP = 8
+LEN_STEP = 256
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """Shape of one layer's per-token KV, probed from the model at load."""
+
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    dtype: mx.Dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_heads * (self.key_dim + self.value_dim) * self.dtype.size
+
+
+def _round_up(n: int, step: int) -> int:
+    return (n + step - 1) // step * step
+
+
+class SlotLayer:
+    """The cache object one attention layer sees during a batched forward."""
+
+    def __init__(self, batch: DecodeBatch, index: int):
+        self._batch = batch
+        self._index = index
+
+    @property
+    def offset(self) -> mx.array:
+        return self._batch.positions
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self._batch.write(self._index, keys, values)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not supported in the decode batch")
+        return self._batch.mask
+
+
+class DecodeBatch:
+    """Row-major KV slots for the requests being decoded together.
+
+    Owns the buffers; callers own the mapping of rows to requests through
+    `row_ids`. `begin_step` must precede a forward and `end_step` follow it.
+    """
+
+    def __init__(self, geometry: Sequence[LayerGeometry]):
+        self.geometry = list(geometry)
+        self.num_layers = num_layers = len(self.geometry)
+        self.row_ids: list[str] = []
+        self.lengths: list[int] = []
+        self._keys: list[mx.array] | None = None
+        self._values: list[mx.array] | None = None
+        self._layers = [SlotLayer(self, i) for i in range(num_layers)]
+        # Per-step geometry, set by begin_step.
+        self.positions: mx.array | None = None
+        self.mask: mx.array | None = None
+        self._write_index: mx.array | None = None
+        self._num_new = 0
+        self._width = 0
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    @property
+    def layers(self) -> list[SlotLayer]:
+        return self._layers
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        if self._keys is None:
+            return 0, 0
+        rows, _, length, _ = self._keys[0].shape
+        return rows, length
+
+    @property
+    def nbytes(self) -> int:
+        if self._keys is None:
+            return 0
+        return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values))
+
+    def index(self, request_id: str) -> int:
+        return self.row_ids.index(request_id)
+
+    def add_row(self, request_id: str, caches: Sequence, length: int) -> None:
+        """Copy the first `length` positions of per-layer `KVCache`s into a new last row."""
+        if self._keys is None:
+            self._allocate()
+        row = len(self.row_ids)
+        self._reserve(row + 1, length + 1)
+        for layer, cache in enumerate(caches):
+            if length:
+                self._keys[layer][row : row + 1, :, :length] = cache.keys[..., :length, :]
+                self._values[layer][row : row + 1, :, :length] = cache.values[..., :length, :]
+        self.row_ids.append(request_id)
+        self.lengths.append(length)
+
+    def remove_row(self, request_id: str) -> list[int]:
+        """Drop a row; returns, for each remaining row, the row it used to be."""
+        row = self.index(request_id)
+        last = len(self.row_ids) - 1
+        order = list(range(last))
+        if row != last:
+            for layer in range(self.num_layers):
+                self._keys[layer][row : row + 1] = self._keys[layer][last : last + 1]
+                self._values[layer][row : row + 1] = self._values[layer][last : last + 1]
+            self.row_ids[row] = self.row_ids[last]
+            self.lengths[row] = self.lengths[last]
+            order[row] = last
+        self.row_ids.pop()
+        self.lengths.pop()
+        if not self.row_ids:
+            self._keys = self._values = None
+        return order
+
+    def begin_step(self, num_new: int) -> None:
+        """Prepare positions, mask and write indices for `num_new` tokens per row."""
+        lengths = self.lengths
+        self._reserve(len(lengths), max(lengths) + num_new)
+        _, num_heads, capacity, _ = self._keys[0].shape
+        self._num_new = num_new
+        self._width = max(lengths) + num_new
+        starts = mx.array(lengths, dtype=mx.int32)
+        self.positions = starts
+        rows = mx.arange(len(lengths), dtype=mx.int32)[:, None, None]
+        heads = mx.arange(num_heads, dtype=mx.int32)[None, :, None]
+        steps = mx.arange(num_new, dtype=mx.int32)[None, None, :]
+        self._write_index = ((rows * num_heads + heads) * capacity + starts[:, None, None] + steps).reshape(-1)
+        if num_new == 1 and min(lengths) == max(lengths):
+            self.mask = None
+        else:
+            key_pos = mx.arange(self._width, dtype=mx.int32)[None, None, :]
+            query_pos = starts[:, None, None] + mx.arange(num_new, dtype=mx.int32)[None, :, None]
+            self.mask = (key_pos <= query_pos)[:, None]
+
+    def end_step(self) -> None:
+        self.lengths = [n + self._num_new for n in self.lengths]
+        self.positions = self.mask = self._write_index = None
+
+    def write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        num_rows = len(self.row_ids)
+        self._keys[layer] = self._scatter(self._keys[layer], keys)
+        self._values[layer] = self._scatter(self._values[layer], values)
+        width = self._width
+        return self._keys[layer][:num_rows, :, :width], self._values[layer][:num_rows, :, :width]
+
+    def state(self) -> list[mx.array]:
+        return [] if self._keys is None else [*self._keys, *self._values]
+
+    def _scatter(self, buffer: mx.array, new: mx.array) -> mx.array:
+        rows, heads, capacity, dim = buffer.shape
+        flat = buffer.reshape(rows * heads * capacity, dim)
+        flat[self._write_index] = new.reshape(-1, dim)
+        return flat.reshape(rows, heads, capacity, dim)
+
+    def _allocate(self) -> None:
+        self._keys = [mx.zeros((ROW_STEP, g.num_heads, LEN_STEP, g.key_dim), g.dtype) for g in self.geometry]
+        self._values = [mx.zeros((ROW_STEP, g.num_heads, LEN_STEP, g.value_dim), g.dtype) for g in self.geometry]
+
+    def _reserve(self, num_rows: int, length: int) -> None:
+        rows, capacity = self.capacity
+        if num_rows <= rows and length <= capacity:
+            return
+        new_rows, new_capacity = max(rows, _round_up(num_rows, ROW_STEP)), max(capacity, _round_up(length, LEN_STEP))
+        for layer in range(self.num_layers):
+            self._keys[layer] = _grow(self._keys[layer], new_rows, new_capacity)
+            self._values[layer] = _grow(self._values[layer], new_rows, new_capacity)
+
+
+def _grow(buffer: mx.array, rows: int, capacity: int) -> mx.array:
+    old_rows, heads, old_capacity, dim = buffer.shape
+    grown = mx.zeros((rows, heads, capacity, dim), buffer.dtype)
+    grown[:old_rows, :, :old_capacity] = buffer
+    return grown

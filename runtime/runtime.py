@@ -1,0 +1,206 @@
+"""`Runtime`: the embedding API, and the supervisor of the actors behind it.
+
+`Runtime.open(config)` starts, in order, the MLX thread, the model actor (which
+loads the model), the KV store and the scheduler, in one task group: if any
+actor fails, the group is cancelled and the error propagates out of `open`.
+Each `generate` call validates and tokenizes its request, starts a session
+actor, and streams that session's events; leaving the stream early cancels it.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+import structlog
+
+from actors.kv_store import KvLedger, KvStoreActor
+from actors.model import ModelActor, ModelReady
+from actors.scheduler import SchedulerActor
+from actors.scheduling import SchedulePolicy
+from actors.session import SessionActor
+from protocols.api import Event, Finished, GenerateRequest
+from protocols.kv import GetKvStats, KvStats
+from protocols.model import AdmitRequest, ModelInfo
+from protocols.scheduler import AddRequest, CancelRequest, GetSchedulerStats, SchedulerStats
+from protocols.session import RequestRejected
+from runtime import requests
+from runtime.config import RuntimeConfig
+from runtime.errors import InvalidRequestError, RequestTooLargeError, RuntimeClosedError, ServerBusyError
+from runtime.logging import configure_logging
+from runtime.mailbox import ask
+from runtime.mlx_thread import MlxThread
+from runtime.progress import Progress
+
+log = structlog.get_logger(actor="runtime")
+
+EVENT_BUFFER = 16
+SHUTDOWN_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class RuntimeStats:
+    scheduler: SchedulerStats
+    kv: KvStats
+    live_requests: int
+
+
+class Runtime:
+    """A model served to many concurrent callers. Create with `Runtime.open`."""
+
+    def __init__(self, config: RuntimeConfig, ready: ModelReady, scheduler: SchedulerActor, kv: KvStoreActor, task_group):
+        self.config = config
+        self.model_info: ModelInfo = ready.info
+        self._tokenizer = ready.tokenizer
+        self._eos_ids = list(ready.info.eos_token_ids)
+        self._scheduler = scheduler
+        self._kv = kv
+        self._task_group = task_group
+        self._sessions: dict[str, SessionActor] = {}
+        self._seeds = random.Random(config.generation.seed)
+        self._closed = False
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, config: RuntimeConfig) -> AsyncIterator[Runtime]:
+        configure_logging(config.logging)
+        thread = MlxThread()
+        thread.start()
+        try:
+            async with anyio.create_task_group() as tg:
+                runtime = await cls._start_actors(config, thread, tg)
+                try:
+                    yield runtime
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await runtime._shutdown()
+                    tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await thread.stop()
+
+    @classmethod
+    async def _start_actors(cls, config: RuntimeConfig, thread: MlxThread, tg) -> Runtime:
+        progress = Progress("model")
+        model = ModelActor(config.model, thread, progress=progress)
+        ready: ModelReady = await tg.start(model.run)
+        progress.done(f"{ready.info.model_type} {ready.info.num_parameters / 1e6:.1f}M params, {ready.info.dtype} on {ready.info.device}")
+        kv = KvStoreActor(KvLedger(bytes_per_token=ready.info.kv_bytes_per_token, budget_bytes=config.kv.budget_bytes))
+        await tg.start(kv.run)
+        s = config.scheduler
+        policy = SchedulePolicy(
+            max_batch_size=s.max_batch_size,
+            max_queued=s.max_queued_requests,
+            chunk_size=s.prefill_chunk_size,
+            token_budget=config.step_token_budget,
+        )
+        scheduler = SchedulerActor(policy, model=model.inbox, kv=kv.inbox, capacity=s.max_queued_requests + 2 * s.max_batch_size + 16)
+        await tg.start(scheduler.run)
+        return cls(config, ready, scheduler, kv, tg)
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """Stream a request's events: `TokenDelta`s (and `PrefillProgress` if asked), then one `Finished`.
+
+        Raises `InvalidRequestError` for bad input, `ServerBusyError` when the
+        queue is full, `RuntimeClosedError` during shutdown.
+        """
+        admit, session, events = await self._prepare(request)
+        finished = False
+        try:
+            async with events:
+                async for event in events:
+                    if isinstance(event, RequestRejected):
+                        raise _rejection_error(event)
+                    yield event
+                    if isinstance(event, Finished):
+                        finished = True
+                        return
+        finally:
+            if not finished:
+                with anyio.CancelScope(shield=True):
+                    await self.cancel(admit.request_id)
+
+    async def cancel(self, request_id: str) -> None:
+        """End a request at the next step boundary; its stream ends with `Finished(cancelled)`."""
+        if request_id in self._sessions:
+            await self._scheduler.inbox.send(CancelRequest(request_id=request_id))
+
+    async def stats(self) -> RuntimeStats:
+        scheduler = await ask(self._scheduler.inbox, lambda reply: GetSchedulerStats(reply=reply))
+        kv = await ask(self._kv.inbox, lambda reply: GetKvStats(reply=reply))
+        return RuntimeStats(scheduler=scheduler, kv=kv, live_requests=len(self._sessions))
+
+    async def _prepare(self, request: GenerateRequest):
+        if self._closed:
+            raise RuntimeClosedError("the runtime is shutting down")
+        requests.validate(request, self.model_info)
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        if rid in self._sessions:
+            raise InvalidRequestError(f"request_id {rid!r} is already in use", field="request_id")
+        prompt_ids = await anyio.to_thread.run_sync(requests.render_prompt, request, self._tokenizer)
+        max_tokens = requests.effective_max_tokens(request, len(prompt_ids), self.model_info, self.config.generation.default_max_tokens)
+        seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
+        admit = AdmitRequest(
+            request_id=rid,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            sampling=request.sampling,
+            seed=seed,
+            stop_token_ids=sorted(set(self._eos_ids) | set(request.stop_token_ids)),
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
+        )
+        send, receive = anyio.create_memory_object_stream[Event | RequestRejected](EVENT_BUFFER)
+        session = SessionActor(
+            request_id=rid,
+            num_prompt_tokens=len(prompt_ids),
+            detokenizer=self._tokenizer.detokenizer,
+            stop=list(request.stop),
+            scheduler=self._scheduler.inbox,
+            events=send,
+        )
+        message = AddRequest(
+            admit=admit, submitted=time.monotonic(), session=session.inbox, priority=request.priority, report_progress=request.report_progress
+        )
+        try:
+            self._scheduler.inbox.send_nowait(message)
+        except anyio.WouldBlock:
+            send.close()
+            receive.close()
+            raise ServerBusyError("the scheduler's inbox is full") from None
+        self._sessions[rid] = session
+        self._task_group.start_soon(self._run_session, session, name=f"session-{rid}")
+        return admit, session, receive
+
+    async def _run_session(self, session: SessionActor) -> None:
+        with structlog.contextvars.bound_contextvars(request_id=session.request_id):
+            try:
+                await session.run()
+            finally:
+                self._sessions.pop(session.request_id, None)
+
+    async def _shutdown(self) -> None:
+        """Cancel live requests and give their sessions a moment to report it."""
+        self._closed = True
+        for rid in list(self._sessions):
+            await self._scheduler.inbox.send(CancelRequest(request_id=rid))
+        with anyio.move_on_after(SHUTDOWN_GRACE_S):
+            while self._sessions:
+                await anyio.sleep(0.01)
+
+
+def _rejection_error(event: RequestRejected) -> Exception:
+    if event.code == "busy":
+        return ServerBusyError(event.message)
+    if event.code == "too_large":
+        return RequestTooLargeError(event.message, field="max_tokens")
+    return InvalidRequestError(event.message)
