@@ -43,6 +43,8 @@ class GenerateRequest(Record):
     sampling: SamplingParams = SamplingParams()
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    # Keep generating past the model's end-of-sequence tokens (benchmarks).
+    ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
     request_id: str | None = None

@@ -155,7 +155,7 @@ class Runtime:
             max_tokens=max_tokens,
             sampling=request.sampling,
             seed=seed,
-            stop_token_ids=sorted(set(self._eos_ids) | set(request.stop_token_ids)),
+            stop_token_ids=sorted(set(() if request.ignore_eos else self._eos_ids) | set(request.stop_token_ids)),
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
         )

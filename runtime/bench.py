@@ -1,0 +1,256 @@
+"""`mlxrt bench`: the same workloads through mlxrt and through mlx-lm, one process.
+
+Workloads (random prompt ids, generation forced to full length):
+- decode at concurrency 1 (mlx-lm `generate_step`, the loop under `stream_generate`,
+  without detokenizing) and 8 and 16 (mlx-lm `BatchGenerator`, mlx_lm.server's engine);
+- TTFT p50/p99 of those requests;
+- the TTFT of a short request that arrives while a long prompt is prefilling.
+
+The mlx-lm side runs on its own MLX thread with its own copy of the model, never
+at the same time as mlxrt. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import anyio
+
+from protocols.api import Finished, GenerateRequest, PrefillProgress, TokenDelta
+from runtime.config import RuntimeConfig
+from runtime.mlx_thread import MlxThread
+from runtime.progress import Progress
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    prompt_tokens: int = 128
+    new_tokens: int = 64
+    concurrency: tuple[int, ...] = (1, 8, 16)
+    long_prompt_tokens: int = 2048
+    short_prompt_tokens: int = 16
+    seed: int = 0
+
+
+@dataclass
+class Run:
+    """Token arrival times of one workload's requests (seconds since its start)."""
+
+    token_times: list[list[float]] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict:
+        num_tokens = sum(len(t) for t in self.token_times)
+        ttfts = sorted(t[0] for t in self.token_times if t)
+        decode = [(len(t) - 1) / (t[-1] - t[0]) for t in self.token_times if len(t) > 1 and t[-1] > t[0]]
+        return {
+            "requests": len(self.token_times),
+            "tokens": num_tokens,
+            "throughput_tok_s": num_tokens / self.wall_s if self.wall_s else 0.0,
+            "decode_tok_s_per_stream": statistics.mean(decode) if decode else 0.0,
+            "ttft_p50_s": _percentile(ttfts, 50),
+            "ttft_p99_s": _percentile(ttfts, 99),
+        }
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    index = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
+    return values[index]
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+# -- mlx-lm side (runs on its own MLX thread) ----------------------------------
+
+
+class Baseline:
+    """mlx-lm driven directly; every method runs on the baseline MLX thread."""
+
+    def load(self, path: str) -> None:
+        import mlx.core as mx
+        from mlx_lm.utils import load
+
+        self.model, _ = load(path)
+        if mx.default_device() == mx.cpu:
+            self.model.set_dtype(mx.float32)
+
+    def single(self, prompt: list[int], new_tokens: int) -> Run:
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+
+        start, times = time.perf_counter(), []
+        for _ in generate_step(mx.array(prompt), self.model, max_tokens=new_tokens):
+            times.append(time.perf_counter() - start)
+        return Run(token_times=[times], wall_s=times[-1])
+
+    def batch(self, prompts: list[list[int]], new_tokens: int) -> Run:
+        from mlx_lm.generate import BatchGenerator
+
+        generator = BatchGenerator(self.model, max_tokens=new_tokens)
+        start = time.perf_counter()
+        uids = generator.insert(prompts, max_tokens=[new_tokens] * len(prompts))
+        times: dict[int, list[float]] = {uid: [] for uid in uids}
+        remaining = len(uids)
+        while remaining:
+            for response in generator.next_generated():
+                times[response.uid].append(time.perf_counter() - start)
+                remaining -= response.finish_reason is not None
+        generator.close()
+        return Run(token_times=list(times.values()), wall_s=time.perf_counter() - start)
+
+    def interference(self, long_prompt: list[int], short_prompt: list[int], arrival_s: float) -> dict:
+        """A short prompt arriving `arrival_s` into the long prefill; mlx_lm.server
+        inserts new requests between `next()` calls, which is when it gets in."""
+        from mlx_lm.generate import BatchGenerator
+
+        generator = BatchGenerator(self.model, max_tokens=4)
+        start = time.perf_counter()
+        (long_uid,) = generator.insert([long_prompt], max_tokens=[4])
+        short_uid = None
+        first: dict[int, float] = {}
+        while len(first) < 2:
+            responses = generator.next_generated() if short_uid is not None else generator.next()[1]
+            if short_uid is None and time.perf_counter() - start >= arrival_s:
+                (short_uid,) = generator.insert([short_prompt], max_tokens=[4])
+            for r in responses:
+                first.setdefault(r.uid, time.perf_counter() - start)
+        generator.close()
+        return {"long_prefill_s": first[long_uid], "short_ttft_s": first[short_uid] - arrival_s}
+
+
+# -- mlxrt side -------------------------------------------------------------------
+
+
+async def _mlxrt_run(rt, prompts: list[list[int]], new_tokens: int) -> Run:
+    run = Run(token_times=[[] for _ in prompts])
+    start = time.perf_counter()
+
+    async def one(i: int, prompt: list[int]) -> None:
+        request = GenerateRequest(prompt_ids=prompt, max_tokens=new_tokens, ignore_eos=True)
+        async for event in rt.generate(request):
+            if isinstance(event, TokenDelta):
+                now = time.perf_counter() - start
+                run.token_times[i].extend([now] * len(event.token_ids))
+
+    async with anyio.create_task_group() as tg:
+        for i, prompt in enumerate(prompts):
+            tg.start_soon(one, i, prompt)
+    run.wall_s = time.perf_counter() - start
+    return run
+
+
+async def _mlxrt_interference(rt, long_prompt: list[int], short_prompt: list[int]) -> dict:
+    start = time.perf_counter()
+    result: dict[str, float] = {}
+    prefilling = anyio.Event()
+
+    async def long() -> None:
+        request = GenerateRequest(prompt_ids=long_prompt, max_tokens=4, ignore_eos=True, report_progress=True)
+        async for event in rt.generate(request):
+            if isinstance(event, PrefillProgress):
+                prefilling.set()
+            elif isinstance(event, TokenDelta) and event.token_ids:
+                result.setdefault("long_prefill_s", time.perf_counter() - start)
+
+    async def short() -> None:
+        await prefilling.wait()
+        arrived = time.perf_counter()
+        result["arrival_s"] = arrived - start
+        async for event in rt.generate(GenerateRequest(prompt_ids=short_prompt, max_tokens=4, ignore_eos=True)):
+            if isinstance(event, TokenDelta) and event.token_ids:
+                result.setdefault("short_ttft_s", time.perf_counter() - arrived)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(long)
+        tg.start_soon(short)
+    return result
+
+
+async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
+    from runtime.runtime import Runtime
+
+    progress = Progress("bench")
+    results: dict = {"options": asdict(options), "mlxrt": {}, "mlx_lm": {}}
+    baseline, thread = Baseline(), MlxThread(name="mlx-baseline")
+    thread.start()
+    try:
+        async with Runtime.open(config) as rt:
+            info = rt.model_info
+            results["model"] = {"path": info.path, "type": info.model_type, "params": info.num_parameters, "dtype": info.dtype, "device": info.device}
+            progress.step("loading the mlx-lm baseline")
+            await thread.run(baseline.load, info.path)
+            await _warm_up(rt, thread, baseline, info.vocab_size)
+            for n in options.concurrency:
+                prompts = _prompts(n, options.prompt_tokens, info.vocab_size, options.seed + n)
+                progress.step(f"concurrency {n}: mlx-lm")
+                if n == 1:
+                    ref = await thread.run(baseline.single, prompts[0], options.new_tokens)
+                else:
+                    ref = await thread.run(baseline.batch, prompts, options.new_tokens)
+                progress.step(f"concurrency {n}: mlxrt")
+                ours = await _mlxrt_run(rt, prompts, options.new_tokens)
+                results["mlx_lm"][f"c{n}"] = ref.summary()
+                results["mlxrt"][f"c{n}"] = ours.summary()
+            long_prompt, short_prompt = _prompts(2, options.long_prompt_tokens, info.vocab_size, options.seed + 99)
+            short_prompt = short_prompt[: options.short_prompt_tokens]
+            progress.step("long-prefill interference: mlxrt")
+            ours = await _mlxrt_interference(rt, long_prompt, short_prompt)
+            progress.step("long-prefill interference: mlx-lm")
+            ref = await thread.run(baseline.interference, long_prompt, short_prompt, ours.get("arrival_s", 0.05))
+            results["mlxrt"]["interference"] = ours
+            results["mlx_lm"]["interference"] = ref
+    finally:
+        await thread.stop()
+    progress.done("benchmark finished")
+    results["ratios"] = _ratios(results)
+    return results
+
+
+async def _warm_up(rt, thread: MlxThread, baseline: Baseline, vocab: int) -> None:
+    prompts = _prompts(2, 32, vocab, 12345)
+    await thread.run(baseline.batch, prompts, 4)
+    await thread.run(baseline.single, prompts[0], 4)
+    await _mlxrt_run(rt, prompts, 4)
+
+
+def _ratios(results: dict) -> dict:
+    ratios = {}
+    for key, ours in results["mlxrt"].items():
+        ref = results["mlx_lm"].get(key)
+        if key.startswith("c") and ref and ref["throughput_tok_s"]:
+            ratios[f"{key}_throughput"] = ours["throughput_tok_s"] / ref["throughput_tok_s"]
+            if ref["decode_tok_s_per_stream"]:
+                ratios[f"{key}_decode_per_stream"] = ours["decode_tok_s_per_stream"] / ref["decode_tok_s_per_stream"]
+    inter = results["mlxrt"].get("interference", {})
+    if inter.get("long_prefill_s"):
+        ratios["short_ttft_over_long_prefill"] = inter.get("short_ttft_s", 0.0) / inter["long_prefill_s"]
+    return ratios
+
+
+def format_table(results: dict) -> str:
+    rows = [f"{'workload':<14}{'metric':<26}{'mlxrt':>12}{'mlx-lm':>12}{'ratio':>8}"]
+    for key in results["mlxrt"]:
+        ours, ref = results["mlxrt"][key], results["mlx_lm"].get(key, {})
+        for metric in ("throughput_tok_s", "decode_tok_s_per_stream", "ttft_p50_s", "ttft_p99_s", "long_prefill_s", "short_ttft_s"):
+            if metric in ours:
+                a, b = ours[metric], ref.get(metric, 0.0)
+                ratio = f"{a / b:8.2f}" if b else f"{'':>8}"
+                rows.append(f"{key:<14}{metric:<26}{a:12.3f}{b:12.3f}{ratio}")
+    return "\n".join(rows)
+
+
+def dump(results: dict, path: str | None) -> str:
+    text = json.dumps(results, indent=2)
+    if path:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    return text

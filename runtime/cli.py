@@ -1,0 +1,172 @@
+"""`mlxrt`: the command line.
+
+Exit codes: 0 success; 1 runtime failure; 2 usage or config error;
+3 request rejected (invalid, too large, busy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import anyio
+import msgspec
+
+import runtime  # noqa: F401  (fast BLAS before mlx loads)
+from protocols.api import Finished, GenerateRequest, PrefillProgress, SamplingParams, TokenDelta
+from runtime.config import RuntimeConfig
+from runtime.errors import ConfigError, MlxrtError
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_REJECTED = 0, 1, 2, 3
+DEFAULT_CONFIG = "configs/default.toml"
+DEMO_PROMPT = "Write a Python function that parses a config file."
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"mlxrt: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except MlxrtError as exc:
+        print(f"mlxrt: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_REJECTED if isinstance(exc, ValueError) or type(exc).__name__ == "ServerBusyError" else EXIT_FAILURE
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxrt", description="Serve MLX language models to many concurrent clients.")
+    sub = parser.add_subparsers(required=True)
+
+    demo = sub.add_parser("demo", help="one streamed generation on the configured model, with timings")
+    _config_arg(demo)
+    demo.add_argument("--prompt", default=DEMO_PROMPT)
+    demo.add_argument("--max-tokens", type=int, default=96)
+    demo.set_defaults(func=_demo)
+
+    gen = sub.add_parser("generate", help="one generation, in-process")
+    _config_arg(gen)
+    _request_args(gen)
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="mlxrt vs mlx-lm on the same workloads")
+    _config_arg(bench, default="configs/bench.toml")
+    bench.add_argument("--prompt-tokens", type=int, default=128)
+    bench.add_argument("--new-tokens", type=int, default=64)
+    bench.add_argument("--concurrency", default="1,8,16", help="comma-separated")
+    bench.add_argument("--long-prompt-tokens", type=int, default=2048)
+    bench.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    bench.set_defaults(func=_bench)
+
+    config = sub.add_parser("config", help="show or check configuration")
+    config_sub = config.add_subparsers(required=True)
+    show = config_sub.add_parser("show", help="the effective config, defaults filled in")
+    _config_arg(show)
+    show.set_defaults(func=_config_show)
+    check = config_sub.add_parser("check", help="validate a config file")
+    check.add_argument("file")
+    check.set_defaults(func=_config_check)
+    return parser
+
+
+def _config_arg(parser: argparse.ArgumentParser, default: str = DEFAULT_CONFIG) -> None:
+    parser.add_argument("--config", default=default, help=f"TOML config file (default: {default})")
+
+
+def _request_args(parser: argparse.ArgumentParser) -> None:
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print each event as one JSON object per line")
+
+
+def _request_from(args) -> GenerateRequest:
+    ids = [int(x) for x in args.prompt_ids.split(",")] if args.prompt_ids else None
+    return GenerateRequest(
+        prompt=args.prompt,
+        prompt_ids=ids,
+        max_tokens=args.max_tokens,
+        sampling=SamplingParams(temperature=args.temperature, seed=args.seed),
+        report_progress=True,
+    )
+
+
+async def _stream(config: RuntimeConfig, request: GenerateRequest, as_json: bool) -> Finished | None:
+    from runtime.progress import Progress
+    from runtime.runtime import Runtime
+
+    finished = None
+    async with Runtime.open(config) as rt:
+        prefill = Progress("prefill")
+        async for event in rt.generate(request):
+            if as_json:
+                print(msgspec.json.encode(event).decode(), flush=True)
+            elif isinstance(event, PrefillProgress):
+                prefill.fraction(event.processed_tokens, event.total_tokens)
+            elif isinstance(event, TokenDelta):
+                print(event.text, end="", flush=True)
+            if isinstance(event, Finished):
+                finished = event
+    return finished
+
+
+def _generate(args) -> int:
+    config = RuntimeConfig.load(args.config)
+    finished = anyio.run(_stream, config, _request_from(args), args.json)
+    if not args.json:
+        print()
+    return EXIT_OK if finished and finished.finish_reason != "error" else EXIT_FAILURE
+
+
+def _demo(args) -> int:
+    config = RuntimeConfig.load(args.config)
+    request = GenerateRequest(messages=[{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens, report_progress=True)
+    print(f"prompt: {args.prompt}\n--- completion (random-weight built-in models produce gibberish) ---")
+    finished = anyio.run(_stream, config, request, False)
+    if finished is None:
+        return EXIT_FAILURE
+    t, u = finished.timings, finished.usage
+    print(
+        f"\n--- {finished.finish_reason}: {u.prompt_tokens} prompt + {u.completion_tokens} generated tokens; "
+        f"TTFT {t.ttft_s * 1000:.0f} ms, prefill {t.prefill_tokens_per_s:.0f} tok/s, decode {t.decode_tokens_per_s:.1f} tok/s"
+    )
+    return EXIT_OK if finished.finish_reason != "error" else EXIT_FAILURE
+
+
+def _bench(args) -> int:
+    from runtime.bench import BenchOptions, dump, format_table, run_bench
+
+    config = RuntimeConfig.load(args.config)
+    options = BenchOptions(
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        concurrency=tuple(int(x) for x in args.concurrency.split(",")),
+        long_prompt_tokens=args.long_prompt_tokens,
+    )
+    results = anyio.run(run_bench, config, options)
+    print(format_table(results))
+    print(json.dumps(results["ratios"], indent=2))
+    dump(results, args.json_path)
+    return EXIT_OK
+
+
+def _config_show(args) -> int:
+    config = RuntimeConfig.load(args.config)
+    print(msgspec.toml.encode(config).decode(), end="")
+    return EXIT_OK
+
+
+def _config_check(args) -> int:
+    RuntimeConfig.load(args.file)
+    print(f"{args.file}: ok")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
