@@ -66,9 +66,10 @@ class KvStoreActor:
         self.inbox: Mailbox[KvInbox] = Mailbox(capacity)
 
     async def run(self, *, task_status) -> None:
-        task_status.started()
-        while True:
-            self.handle(await self.inbox.receive())
+        with self.inbox:
+            task_status.started()
+            while True:
+                self.handle(await self.inbox.receive())
 
     def handle(self, message: KvInbox) -> None:
         match message:

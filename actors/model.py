@@ -44,14 +44,15 @@ class ModelActor:
         loaded = await self._thread.run(load_model, self._config, self._progress)
         self._engine = await self._thread.run(Engine, loaded.model, loaded.geometry)
         log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
-        task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer))
-        while True:
-            message = await self.inbox.receive()
-            match message:
-                case RunStep(plan=plan, reply=reply):
-                    answer(reply, await self._step(plan))
-                case _:
-                    assert_never(message)
+        with self.inbox:
+            task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer))
+            while True:
+                message = await self.inbox.receive()
+                match message:
+                    case RunStep(plan=plan, reply=reply):
+                        answer(reply, await self._step(plan))
+                    case _:
+                        assert_never(message)
 
     async def _step(self, plan):
         try:

@@ -40,14 +40,15 @@ class SchedulerActor:
         self._kv = kv
 
     async def run(self, *, task_status) -> None:
-        task_status.started()
-        while True:
-            if not self.policy.has_work():
-                await self.handle(await self.inbox.receive())
-            await self._drain_inbox()
-            await self._admit()
-            if self.policy.has_work():
-                await self._step()
+        with self.inbox:
+            task_status.started()
+            while True:
+                if not self.policy.has_work() and self.policy.admission_candidate() is None:
+                    await self.handle(await self.inbox.receive())
+                await self._drain_inbox()
+                await self._admit()
+                if self.policy.has_work():
+                    await self._step()
 
     async def _drain_inbox(self) -> None:
         while True:

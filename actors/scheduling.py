@@ -155,7 +155,8 @@ class SchedulePolicy:
 
     def _plan_prefill(self, budget: int, now: float) -> list[PrefillWork]:
         prefilling = [t for t in self._active.values() if t.phase is Phase.PREFILLING]
-        prefilling.sort(key=lambda t: (t.num_skips < self.max_skips, -t.priority, t.prefill_left))
+        # Requests skipped max_skips times go first, the longest-starved first.
+        prefilling.sort(key=self._prefill_order)
         work = []
         for tracked in prefilling:
             chunk = min(self.chunk_size, tracked.prefill_left)
@@ -170,6 +171,10 @@ class SchedulePolicy:
             if tracked.prefill_left == 0:
                 tracked.phase = Phase.DECODING
         return work
+
+    def _prefill_order(self, tracked: Tracked) -> tuple:
+        aged = tracked.num_skips >= self.max_skips
+        return (not aged, -tracked.num_skips if aged else 0, -tracked.priority, tracked.prefill_left)
 
     def apply(self, outcome: StepOutcome, now: float) -> list[Ended]:
         """Record what a step did; returns the requests that ended in it."""

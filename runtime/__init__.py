@@ -18,7 +18,6 @@ from runtime.errors import (  # noqa: E402
     RuntimeClosedError,
     ServerBusyError,
 )
-from runtime.runtime import Runtime, RuntimeStats  # noqa: E402
 
 __all__ = [
     "ConfigError",
@@ -32,3 +31,12 @@ __all__ = [
     "RuntimeStats",
     "ServerBusyError",
 ]
+
+
+def __getattr__(name: str):
+    # Lazy: actor modules import runtime.mailbox, and runtime.runtime imports the actors.
+    if name in ("Runtime", "RuntimeStats"):
+        from runtime import runtime as _runtime
+
+        return getattr(_runtime, name)
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -94,9 +94,10 @@ class RuntimeConfig(Section):
     def resolve_relative_to(self, base: Path) -> RuntimeConfig:
         """Model paths in a file are relative to the file's directory."""
         path = self.model.path
-        if path.startswith("builtin:") or Path(path).is_absolute():
+        if path.startswith("builtin:"):
             return self
-        return msgspec.structs.replace(self, model=msgspec.structs.replace(self.model, path=str(base / path)))
+        resolved = base / Path(path).expanduser()
+        return msgspec.structs.replace(self, model=msgspec.structs.replace(self.model, path=str(resolved)))
 
     def validate(self, source: str) -> None:
         positive = {

@@ -43,6 +43,12 @@ class Mailbox(Generic[T]):
         self._send.close()
         self._receive.close()
 
+    def __enter__(self) -> Mailbox[T]:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def statistics(self):
         return self._send.statistics()
 
@@ -73,7 +79,7 @@ class SessionMailbox:
 
     def __init__(self) -> None:
         self._items: deque[SessionInbox] = deque()
-        self._bell_send, self._bell_receive = anyio.create_memory_object_stream[None](1)
+        self._arrived = anyio.Event()
 
     def send_nowait(self, message: SessionInbox) -> None:
         last = self._items[-1] if self._items else None
@@ -83,14 +89,12 @@ class SessionMailbox:
             self._items[-1] = message
         else:
             self._items.append(message)
-        try:
-            self._bell_send.send_nowait(None)
-        except anyio.WouldBlock:
-            pass
+        self._arrived.set()
 
     async def receive(self) -> SessionInbox:
         while not self._items:
-            await self._bell_receive.receive()
+            self._arrived = anyio.Event()
+            await self._arrived.wait()
         return self._items.popleft()
 
     def __len__(self) -> int:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from protocols.api import TokenLogprob, TopLogprob
 from protocols.model import AdmitRequest, PrefillReport, PrefillWork, RowOutput, StepOutcome, StepPlan
@@ -84,8 +84,12 @@ class Engine:
         released = [rid for rid in plan.release if self._release(rid)]
         for admit in plan.admit:
             self._admit(admit)
-        prefilled = [self._prefill(work) for work in plan.prefill]
-        outputs = self._decode() if plan.decode else []
+        prefilled = self._prefill(plan.prefill)
+        # After a prefill the pipeline has stalled anyway: read this step's tokens
+        # now, so requests that just joined get their first token one step sooner.
+        outputs = self._decode(synchronous=bool(prefilled)) if plan.decode else []
+        if not self._sequences:
+            mx.clear_cache()
         return StepOutcome(
             outputs=outputs,
             prefilled=prefilled,
@@ -134,34 +138,66 @@ class Engine:
         seq.cache = None
         return True
 
-    def _prefill(self, work: PrefillWork) -> PrefillReport:
+    def _prefill(self, works: list[PrefillWork]) -> list[PrefillReport]:
+        """Forward prompt chunks. Whole prompts starting from nothing go through
+        one left-padded batched forward; continued chunks go one request at a time."""
+        seqs = [self._prefill_target(work) for work in works]
+        whole = [s for s, w in zip(seqs, works) if s.num_prefilled == 0 and w.num_tokens == s.prompt_len - 1]
+        if len(whole) < 2:
+            whole = []
+        for seq, work in zip(seqs, works):
+            if seq not in whole:
+                self._prefill_one(seq, work.num_tokens)
+        if whole:
+            self._prefill_together(whole)
+        return [PrefillReport(request_id=s.admit.request_id, processed_tokens=s.num_prefilled, total_tokens=s.prompt_len) for s in seqs]
+
+    def _prefill_target(self, work: PrefillWork) -> Sequence:
         seq = self._sequences.get(work.request_id)
         if seq is None:
             raise EngineInvariantError(f"prefill for unknown request {work.request_id!r}")
-        start, end = seq.num_prefilled, seq.num_prefilled + work.num_tokens
+        end = seq.num_prefilled + work.num_tokens
         if work.num_tokens <= 0 or end > seq.prompt_len - 1:
-            raise EngineInvariantError(f"prefill {start}:{end} outside the prompt of {seq.prompt_len}")
+            raise EngineInvariantError(f"prefill to {end} outside the prompt of {seq.prompt_len}")
+        return seq
+
+    def _prefill_one(self, seq: Sequence, num_tokens: int) -> None:
+        start, end = seq.num_prefilled, seq.num_prefilled + num_tokens
         if seq.cache is None:
             seq.cache = make_prompt_cache(self._model)
         self._model(mx.array(seq.admit.prompt_ids[start:end])[None], cache=seq.cache)
         mx.eval([c.state for c in seq.cache])
-        mx.clear_cache()
         seq.num_prefilled = end
-        return PrefillReport(request_id=work.request_id, processed_tokens=end, total_tokens=seq.prompt_len)
 
-    def _decode(self) -> list[RowOutput]:
+    def _prefill_together(self, seqs: list[Sequence]) -> None:
+        chunks = [s.admit.prompt_ids[:-1] for s in seqs]
+        width = max(len(c) for c in chunks)
+        padding = [width - len(c) for c in chunks]
+        tokens = mx.array([[0] * pad + chunk for pad, chunk in zip(padding, chunks)])
+        cache = [BatchKVCache(padding) for _ in self._geometry]
+        self._model(tokens, cache=cache)
+        mx.eval([c.state for c in cache])
+        for row, seq in enumerate(seqs):
+            seq.cache = [c.extract(row) for c in cache]
+            seq.num_prefilled = len(chunks[row])
+
+    def _decode(self, *, synchronous: bool) -> list[RowOutput]:
         self._retire_exhausted()
         self._join_ready()
         dispatched = self._dispatch() if len(self._batch) else None
         outputs = self._collect(self._in_flight) if self._in_flight is not None else []
         self._in_flight = dispatched
+        if synchronous and dispatched is not None:
+            outputs += self._collect(dispatched)
+            self._in_flight = None
         return outputs
 
     def _retire_exhausted(self) -> None:
         """Rows whose in-flight token is their last leave before the next dispatch."""
+        in_flight = set(self._in_flight.row_ids) if self._in_flight is not None else set()
         for rid in list(self._batch.row_ids):
             seq = self._sequences[rid]
-            if seq.num_generated + 1 >= seq.admit.max_tokens:
+            if seq.num_generated + (rid in in_flight) >= seq.admit.max_tokens:
                 self._leave_batch(rid)
 
     def _join_ready(self) -> None:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-ROW_STEP = 8
 LEN_STEP = 256
 
 
@@ -37,6 +36,10 @@ class LayerGeometry:
 
 def _round_up(n: int, step: int) -> int:
     return (n + step - 1) // step * step
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 class SlotLayer:
@@ -176,14 +179,14 @@ class DecodeBatch:
         return flat.reshape(rows, heads, capacity, dim)
 
     def _allocate(self) -> None:
-        self._keys = [mx.zeros((ROW_STEP, g.num_heads, LEN_STEP, g.key_dim), g.dtype) for g in self.geometry]
-        self._values = [mx.zeros((ROW_STEP, g.num_heads, LEN_STEP, g.value_dim), g.dtype) for g in self.geometry]
+        self._keys = [mx.zeros((1, g.num_heads, LEN_STEP, g.key_dim), g.dtype) for g in self.geometry]
+        self._values = [mx.zeros((1, g.num_heads, LEN_STEP, g.value_dim), g.dtype) for g in self.geometry]
 
     def _reserve(self, num_rows: int, length: int) -> None:
         rows, capacity = self.capacity
         if num_rows <= rows and length <= capacity:
             return
-        new_rows, new_capacity = max(rows, _round_up(num_rows, ROW_STEP)), max(capacity, _round_up(length, LEN_STEP))
+        new_rows, new_capacity = max(rows, _next_power_of_two(num_rows)), max(capacity, _round_up(length, LEN_STEP))
         for layer in range(self.num_layers):
             self._keys[layer] = _grow(self._keys[layer], new_rows, new_capacity)
             self._values[layer] = _grow(self._values[layer], new_rows, new_capacity)

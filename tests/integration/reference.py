@@ -1,0 +1,25 @@
+"""mlx-lm's own greedy generation, the reference every parity test compares to."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.generate import stream_generate
+from mlx_lm.utils import load
+
+from runtime.builtin import builtin_name, ensure_builtin
+
+
+def load_reference(model: str):
+    model_obj, tokenizer = load(str(ensure_builtin(builtin_name(model))))
+    model_obj.set_dtype(mx.float32)
+    return model_obj, tokenizer
+
+
+def greedy_tokens(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """Token ids `stream_generate` produces, without the EOS it stops on."""
+    tokens = []
+    for response in stream_generate(model, tokenizer, mx.array(prompt_ids), max_tokens=max_tokens):
+        if response.finish_reason == "stop":
+            break
+        tokens.append(response.token)
+    return tokens
