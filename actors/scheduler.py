@@ -111,6 +111,8 @@ class SchedulerActor:
         match result:
             case StepOutcome():
                 await self._deliver(result)
+                for _ in range(3):
+                    await anyio.sleep(0)
             case StepFailed(error=error):
                 log.error("step_failed", error=error)
                 for ended in self.policy.fail_all():

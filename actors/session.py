@@ -10,7 +10,7 @@ bounded stream. If the caller goes away, it asks for a cancel and ends.
 from __future__ import annotations
 
 import time
-from typing import Any, assert_never
+from typing import assert_never
 
 import anyio
 import structlog
@@ -26,6 +26,7 @@ from protocols.session import (
     RequestTimeline,
     TokensGenerated,
 )
+from runtime.detokenize import Detokenizer
 from runtime.mailbox import Mailbox, SessionMailbox
 
 log = structlog.get_logger(actor="session")
@@ -37,7 +38,7 @@ class SessionActor:
         *,
         request_id: str,
         num_prompt_tokens: int,
-        detokenizer: Any,
+        detokenizer: Detokenizer,
         stop: list[str],
         scheduler: Mailbox,
         events: MemoryObjectSendStream,
@@ -83,10 +84,9 @@ class SessionActor:
             return
         ids, texts = [], []
         for token in message.token_ids:
-            self._detokenizer.add_token(token)
             self._num_tokens += 1
             ids.append(token)
-            text, stop = self._matcher.feed(self._detokenizer.last_segment)
+            text, stop = self._matcher.feed(self._detokenizer.add(token))
             texts.append(text)
             if stop is not None:
                 self._stop_sequence = stop
@@ -97,8 +97,7 @@ class SessionActor:
 
     async def _on_finished(self, message: RequestFinished) -> None:
         if self._stop_sequence is None:
-            self._detokenizer.finalize()
-            text, stop = self._matcher.feed(self._detokenizer.last_segment)
+            text, stop = self._matcher.feed(self._detokenizer.flush())
             self._stop_sequence = stop
             text += "" if stop is not None else self._matcher.flush()
             if text:

@@ -33,6 +33,8 @@ class BenchOptions:
     concurrency: tuple[int, ...] = (1, 8, 16)
     long_prompt_tokens: int = 2048
     short_prompt_tokens: int = 16
+    # Each workload runs this many times, alternating mlx-lm and mlxrt; medians are reported.
+    repeats: int = 3
     seed: int = 0
 
 
@@ -55,6 +57,10 @@ class Run:
             "ttft_p50_s": _percentile(ttfts, 50),
             "ttft_p99_s": _percentile(ttfts, 99),
         }
+
+
+def _median(summaries: list[dict]) -> dict:
+    return {key: statistics.median(s[key] for s in summaries) for key in summaries[0]}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -191,15 +197,15 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
             await _warm_up(rt, thread, baseline, info.vocab_size)
             for n in options.concurrency:
                 prompts = _prompts(n, options.prompt_tokens, info.vocab_size, options.seed + n)
-                progress.step(f"concurrency {n}: mlx-lm")
-                if n == 1:
-                    ref = await thread.run(baseline.single, prompts[0], options.new_tokens)
-                else:
-                    ref = await thread.run(baseline.batch, prompts, options.new_tokens)
-                progress.step(f"concurrency {n}: mlxrt")
-                ours = await _mlxrt_run(rt, prompts, options.new_tokens)
-                results["mlx_lm"][f"c{n}"] = ref.summary()
-                results["mlxrt"][f"c{n}"] = ours.summary()
+                refs, ours = [], []
+                for rep in range(options.repeats):
+                    progress.step(f"concurrency {n} ({rep + 1}/{options.repeats}): mlx-lm")
+                    method = baseline.single if n == 1 else baseline.batch
+                    refs.append((await thread.run(method, prompts if n > 1 else prompts[0], options.new_tokens)).summary())
+                    progress.step(f"concurrency {n} ({rep + 1}/{options.repeats}): mlxrt")
+                    ours.append((await _mlxrt_run(rt, prompts, options.new_tokens)).summary())
+                results["mlx_lm"][f"c{n}"] = _median(refs)
+                results["mlxrt"][f"c{n}"] = _median(ours)
             long_prompt, short_prompt = _prompts(2, options.long_prompt_tokens, info.vocab_size, options.seed + 99)
             short_prompt = short_prompt[: options.short_prompt_tokens]
             progress.step("long-prefill interference: mlxrt")

@@ -16,7 +16,7 @@ import msgspec
 import runtime  # noqa: F401  (fast BLAS before mlx loads)
 from protocols.api import Finished, GenerateRequest, PrefillProgress, SamplingParams, TokenDelta
 from runtime.config import RuntimeConfig
-from runtime.errors import ConfigError, MlxrtError
+from runtime.errors import ConfigError, InvalidRequestError, MlxrtError, ServerBusyError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_REJECTED = 0, 1, 2, 3
 DEFAULT_CONFIG = "configs/default.toml"
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except MlxrtError as exc:
         print(f"mlxrt: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_REJECTED if isinstance(exc, ValueError) or type(exc).__name__ == "ServerBusyError" else EXIT_FAILURE
+        return EXIT_REJECTED if isinstance(exc, (InvalidRequestError, ServerBusyError)) else EXIT_FAILURE
     except KeyboardInterrupt:
         return 130
 
@@ -58,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=64)
     bench.add_argument("--concurrency", default="1,8,16", help="comma-separated")
     bench.add_argument("--long-prompt-tokens", type=int, default=2048)
+    bench.add_argument("--repeats", type=int, default=3, help="runs per workload; medians are reported")
     bench.add_argument("--json", dest="json_path", default=None, help="also write the results here")
     bench.set_defaults(func=_bench)
 
@@ -148,6 +149,7 @@ def _bench(args) -> int:
         new_tokens=args.new_tokens,
         concurrency=tuple(int(x) for x in args.concurrency.split(",")),
         long_prompt_tokens=args.long_prompt_tokens,
+        repeats=args.repeats,
     )
     results = anyio.run(run_bench, config, options)
     print(format_table(results))
@@ -158,8 +160,13 @@ def _bench(args) -> int:
 
 def _config_show(args) -> int:
     config = RuntimeConfig.load(args.config)
-    print(msgspec.toml.encode(config).decode(), end="")
+    print(msgspec.toml.encode(_drop_none(msgspec.to_builtins(config))).decode(), end="")
     return EXIT_OK
+
+
+def _drop_none(table: dict) -> dict:
+    """TOML has no null: unset optional keys are left out."""
+    return {k: _drop_none(v) if isinstance(v, dict) else v for k, v in table.items() if v is not None}
 
 
 def _config_check(args) -> int:

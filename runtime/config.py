@@ -30,12 +30,13 @@ class ModelConfig(Section):
 
 class SchedulerConfig(Section):
     # Requests decoded together in one batched step.
-    max_batch_size: int = 16
+    max_batch_size: int = 32
     # Requests accepted but not yet admitted; beyond this, submissions are refused.
     max_queued_requests: int = 256
-    # Prompt tokens forwarded per prefill chunk.
-    prefill_chunk_size: int = 512
-    # Tokens (decode rows + prefill chunks) one step may process; 0 = chunk + batch size.
+    # Prompt tokens a request forwards per step; running streams wait at most one
+    # chunk (attention over a long prefix makes big chunks slow on CPU).
+    prefill_chunk_size: int = 256
+    # Tokens (decode rows + prefill chunks) one step may process; 0 = 4 chunks + batch size.
     step_token_budget: int = 0
 
 
@@ -120,4 +121,4 @@ class RuntimeConfig(Section):
     @property
     def step_token_budget(self) -> int:
         s = self.scheduler
-        return s.step_token_budget or s.prefill_chunk_size + s.max_batch_size
+        return s.step_token_budget or 4 * s.prefill_chunk_size + s.max_batch_size

@@ -29,8 +29,9 @@ from protocols.kv import GetKvStats, KvStats
 from protocols.model import AdmitRequest, ModelInfo
 from protocols.scheduler import AddRequest, CancelRequest, GetSchedulerStats, SchedulerStats
 from protocols.session import RequestRejected
-from runtime import requests
+from runtime import blas, requests
 from runtime.config import RuntimeConfig
+from runtime.detokenize import make_detokenizer
 from runtime.errors import InvalidRequestError, RequestTooLargeError, RuntimeClosedError, ServerBusyError
 from runtime.logging import configure_logging
 from runtime.mailbox import ask
@@ -69,6 +70,7 @@ class Runtime:
     @asynccontextmanager
     async def open(cls, config: RuntimeConfig) -> AsyncIterator[Runtime]:
         configure_logging(config.logging)
+        _report_blas()
         thread = MlxThread()
         thread.start()
         try:
@@ -80,6 +82,11 @@ class Runtime:
                     with anyio.CancelScope(shield=True):
                         await runtime._shutdown()
                     tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # One failure (the caller's, or an actor's) surfaces as itself, not wrapped.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from group
+            raise
         finally:
             with anyio.CancelScope(shield=True):
                 await thread.stop()
@@ -163,7 +170,7 @@ class Runtime:
         session = SessionActor(
             request_id=rid,
             num_prompt_tokens=len(prompt_ids),
-            detokenizer=self._tokenizer.detokenizer,
+            detokenizer=make_detokenizer(self._tokenizer),
             stop=list(request.stop),
             scheduler=self._scheduler.inbox,
             events=send,
@@ -196,6 +203,14 @@ class Runtime:
         with anyio.move_on_after(SHUTDOWN_GRACE_S):
             while self._sessions:
                 await anyio.sleep(0.01)
+
+
+def _report_blas() -> None:
+    status = blas.status()
+    if status.warning():
+        log.warning("slow_blas", state=status.state, message=status.warning())
+    else:
+        log.debug("blas", state=status.state, library=status.library)
 
 
 def _rejection_error(event: RequestRejected) -> Exception:

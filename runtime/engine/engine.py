@@ -130,26 +130,27 @@ class Engine:
         self._sequences[admit.request_id] = Sequence(admit=admit, stop_ids=frozenset(admit.stop_token_ids))
 
     def _release(self, request_id: str) -> bool:
-        seq = self._sequences.pop(request_id, None)
+        seq = self._sequences.get(request_id)
         if seq is None:
             return False
         if seq.in_batch:
             self._leave_batch(request_id)
-        seq.cache = None
+        del self._sequences[request_id]
         return True
 
     def _prefill(self, works: list[PrefillWork]) -> list[PrefillReport]:
-        """Forward prompt chunks. Whole prompts starting from nothing go through
-        one left-padded batched forward; continued chunks go one request at a time."""
+        """Forward prompt chunks. First chunks go through one left-padded batched
+        forward; later chunks extend their request's own cache one at a time."""
         seqs = [self._prefill_target(work) for work in works]
-        whole = [s for s, w in zip(seqs, works) if s.num_prefilled == 0 and w.num_tokens == s.prompt_len - 1]
-        if len(whole) < 2:
-            whole = []
+        first = [(s, w.num_tokens) for s, w in zip(seqs, works) if s.num_prefilled == 0]
+        if len(first) < 2:
+            first = []
+        batched = {id(s) for s, _ in first}
         for seq, work in zip(seqs, works):
-            if seq not in whole:
+            if id(seq) not in batched:
                 self._prefill_one(seq, work.num_tokens)
-        if whole:
-            self._prefill_together(whole)
+        if first:
+            self._prefill_together(first)
         return [PrefillReport(request_id=s.admit.request_id, processed_tokens=s.num_prefilled, total_tokens=s.prompt_len) for s in seqs]
 
     def _prefill_target(self, work: PrefillWork) -> Sequence:
@@ -169,17 +170,16 @@ class Engine:
         mx.eval([c.state for c in seq.cache])
         seq.num_prefilled = end
 
-    def _prefill_together(self, seqs: list[Sequence]) -> None:
-        chunks = [s.admit.prompt_ids[:-1] for s in seqs]
-        width = max(len(c) for c in chunks)
-        padding = [width - len(c) for c in chunks]
-        tokens = mx.array([[0] * pad + chunk for pad, chunk in zip(padding, chunks)])
+    def _prefill_together(self, chunks: list[tuple[Sequence, int]]) -> None:
+        tokens = [seq.admit.prompt_ids[:n] for seq, n in chunks]
+        width = max(n for _, n in chunks)
+        padding = [width - n for _, n in chunks]
         cache = [BatchKVCache(padding) for _ in self._geometry]
-        self._model(tokens, cache=cache)
+        self._model(mx.array([[0] * pad + t for pad, t in zip(padding, tokens)]), cache=cache)
         mx.eval([c.state for c in cache])
-        for row, seq in enumerate(seqs):
+        for row, (seq, n) in enumerate(chunks):
             seq.cache = [c.extract(row) for c in cache]
-            seq.num_prefilled = len(chunks[row])
+            seq.num_prefilled = n
 
     def _decode(self, *, synchronous: bool) -> list[RowOutput]:
         self._retire_exhausted()

@@ -97,11 +97,14 @@ class BatchSampler:
             if not any(r.has_penalty for r in self.rows):
                 self._window = None
 
+    def process(self, logits: mx.array) -> mx.array:
+        """Logits after each row's penalties (mlx-lm's logits processors)."""
+        logits = logits.astype(mx.float32)
+        return self._apply_penalties(logits) if self._window is not None else logits
+
     def sample(self, logits: mx.array) -> SampleResult:
         rows = self.rows
-        logits = logits.astype(mx.float32)
-        if self._window is not None:
-            logits = self._apply_penalties(logits)
+        logits = self.process(logits)
         tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
         sampled = [i for i, r in enumerate(rows) if not r.is_greedy]
         if sampled:
@@ -162,7 +165,7 @@ class BatchSampler:
         index = mx.array(sampled, dtype=mx.int32)
         sub = logits[index]
         lp = sub - mx.logsumexp(sub, axis=-1, keepdims=True)
-        lp = _filter(lp, rows)
+        lp = apply_filters(lp, [r.params for r in rows])
         keys = mx.array([draw_key(r.seed, r.num_sampled) for r in rows], dtype=mx.uint32)
         noise = mx.vmap(lambda k: mx.random.gumbel(shape=(lp.shape[-1],), key=k))(keys)
         inv_temp = mx.array([1.0 / r.params.temperature for r in rows])[:, None]
@@ -180,10 +183,10 @@ class BatchSampler:
             result.top_logprobs = mx.take_along_axis(lp, top_ids, axis=-1)
 
 
-def _filter(lp: mx.array, rows: list[RowSampling]) -> mx.array:
-    """top-p, min-p, top-k in mlx-lm's order, each only where a row asks for it."""
+def apply_filters(lp: mx.array, params: list[SamplingParams]) -> mx.array:
+    """top-p, min-p, top-k on log-probabilities, in mlx-lm's order, per row."""
     neg_inf = mx.array(-math.inf, lp.dtype)
-    top_p = [r.params.top_p for r in rows]
+    top_p = [p.top_p for p in params]
     if any(0.0 < p < 1.0 for p in top_p):
         p = mx.array(top_p)[:, None]
         sorted_lp = mx.sort(lp, axis=-1)
@@ -194,17 +197,18 @@ def _filter(lp: mx.array, rows: list[RowSampling]) -> mx.array:
         threshold = mx.take_along_axis(sorted_lp, num_dropped, axis=-1)
         active = mx.array([0.0 < x < 1.0 for x in top_p])[:, None]
         lp = mx.where(active & (lp < threshold), neg_inf, lp)
-    min_p = [r.params.min_p for r in rows]
+    min_p = [p.min_p for p in params]
     if any(x > 0.0 for x in min_p):
         log_min_p = mx.array([math.log(x) if x > 0 else -math.inf for x in min_p])[:, None]
         threshold = mx.max(lp, axis=-1, keepdims=True) + log_min_p
         lp = mx.where(lp < threshold, neg_inf, lp)
-    top_k = [r.params.top_k for r in rows]
-    if any(0 < k < lp.shape[-1] for k in top_k):
+    vocab = lp.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+    if any(top_k):
         k_max = max(top_k)
         best = -mx.sort(-mx.topk(lp, k_max, axis=-1), axis=-1)
-        kth = mx.array([min(max(k, 1), k_max) - 1 for k in top_k], dtype=mx.int32)[:, None]
+        kth = mx.array([max(k, 1) - 1 for k in top_k], dtype=mx.int32)[:, None]
         threshold = mx.take_along_axis(best, kth, axis=-1)
-        active = mx.array([0 < k < lp.shape[-1] for k in top_k])[:, None]
+        active = mx.array([k > 0 for k in top_k])[:, None]
         lp = mx.where(active & (lp < threshold), neg_inf, lp)
     return lp

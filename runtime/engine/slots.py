@@ -81,6 +81,7 @@ class DecodeBatch:
         self.positions: mx.array | None = None
         self.mask: mx.array | None = None
         self._write_index: mx.array | None = None
+        self._uniform_start: int | None = None
         self._num_new = 0
         self._width = 0
 
@@ -147,15 +148,19 @@ class DecodeBatch:
         self._width = max(lengths) + num_new
         starts = mx.array(lengths, dtype=mx.int32)
         self.positions = starts
-        rows = mx.arange(len(lengths), dtype=mx.int32)[:, None, None]
-        heads = mx.arange(num_heads, dtype=mx.int32)[None, :, None]
-        steps = mx.arange(num_new, dtype=mx.int32)[None, None, :]
-        self._write_index = ((rows * num_heads + heads) * capacity + starts[:, None, None] + steps).reshape(-1)
-        if num_new == 1 and min(lengths) == max(lengths):
+        steps = mx.arange(num_new, dtype=mx.int32)
+        # Rows at one position take a plain slice write (one op per layer, as in
+        # mlx-lm's KVCache); otherwise a scatter at per-row positions.
+        self._uniform_start = lengths[0] if min(lengths) == max(lengths) else None
+        if self._uniform_start is None:
+            rows = mx.arange(len(lengths), dtype=mx.int32)[:, None, None]
+            heads = mx.arange(num_heads, dtype=mx.int32)[None, :, None]
+            self._write_index = ((rows * num_heads + heads) * capacity + (starts[:, None] + steps[None, :])[:, None, :]).reshape(-1)
+        if num_new == 1 and self._uniform_start is not None:
             self.mask = None
         else:
             key_pos = mx.arange(self._width, dtype=mx.int32)[None, None, :]
-            query_pos = starts[:, None, None] + mx.arange(num_new, dtype=mx.int32)[None, :, None]
+            query_pos = starts[:, None, None] + steps[None, :, None]
             self.mask = (key_pos <= query_pos)[:, None]
 
     def end_step(self) -> None:
@@ -163,20 +168,23 @@ class DecodeBatch:
         self.positions = self.mask = self._write_index = None
 
     def write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        num_rows = len(self.row_ids)
-        self._keys[layer] = self._scatter(self._keys[layer], keys)
-        self._values[layer] = self._scatter(self._values[layer], values)
-        width = self._width
+        num_rows, width = len(self.row_ids), self._width
+        self._keys[layer] = self._write(self._keys[layer], keys)
+        self._values[layer] = self._write(self._values[layer], values)
         return self._keys[layer][:num_rows, :, :width], self._values[layer][:num_rows, :, :width]
 
-    def state(self) -> list[mx.array]:
-        return [] if self._keys is None else [*self._keys, *self._values]
-
-    def _scatter(self, buffer: mx.array, new: mx.array) -> mx.array:
+    def _write(self, buffer: mx.array, new: mx.array) -> mx.array:
+        start = self._uniform_start
+        if start is not None:
+            buffer[: new.shape[0], :, start : start + self._num_new] = new
+            return buffer
         rows, heads, capacity, dim = buffer.shape
         flat = buffer.reshape(rows * heads * capacity, dim)
         flat[self._write_index] = new.reshape(-1, dim)
         return flat.reshape(rows, heads, capacity, dim)
+
+    def state(self) -> list[mx.array]:
+        return [] if self._keys is None else [*self._keys, *self._values]
 
     def _allocate(self) -> None:
         self._keys = [mx.zeros((1, g.num_heads, LEN_STEP, g.key_dim), g.dtype) for g in self.geometry]

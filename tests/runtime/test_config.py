@@ -35,7 +35,7 @@ def test_minimal_config_has_documented_defaults():
     config = RuntimeConfig.from_toml(MINIMAL)
     assert config.model == ModelConfig(path="models/llama", dtype="auto", max_context=None, trust_remote_code=False)
     assert config.scheduler == SchedulerConfig(
-        max_batch_size=16, max_queued_requests=256, prefill_chunk_size=512, step_token_budget=0
+        max_batch_size=32, max_queued_requests=256, prefill_chunk_size=256, step_token_budget=0
     )
     assert config.kv == KvConfig(budget_bytes=0)
     assert config.generation == GenerationConfig(default_max_tokens=256, seed=None)
@@ -68,10 +68,10 @@ def test_full_config_round_trips_through_toml():
     assert RuntimeConfig.from_toml(msgspec.toml.encode(config)) == config
 
 
-def test_step_token_budget_defaults_to_chunk_plus_batch():
-    assert RuntimeConfig.from_toml(MINIMAL).step_token_budget == 512 + 16
+def test_step_token_budget_defaults_to_four_chunks_plus_batch():
+    assert RuntimeConfig.from_toml(MINIMAL).step_token_budget == 4 * 256 + 32
     config = RuntimeConfig.from_toml(with_minimal("[scheduler]\nmax_batch_size = 3\nprefill_chunk_size = 40\n"))
-    assert config.step_token_budget == 43
+    assert config.step_token_budget == 4 * 40 + 3
     explicit = RuntimeConfig.from_toml(with_minimal("[scheduler]\nstep_token_budget = 7\n"))
     assert explicit.step_token_budget == 7
 

@@ -1,0 +1,57 @@
+"""The `mlxrt` command line, run as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def _mlxrt(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MLXRT_HOME=os.environ["MLXRT_HOME"])
+    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_config_check_and_show():
+    assert _mlxrt("config", "check", "configs/tiny.toml").returncode == 0
+    shown = _mlxrt("config", "show", "--config", "configs/tiny.toml")
+    assert shown.returncode == 0 and 'path = "builtin:tiny"' in shown.stdout and "max_queued_requests = 256" in shown.stdout
+
+
+def test_bad_config_exits_2_naming_file_and_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\npath = "builtin:tiny"\n[scheduler]\nmax_batch_size = "many"\n')
+    result = _mlxrt("config", "check", str(bad))
+    assert result.returncode == 2
+    assert "bad.toml" in result.stderr and "max_batch_size" in result.stderr
+
+
+def test_generate_json_events():
+    result = _mlxrt("generate", "--config", "configs/tiny.toml", "--prompt-ids", "5,6,7,8", "--max-tokens", "6", "--json")
+    assert result.returncode == 0, result.stderr
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    assert events[-1]["type"] == "Finished" and events[-1]["usage"]["prompt_tokens"] == 4
+    deltas = [e for e in events if e["type"] == "TokenDelta"]
+    assert sum(len(e["token_ids"]) for e in deltas) == events[-1]["usage"]["completion_tokens"] - (events[-1]["finish_reason"] == "stop")
+
+
+def test_invalid_request_exits_3():
+    result = _mlxrt("generate", "--config", "configs/tiny.toml", "--prompt-ids", "5,6", "--temperature", "-1")
+    assert result.returncode == 3 and "temperature" in result.stderr
+
+
+def test_bench_runs_and_reports_ratios(tmp_path):
+    out = tmp_path / "bench.json"
+    result = _mlxrt(
+        "bench", "--config", "configs/tiny.toml", "--concurrency", "1,2", "--prompt-tokens", "8",
+        "--new-tokens", "4", "--long-prompt-tokens", "80", "--repeats", "1", "--json", str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    results = json.loads(out.read_text())
+    for key in ("c1_throughput", "c2_throughput", "short_ttft_over_long_prefill"):
+        assert results["ratios"][key] > 0
+    assert results["mlxrt"]["c2"]["tokens"] == 8 and results["mlx_lm"]["c2"]["tokens"] == 8
+    assert "throughput_tok_s" in result.stdout

@@ -1,0 +1,172 @@
+"""The engine driven directly with plans (no actors), on the tiny built-in model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from protocols.api import SamplingParams
+from protocols.model import AdmitRequest, PrefillWork, StepPlan
+from runtime.engine.engine import Engine, EngineInvariantError
+from runtime.engine.loader import probe_geometry
+from tests.integration.reference import greedy_tokens, load_reference
+
+CHUNK = 8
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    return load_reference("builtin:tiny")
+
+
+@pytest.fixture
+def engine(model_and_tokenizer):
+    model, _ = model_and_tokenizer
+    return Engine(model, probe_geometry(model))
+
+
+def _admit(rid: str, prompt: list[int], max_tokens: int = 12, stop: list[int] | None = None, **kw) -> AdmitRequest:
+    return AdmitRequest(request_id=rid, prompt_ids=prompt, max_tokens=max_tokens, sampling=SamplingParams(), seed=0, stop_token_ids=stop or [], **kw)
+
+
+class Driver:
+    """Plans like the scheduler does: chunked prefill, then decode every step."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.left: dict[str, int] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.finish: dict[str, str] = {}
+
+    def admit(self, *admits: AdmitRequest) -> None:
+        for a in admits:
+            self.left[a.request_id] = len(a.prompt_ids) - 1
+            self.tokens[a.request_id] = []
+        self.step(StepPlan(admit=list(admits)))
+
+    def plan(self, release: list[str] = ()) -> StepPlan:
+        work = []
+        for rid, left in self.left.items():
+            if left > 0 and rid not in release:
+                n = min(CHUNK, left)
+                self.left[rid] -= n
+                work.append(PrefillWork(request_id=rid, num_tokens=n))
+        return StepPlan(release=list(release), prefill=work, decode=True)
+
+    def step(self, plan: StepPlan):
+        outcome = self.engine.step(plan)
+        for row in outcome.outputs:
+            self.tokens[row.request_id] += row.token_ids
+            if row.finish_reason:
+                self.finish[row.request_id] = row.finish_reason
+        for rid in outcome.released:
+            self.left.pop(rid, None)
+        return outcome
+
+    def run(self, max_steps: int = 200) -> None:
+        for _ in range(max_steps):
+            if all(rid in self.finish or rid not in self.left for rid in self.tokens):
+                return
+            self.step(self.plan())
+        raise AssertionError("did not finish")
+
+
+def _prompts(lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(3)
+    return [[rng.randrange(1000) for _ in range(n)] for n in lengths]
+
+
+def test_batched_engine_matches_mlx_lm(engine, model_and_tokenizer):
+    prompts = _prompts([1, 2, 7, 8, 9, 30, 17])
+    driver = Driver(engine)
+    driver.admit(*(_admit(str(i), p) for i, p in enumerate(prompts)))
+    driver.run()
+    for i, p in enumerate(prompts):
+        assert driver.tokens[str(i)] == greedy_tokens(*model_and_tokenizer, p, 12)
+    assert engine.kv_tokens() == {} and engine.kv_bytes() == 0
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+def test_release_frees_kv_and_leaves_others_unchanged(engine, model_and_tokenizer, when):
+    prompts = _prompts([40, 5, 11])
+    driver = Driver(engine)
+    driver.admit(*(_admit(str(i), p, max_tokens=16) for i, p in enumerate(prompts)))
+    victim = "0"
+    for _ in range(3 if when == "prefill" else 8):
+        driver.step(driver.plan())
+    assert victim in engine.kv_tokens()
+    assert (driver.left[victim] > 0) == (when == "prefill")
+    outcome = driver.step(driver.plan(release=[victim]))
+    assert outcome.released == [victim]
+    assert victim not in outcome.kv_tokens
+    driver.tokens.pop(victim)
+    driver.run()
+    for i in (1, 2):
+        assert driver.tokens[str(i)] == greedy_tokens(*model_and_tokenizer, prompts[i], 16)
+    assert engine.kv_bytes() == 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_short_generations_finish_by_length(engine, model_and_tokenizer, max_tokens):
+    prompt = _prompts([6])[0]
+    driver = Driver(engine)
+    driver.admit(_admit("a", prompt, max_tokens=max_tokens))
+    driver.run()
+    expected = greedy_tokens(*model_and_tokenizer, prompt, max_tokens)
+    assert driver.tokens["a"] == expected
+    assert driver.finish["a"] == ("length" if len(expected) == max_tokens else "stop")
+
+
+def test_stop_token_ends_without_delivering_it(engine, model_and_tokenizer):
+    prompt = _prompts([9])[0]
+    expected = greedy_tokens(*model_and_tokenizer, prompt, 12)
+    stop = expected[3]
+    driver = Driver(engine)
+    driver.admit(_admit("a", prompt, stop=[stop]))
+    outcomes = []
+    for _ in range(40):
+        if "a" in driver.finish:
+            break
+        outcomes.append(driver.step(driver.plan()))
+    assert driver.finish["a"] == "stop"
+    assert driver.tokens["a"] == expected[: expected.index(stop)]
+    final = [row for o in outcomes for row in o.outputs if row.finish_reason][0]
+    assert final.stop_token_id == stop and final.token_ids == []
+
+
+def test_logprobs_are_reported_for_requests_that_ask(engine):
+    prompts = _prompts([5, 5])
+    driver = Driver(engine)
+    driver.admit(_admit("with", prompts[0], max_tokens=4, logprobs=True, top_logprobs=2), _admit("without", prompts[1], max_tokens=4))
+    rows = []
+    for _ in range(20):
+        if len(driver.finish) == 2:
+            break
+        rows += driver.step(driver.plan()).outputs
+    with_lp = [r for r in rows if r.request_id == "with" and r.token_ids]
+    assert with_lp and all(r.logprobs and r.logprobs[0].logprob <= 0 and len(r.logprobs[0].top) == 2 for r in with_lp)
+    assert all(r.logprobs[0].top[0].token_id == r.token_ids[0] for r in with_lp)
+    assert all(r.logprobs is None for r in rows if r.request_id == "without")
+
+
+def test_invariant_violations_raise(engine):
+    engine.step(StepPlan(admit=[_admit("a", [1, 2, 3])]))
+    with pytest.raises(EngineInvariantError):
+        engine.step(StepPlan(admit=[_admit("a", [1, 2, 3])]))
+    with pytest.raises(EngineInvariantError):
+        engine.step(StepPlan(prefill=[PrefillWork(request_id="a", num_tokens=3)]))
+    with pytest.raises(EngineInvariantError):
+        engine.step(StepPlan(prefill=[PrefillWork(request_id="nobody", num_tokens=1)]))
+    assert engine.reset() == ["a"]
+    assert engine.kv_tokens() == {}
+
+
+def test_engine_refuses_other_threads(engine):
+    import threading
+
+    errors = []
+    thread = threading.Thread(target=lambda: errors.append(pytest.raises(EngineInvariantError, engine.step, StepPlan())))
+    thread.start()
+    thread.join()
+    assert errors
