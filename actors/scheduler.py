@@ -43,12 +43,12 @@ class SchedulerActor:
         with self.inbox:
             task_status.started()
             while True:
-                if not self.policy.has_work() and self.policy.admission_candidate() is None:
-                    await self.handle(await self.inbox.receive())
                 await self._drain_inbox()
                 await self._admit()
                 if self.policy.has_work():
                     await self._step()
+                else:
+                    await self.handle(await self.inbox.receive())
 
     async def _drain_inbox(self) -> None:
         while True:
@@ -111,8 +111,6 @@ class SchedulerActor:
         match result:
             case StepOutcome():
                 await self._deliver(result)
-                for _ in range(3):
-                    await anyio.sleep(0)
             case StepFailed(error=error):
                 log.error("step_failed", error=error)
                 for ended in self.policy.fail_all():

@@ -34,7 +34,7 @@ class BenchOptions:
     long_prompt_tokens: int = 2048
     short_prompt_tokens: int = 16
     # Each workload runs this many times, alternating mlx-lm and mlxrt; medians are reported.
-    repeats: int = 3
+    repeats: int = 5
     seed: int = 0
 
 

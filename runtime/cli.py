@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=64)
     bench.add_argument("--concurrency", default="1,8,16", help="comma-separated")
     bench.add_argument("--long-prompt-tokens", type=int, default=2048)
-    bench.add_argument("--repeats", type=int, default=3, help="runs per workload; medians are reported")
+    bench.add_argument("--repeats", type=int, default=5, help="runs per workload; medians are reported")
     bench.add_argument("--json", dest="json_path", default=None, help="also write the results here")
     bench.set_defaults(func=_bench)
 

@@ -137,7 +137,20 @@ class DecodeBatch:
         self.lengths.pop()
         if not self.row_ids:
             self._keys = self._values = None
+        else:
+            self._maybe_shrink()
         return order
+
+    def _maybe_shrink(self) -> None:
+        """Give memory back once the batch uses under a quarter of its rows or positions."""
+        rows, capacity = self.capacity
+        need_rows = _next_power_of_two(len(self.row_ids))
+        need_len = _round_up(max(self.lengths) + 1, LEN_STEP)
+        if need_rows * 4 > rows and need_len * 4 > capacity:
+            return
+        new_rows, new_capacity = min(rows, need_rows * 2), min(capacity, need_len * 2)
+        self._keys = [mx.contiguous(k[:new_rows, :, :new_capacity]) for k in self._keys]
+        self._values = [mx.contiguous(v[:new_rows, :, :new_capacity]) for v in self._values]
 
     def begin_step(self, num_new: int) -> None:
         """Prepare positions, mask and write indices for `num_new` tokens per row."""
