@@ -1,6 +1,7 @@
 """`mlxrt`: the command line.
 
-Exit codes: 0 success; 1 runtime failure; 2 usage or config error;
+Exit codes: 0 success; 1 runtime failure (or the server could not be reached);
+2 usage or config error (including an unsafe or busy socket path);
 3 request rejected (invalid, too large, busy).
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 import anyio
@@ -17,6 +19,7 @@ import runtime  # noqa: F401  (fast BLAS before mlx loads)
 from protocols.api import Finished, GenerateRequest, PrefillProgress, SamplingParams, TokenDelta
 from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError, InvalidRequestError, MlxrtError, ServerBusyError
+from runtime.socket_path import SocketPathError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_REJECTED = 0, 1, 2, 3
 DEFAULT_CONFIG = "configs/default.toml"
@@ -27,9 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as exc:
+    except (ConfigError, SocketPathError) as exc:
         print(f"mlxrt: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except (FileNotFoundError, ConnectionRefusedError) as exc:
+        print(f"mlxrt: cannot reach the server: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except MlxrtError as exc:
         print(f"mlxrt: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_REJECTED if isinstance(exc, (InvalidRequestError, ServerBusyError)) else EXIT_FAILURE
@@ -41,14 +47,26 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxrt", description="Serve MLX language models to many concurrent clients.")
     sub = parser.add_subparsers(required=True)
 
+    serve = sub.add_parser("serve", help="serve the configured model on a Unix socket")
+    _config_arg(serve)
+    serve.add_argument("--socket", help="socket path (default: [server] socket, or a per-user runtime directory)")
+    serve.add_argument("--model", help="override [model] path")
+    serve.set_defaults(func=_serve)
+
+    client = sub.add_parser("client", help="stream one request from a running server")
+    client.add_argument("--socket", default=None, help="server socket (default: MLXRT_SERVER_SOCKET or the default path)")
+    _request_args(client)
+    client.set_defaults(func=_client)
+
     demo = sub.add_parser("demo", help="one streamed generation on the configured model, with timings")
     _config_arg(demo)
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-tokens", type=int, default=96)
     demo.set_defaults(func=_demo)
 
-    gen = sub.add_parser("generate", help="one generation, in-process")
+    gen = sub.add_parser("generate", help="one generation, in-process (or through --socket)")
     _config_arg(gen)
+    gen.add_argument("--socket", default=None, help="use a running server instead of loading the model here")
     _request_args(gen)
     gen.set_defaults(func=_generate)
 
@@ -98,31 +116,89 @@ def _request_from(args) -> GenerateRequest:
     )
 
 
-async def _stream(config: RuntimeConfig, request: GenerateRequest, as_json: bool) -> Finished | None:
+async def _print_events(events, as_json: bool) -> Finished | None:
     from runtime.progress import Progress
-    from runtime.runtime import Runtime
 
-    finished = None
-    async with Runtime.open(config) as rt:
-        prefill = Progress("prefill")
-        async for event in rt.generate(request):
-            if as_json:
-                print(msgspec.json.encode(event).decode(), flush=True)
-            elif isinstance(event, PrefillProgress):
-                prefill.fraction(event.processed_tokens, event.total_tokens)
-            elif isinstance(event, TokenDelta):
-                print(event.text, end="", flush=True)
-            if isinstance(event, Finished):
-                finished = event
+    finished, prefill = None, Progress("prefill")
+    async for event in events:
+        if as_json:
+            print(msgspec.json.encode(event).decode(), flush=True)
+        elif isinstance(event, PrefillProgress):
+            prefill.fraction(event.processed_tokens, event.total_tokens)
+        elif isinstance(event, TokenDelta):
+            print(event.text, end="", flush=True)
+        if isinstance(event, Finished):
+            finished = event
     return finished
 
 
-def _generate(args) -> int:
-    config = RuntimeConfig.load(args.config)
-    finished = anyio.run(_stream, config, _request_from(args), args.json)
-    if not args.json:
+async def _stream(config: RuntimeConfig, request: GenerateRequest, as_json: bool) -> Finished | None:
+    from runtime.runtime import Runtime
+
+    async with Runtime.open(config) as rt:
+        return await _print_events(rt.generate(request), as_json)
+
+
+async def _stream_socket(path: str, request: GenerateRequest, as_json: bool) -> Finished | None:
+    from runtime.client import Client
+
+    async with Client.connect(path) as client:
+        return await _print_events(client.generate(request), as_json)
+
+
+def _finish(finished: Finished | None, as_json: bool) -> int:
+    if not as_json:
         print()
     return EXIT_OK if finished and finished.finish_reason != "error" else EXIT_FAILURE
+
+
+def _generate(args) -> int:
+    request = _request_from(args)
+    if args.socket:
+        return _finish(anyio.run(_stream_socket, args.socket, request, args.json), args.json)
+    config = RuntimeConfig.load(args.config)
+    return _finish(anyio.run(_stream, config, request, args.json), args.json)
+
+
+def _client(args) -> int:
+    path = args.socket or _default_socket()
+    return _finish(anyio.run(_stream_socket, path, _request_from(args), args.json), args.json)
+
+
+def _default_socket() -> str:
+    from runtime import env
+    from runtime.socket_path import default_socket_path
+
+    return env.get("SERVER_SOCKET") or str(default_socket_path())
+
+
+def _serve(args) -> int:
+    overrides = {k: v for k, v in (("server.socket", args.socket), ("model.path", args.model)) if v}
+    config = RuntimeConfig.load(args.config, overrides=overrides)
+    anyio.run(_serve_until_signal, config)
+    return EXIT_OK
+
+
+async def _serve_until_signal(config: RuntimeConfig) -> None:
+    from pathlib import Path
+
+    from runtime.runtime import Runtime
+    from runtime.server import Server
+    from runtime.socket_path import default_socket_path
+
+    path = Path(config.server.socket) if config.server.socket else default_socket_path()
+    async with Runtime.open(config) as rt:
+        server = Server(rt, config.server, path)
+        async with anyio.create_task_group() as tg:
+            await tg.start(server.serve)
+            print(f"mlxrt: serving {rt.model_info.model_type} ({rt.model_info.path}) on {path}", flush=True)
+            print(f"mlxrt: try  mlxrt client --socket {path} --prompt 'def main():' --max-tokens 32", flush=True)
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    print(f"mlxrt: {signal.Signals(signum).name}: finishing", flush=True)
+                    break
+            await rt.shutdown()
+            server.stop()
 
 
 def _demo(args) -> int:

@@ -6,12 +6,16 @@ naming the file, the key and the expected type. Only `[model] path` is required.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
+from runtime import env
 from runtime.errors import ConfigError
+
+SECTIONS = ("model", "scheduler", "kv", "generation", "logging", "server")
 
 
 class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -52,6 +56,24 @@ class GenerationConfig(Section):
     seed: int | None = None
 
 
+class ServerConfig(Section):
+    # Unix socket path; "" = $XDG_RUNTIME_DIR/mlxrt/mlxrt.sock, else /tmp/mlxrt-<uid>/mlxrt.sock.
+    socket: str = ""
+    # "0600": owner only; "0660": also the owner's group (the directory becomes 0750).
+    socket_mode: Literal["0600", "0660"] = "0600"
+    # Peers with these uids may connect besides the server's own uid (Linux SO_PEERCRED).
+    allowed_uids: list[int] = msgspec.field(default_factory=list)
+    # Largest frame accepted from a client; the length prefix is checked before reading.
+    max_frame_bytes: int = 8 * 1024 * 1024
+    max_connections: int = 64
+    # Seconds a new connection has to send Hello.
+    handshake_timeout_s: float = 10.0
+    # Seconds a client may leave a frame unread before the server drops the connection.
+    client_stall_timeout_s: float = 60.0
+    # Frames queued per connection before its requests wait for the client.
+    send_buffer_frames: int = 256
+
+
 class LoggingConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     # "auto": human-readable on a terminal, JSON lines otherwise.
@@ -64,25 +86,44 @@ class RuntimeConfig(Section):
     kv: KvConfig = KvConfig()
     generation: GenerationConfig = GenerationConfig()
     logging: LoggingConfig = LoggingConfig()
+    server: ServerConfig = ServerConfig()
 
     @classmethod
-    def load(cls, path: str | Path) -> RuntimeConfig:
+    def load(
+        cls, path: str | Path, *, environ: Mapping[str, str] | None = None, overrides: Mapping[str, object] | None = None
+    ) -> RuntimeConfig:
+        """A file, then `MLXRT_<SECTION>_<KEY>` variables, then `overrides` ("section.key": value)."""
         path = Path(path)
         try:
             text = path.read_bytes()
         except OSError as exc:
             raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from exc
-        config = cls.from_toml(text, source=str(path))
+        try:
+            tree = msgspec.toml.decode(text)
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+        from_env = env_overrides(environ if environ is not None else env.environment())
+        _merge(tree, from_env, "environment")
+        _merge(tree, dict(overrides or {}), "command line")
+        origins = [name for name, extra in (("MLXRT_* variables", from_env), ("command-line flags", overrides)) if extra]
+        source = f"{path} (with {' and '.join(origins)})" if origins else str(path)
+        config = cls.from_tree(tree, source=source)
         return config.resolve_relative_to(path.parent)
 
     @classmethod
     def from_toml(cls, text: str | bytes, *, source: str = "<config>") -> RuntimeConfig:
         try:
-            config = msgspec.toml.decode(text, type=cls)
-        except msgspec.ValidationError as exc:
-            raise ConfigError(f"{source}: {exc}") from exc
+            tree = msgspec.toml.decode(text)
         except msgspec.DecodeError as exc:
             raise ConfigError(f"{source}: invalid TOML: {exc}") from exc
+        return cls.from_tree(tree, source=source)
+
+    @classmethod
+    def from_tree(cls, tree: dict, *, source: str) -> RuntimeConfig:
+        try:
+            config = msgspec.convert(tree, type=cls, strict=True)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"{source}: {exc}") from exc
         config.validate(source)
         return config
 
@@ -117,8 +158,45 @@ class RuntimeConfig(Section):
             raise ConfigError(f"{source}: `model.max_context` must be >= 2, got {self.model.max_context}")
         if not self.model.path:
             raise ConfigError(f"{source}: `model.path` must not be empty")
+        server = self.server
+        for key, value in {"server.max_frame_bytes": server.max_frame_bytes, "server.max_connections": server.max_connections, "server.send_buffer_frames": server.send_buffer_frames}.items():
+            if value < 1:
+                raise ConfigError(f"{source}: `{key}` must be >= 1, got {value}")
+        if server.handshake_timeout_s <= 0 or server.client_stall_timeout_s <= 0:
+            raise ConfigError(f"{source}: server timeouts must be > 0")
 
     @property
     def step_token_budget(self) -> int:
         s = self.scheduler
         return s.step_token_budget or 4 * s.prefill_chunk_size + s.max_batch_size
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, object]:
+    """`MLXRT_SCHEDULER_MAX_BATCH_SIZE=8` -> {"scheduler.max_batch_size": 8} (values parsed as TOML)."""
+    found = {}
+    for name, raw in environ.items():
+        if not name.startswith(env.PREFIX):
+            continue
+        lowered = name[len(env.PREFIX) :].lower()
+        section = next((s for s in SECTIONS if lowered.startswith(s + "_")), None)
+        if section is not None:
+            found[f"{section}.{lowered[len(section) + 1 :]}"] = _parse_value(raw)
+    return found
+
+
+def _parse_value(raw: str) -> object:
+    try:
+        return msgspec.toml.decode(f"v = {raw}")["v"]
+    except msgspec.DecodeError:
+        return raw
+
+
+def _merge(tree: dict, overrides: dict[str, object], origin: str) -> None:
+    for dotted, value in overrides.items():
+        section, _, key = dotted.partition(".")
+        if section not in SECTIONS or not key:
+            raise ConfigError(f"{origin}: unknown config key `{dotted}`")
+        table = tree.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{origin}: `{section}` is not a table")
+        table[key] = value

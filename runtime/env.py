@@ -1,7 +1,8 @@
 """The one place the runtime reads its environment: variables named `MLXRT_*`.
 
 Known names: MLXRT_BLAS (path to a BLAS library, or "off"), MLXRT_HOME (where
-built-in models are cached), and the config overrides listed in `runtime.config`.
+built-in models are cached), and config overrides `MLXRT_<SECTION>_<KEY>`
+(e.g. MLXRT_SERVER_SOCKET, MLXRT_SCHEDULER_MAX_BATCH_SIZE; see runtime.config).
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ def get(name: str) -> str | None:
     return os.environ.get(PREFIX + name)
 
 
-def overrides() -> dict[str, str]:
-    """Every MLXRT_* variable, without the prefix."""
-    return {k[len(PREFIX) :]: v for k, v in os.environ.items() if k.startswith(PREFIX)}
+def environment() -> dict[str, str]:
+    """Every MLXRT_* variable (config overrides are `MLXRT_<SECTION>_<KEY>`, see runtime.config)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
+
+
+def runtime_dir() -> str | None:
+    """$XDG_RUNTIME_DIR: the per-user directory for sockets, when the system provides one."""
+    return os.environ.get("XDG_RUNTIME_DIR")

@@ -80,7 +80,7 @@ class Runtime:
                     yield runtime
                 finally:
                     with anyio.CancelScope(shield=True):
-                        await runtime._shutdown()
+                        await runtime.shutdown()
                     tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # One failure (the caller's, or an actor's) surfaces as itself, not wrapped.
@@ -195,8 +195,8 @@ class Runtime:
             finally:
                 self._sessions.pop(session.request_id, None)
 
-    async def _shutdown(self) -> None:
-        """Cancel live requests and give their sessions a moment to report it."""
+    async def shutdown(self) -> None:
+        """Refuse new requests, cancel live ones and give their sessions a moment to report it."""
         self._closed = True
         for rid in list(self._sessions):
             await self._scheduler.inbox.send(CancelRequest(request_id=rid))

@@ -25,6 +25,7 @@ from typing import Literal
 
 import numpy as np
 
+from runtime import env
 from runtime.builtin.tokenizer import (
     CHAT_TEMPLATE,
     ENDOFTEXT,
@@ -145,8 +146,8 @@ def builtin_name(path: str) -> str | None:
 
 def default_root() -> Path:
     """``$MLXRT_HOME`` if set, else ``~/.cache/mlxrt``."""
-    env = os.environ.get("MLXRT_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "mlxrt"
+    home = env.get("HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "mlxrt"
 
 
 def ensure_builtin(

@@ -1,0 +1,99 @@
+"""The socket protocol: what a client and `mlxrt serve` exchange.
+
+Each frame is a 4-byte big-endian length followed by one msgpack-encoded
+message of the unions below (tagged by `"type"` = the class name). Requests and
+events are the embedding API's own types (`protocols.api`). See README.md here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from protocols.api import Finished, GenerateRequest, PrefillProgress, TokenDelta
+from protocols.base import Message, Record
+from protocols.kv import KvStats
+from protocols.scheduler import SchedulerStats
+
+PROTOCOL_VERSION = 1
+
+ErrorCode = Literal[
+    "invalid_request",  # the request failed validation (message names the field)
+    "too_large",  # the request can never fit (context or KV budget)
+    "busy",  # the admission queue is full; retry later
+    "duplicate_request",  # the request_id is already live on this server
+    "unknown_request",  # Cancel for an id this connection does not own
+    "invalid_message",  # the frame decoded but is not a valid client message
+    "frame_too_large",  # the length prefix exceeds the server's limit; the connection closes
+    "protocol_error",  # out-of-order message (e.g. anything before Hello)
+    "shutting_down",  # the server is stopping
+    "internal",  # a bug; the message says what
+]
+
+
+# -- client -> server --------------------------------------------------------------
+
+
+class Hello(Message):
+    """The first frame of every connection."""
+
+    protocol_version: int
+    client: str = ""
+
+
+class Generate(Message):
+    """Start a request; `request.request_id` is required and names its events."""
+
+    request: GenerateRequest
+
+
+class Cancel(Message):
+    request_id: str
+
+
+class GetStats(Message):
+    pass
+
+
+ClientMessage = Hello | Generate | Cancel | GetStats
+
+
+# -- server -> client --------------------------------------------------------------
+
+
+class ModelSummary(Record):
+    path: str
+    model_type: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: list[int]
+
+
+class Limits(Record):
+    max_frame_bytes: int
+    max_batch_size: int
+    max_queued_requests: int
+    default_max_tokens: int
+
+
+class Welcome(Message):
+    protocol_version: int
+    model: ModelSummary
+    limits: Limits
+
+
+class Error(Message):
+    code: ErrorCode
+    message: str
+    request_id: str | None = None
+    # For invalid requests: the offending field, e.g. "sampling.temperature".
+    field: str | None = None
+
+
+class Stats(Message):
+    scheduler: SchedulerStats
+    kv: KvStats
+    live_requests: int
+    connections: int
+
+
+ServerMessage = Welcome | TokenDelta | PrefillProgress | Finished | Error | Stats

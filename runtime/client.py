@@ -1,0 +1,172 @@
+"""`Client`: the socket twin of `Runtime.generate`.
+
+    async with Client.connect(path) as client:
+        async for event in client.generate(GenerateRequest(prompt="...", max_tokens=32)):
+            ...
+
+Requests are multiplexed over one connection by request id; a background task
+routes incoming frames to each request's bounded stream. Errors arrive as the
+same exception types the embedding API raises.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import msgspec
+from anyio.abc import SocketStream
+
+from protocols.api import Event, Finished, GenerateRequest
+from protocols.wire import PROTOCOL_VERSION, Cancel, Error, Generate, GetStats, Hello, ServerMessage, Stats, Welcome
+from runtime.errors import InvalidRequestError, MlxrtError, RequestTooLargeError, RuntimeClosedError, ServerBusyError
+from runtime.framing import FrameReader, encode_frame
+
+PER_REQUEST_BUFFER = 256
+MAX_FRAME_BYTES = 64 * 1024 * 1024
+
+
+class ServerError(MlxrtError):
+    """An error frame not tied to a request, or a broken connection."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+class ConnectionLostError(ServerError):
+    def __init__(self, message: str = "the server closed the connection"):
+        super().__init__("connection_lost", message)
+
+
+class Client:
+    def __init__(self, stream: SocketStream, reader: FrameReader, welcome: Welcome):
+        self.welcome = welcome
+        self._stream = stream
+        self._reader = reader
+        self._send_lock = anyio.Lock()
+        self._streams: dict[str, anyio.abc.ObjectSendStream] = {}
+        self._stats_lock = anyio.Lock()
+        self._stats: anyio.abc.ObjectSendStream | None = None
+        self._closed = False
+
+    @classmethod
+    @asynccontextmanager
+    async def connect(cls, path: str | Path, *, timeout: float = 10.0, name: str = "mlxrt-client") -> AsyncIterator[Client]:
+        with anyio.fail_after(timeout):
+            stream = await anyio.connect_unix(str(path))
+        async with stream:
+            reader = FrameReader(stream, ServerMessage, MAX_FRAME_BYTES)
+            with anyio.fail_after(timeout):
+                await stream.send(encode_frame(Hello(protocol_version=PROTOCOL_VERSION, client=name)))
+                welcome = await _read_one(reader)
+            if isinstance(welcome, Error):
+                raise _error_for(welcome)
+            if not isinstance(welcome, Welcome):
+                raise ServerError("protocol_error", f"expected Welcome, got {type(welcome).__name__}")
+            client = cls(stream, reader, welcome)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client._read_loop)
+                try:
+                    yield client
+                finally:
+                    client._closed = True
+                    tg.cancel_scope.cancel()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """The request's events, exactly as `Runtime.generate` yields them."""
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        if rid in self._streams:
+            raise InvalidRequestError(f"request_id {rid!r} is already in use", field="request_id")
+        send, receive = anyio.create_memory_object_stream[Event | Error](PER_REQUEST_BUFFER)
+        self._streams[rid] = send
+        finished = False
+        try:
+            await self._send(Generate(request=msgspec.structs.replace(request, request_id=rid)))
+            async with receive:
+                async for item in receive:
+                    if isinstance(item, Error):
+                        finished = True
+                        raise _error_for(item)
+                    yield item
+                    if isinstance(item, Finished):
+                        finished = True
+                        return
+            raise ConnectionLostError()
+        finally:
+            self._streams.pop(rid, None)
+            send.close()
+            if not finished and not self._closed:
+                with anyio.CancelScope(shield=True):
+                    await self.cancel(rid)
+
+    async def cancel(self, request_id: str) -> None:
+        try:
+            await self._send(Cancel(request_id=request_id))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+
+    async def stats(self) -> Stats:
+        async with self._stats_lock:
+            send, receive = anyio.create_memory_object_stream[Stats](1)
+            self._stats = send
+            with send, receive:
+                await self._send(GetStats())
+                try:
+                    return await receive.receive()
+                except anyio.EndOfStream:
+                    raise ConnectionLostError() from None
+
+    async def _send(self, message: msgspec.Struct) -> None:
+        async with self._send_lock:
+            await self._stream.send(encode_frame(message))
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                message = await _read_one(self._reader)
+                if message is None:
+                    return
+                await self._route(message)
+        except (anyio.IncompleteRead, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return
+        finally:
+            self._closed = True
+            for send in list(self._streams.values()):
+                send.close()
+            if self._stats is not None:
+                self._stats.close()
+
+    async def _route(self, message) -> None:
+        if isinstance(message, Stats):
+            if self._stats is not None:
+                self._stats.send_nowait(message)
+            return
+        target = self._streams.get(getattr(message, "request_id", None) or "")
+        if target is not None:
+            try:
+                await target.send(message)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the consumer left; its cancel is on the way
+
+
+async def _read_one(reader: FrameReader):
+    body = await reader.read_frame()
+    return None if body is None else reader.decode(body)
+
+
+def _error_for(error: Error) -> Exception:
+    match error.code:
+        case "invalid_request" | "duplicate_request":
+            return InvalidRequestError(error.message, field=error.field)
+        case "too_large":
+            return RequestTooLargeError(error.message, field=error.field)
+        case "busy":
+            return ServerBusyError(error.message)
+        case "shutting_down":
+            return RuntimeClosedError(error.message)
+        case _:
+            return ServerError(error.code, error.message)

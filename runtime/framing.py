@@ -1,0 +1,69 @@
+"""Length-prefixed msgpack frames over a byte stream (the wire format of `protocols.wire`)."""
+
+from __future__ import annotations
+
+import struct
+from typing import Generic, TypeVar
+
+import anyio
+import msgspec
+from anyio.abc import ByteReceiveStream
+
+T = TypeVar("T")
+
+HEADER = struct.Struct(">I")
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class FrameTooLarge(Exception):
+    """The peer announced a frame above the limit; the stream cannot be resynchronised."""
+
+    def __init__(self, size: int, limit: int):
+        super().__init__(f"frame of {size} bytes exceeds the limit of {limit}")
+        self.size = size
+        self.limit = limit
+
+
+def encode_frame(message: msgspec.Struct) -> bytes:
+    body = _ENCODER.encode(message)
+    return HEADER.pack(len(body)) + body
+
+
+class FrameReader(Generic[T]):
+    """Reads whole frames; checks the announced size before reading the body."""
+
+    def __init__(self, stream: ByteReceiveStream, message_type: type[T], max_bytes: int):
+        self._stream = stream
+        self._decoder = msgspec.msgpack.Decoder(message_type)
+        self._max_bytes = max_bytes
+        self._buffer = bytearray()
+
+    async def read_frame(self) -> bytes | None:
+        """The next frame's body, or None at a clean end of stream (between frames).
+
+        Raises `FrameTooLarge`, or `anyio.IncompleteRead` when the stream ends mid-frame.
+        """
+        header = await self._read_exactly(HEADER.size, allow_eof=True)
+        if header is None:
+            return None
+        (size,) = HEADER.unpack(header)
+        if size > self._max_bytes:
+            raise FrameTooLarge(size, self._max_bytes)
+        return await self._read_exactly(size, allow_eof=False)
+
+    def decode(self, body: bytes) -> T:
+        """Raises `msgspec.DecodeError` (bad msgpack) or `msgspec.ValidationError` (bad shape)."""
+        return self._decoder.decode(body)
+
+    async def _read_exactly(self, n: int, *, allow_eof: bool) -> bytes | None:
+        while len(self._buffer) < n:
+            try:
+                chunk = await self._stream.receive(max(65536, n - len(self._buffer)))
+            except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionResetError):
+                if allow_eof and not self._buffer:
+                    return None
+                raise anyio.IncompleteRead from None
+            self._buffer += chunk
+        data = bytes(self._buffer[:n])
+        del self._buffer[:n]
+        return data

@@ -1,0 +1,283 @@
+"""`mlxrt serve`: the runtime behind a Unix socket.
+
+Owns the listener and one `Connection` per client. A connection reads frames
+(`protocols.wire`), starts one forwarding task per `Generate`, and writes every
+outgoing frame through one bounded queue drained by a writer task: a client that
+stops reading fills its own queue and stalls only its own requests (whose
+sessions coalesce tokens), and is dropped after `client_stall_timeout_s`.
+A client that disconnects has its requests cancelled.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from pathlib import Path
+
+import anyio
+import msgspec
+import structlog
+from anyio.abc import SocketAttribute, SocketStream, TaskGroup
+
+from protocols.api import Finished, GenerateRequest
+from protocols.wire import (
+    PROTOCOL_VERSION,
+    Cancel,
+    ClientMessage,
+    Error,
+    Generate,
+    GetStats,
+    Hello,
+    Limits,
+    ModelSummary,
+    Stats,
+    Welcome,
+)
+from runtime import socket_path
+from runtime.config import ServerConfig
+from runtime.errors import InvalidRequestError, RequestTooLargeError, RuntimeClosedError, ServerBusyError
+from runtime.framing import FrameReader, FrameTooLarge, encode_frame
+
+log = structlog.get_logger(actor="server")
+
+FLUSH_GRACE_S = 2.0
+
+
+class Server:
+    """Serves one `Runtime` on a Unix socket until `stop()`."""
+
+    def __init__(self, runtime, config: ServerConfig, path: Path):
+        self.runtime = runtime
+        self.config = config
+        self.path = path
+        self.connections: set[Connection] = set()
+        self._mode = int(config.socket_mode, 8)
+        self._stopping = anyio.Event()
+        self._inode: int | None = None
+
+    async def serve(self, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        """Listen until `stop()`; signals readiness with the socket path."""
+        socket_path.prepare(self.path, self._mode)
+        listener = await anyio.create_unix_listener(self.path, mode=self._mode)
+        self._inode = os.stat(self.path).st_ino
+        log.info("listening", socket=str(self.path), mode=self.config.socket_mode)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._accept, listener, tg)
+                task_status.started(self.path)
+                await self._stopping.wait()
+                await listener.aclose()
+                for connection in list(self.connections):
+                    connection.stop_reading()
+                with anyio.move_on_after(2 * FLUSH_GRACE_S):
+                    while self.connections:
+                        await anyio.sleep(0.02)
+                tg.cancel_scope.cancel()
+        finally:
+            self._remove_socket()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _accept(self, listener, tg: TaskGroup) -> None:
+        try:
+            await listener.serve(self._handle, task_group=tg)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass  # closed by stop()
+
+    async def _handle(self, stream: SocketStream) -> None:
+        async with stream:
+            uid = peer_uid(stream)
+            if uid is not None and uid != os.getuid() and uid not in self.config.allowed_uids:
+                log.warning("peer_refused", uid=uid)
+                await _send_quietly(stream, Error(code="protocol_error", message=f"uid {uid} is not allowed"))
+                return
+            if len(self.connections) >= self.config.max_connections or self._stopping.is_set():
+                code = "shutting_down" if self._stopping.is_set() else "busy"
+                await _send_quietly(stream, Error(code=code, message="no more connections accepted"))
+                return
+            connection = Connection(self, stream)
+            self.connections.add(connection)
+            try:
+                await connection.run()
+            finally:
+                self.connections.discard(connection)
+
+    def _remove_socket(self) -> None:
+        try:
+            if self._inode is not None and os.stat(self.path).st_ino == self._inode:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def welcome(self) -> Welcome:
+        info, config = self.runtime.model_info, self.runtime.config
+        return Welcome(
+            protocol_version=PROTOCOL_VERSION,
+            model=ModelSummary(
+                path=info.path,
+                model_type=info.model_type,
+                vocab_size=info.vocab_size,
+                max_context=info.max_context,
+                eos_token_ids=info.eos_token_ids,
+            ),
+            limits=Limits(
+                max_frame_bytes=self.config.max_frame_bytes,
+                max_batch_size=config.scheduler.max_batch_size,
+                max_queued_requests=config.scheduler.max_queued_requests,
+                default_max_tokens=config.generation.default_max_tokens,
+            ),
+        )
+
+
+class Connection:
+    """One client: its frames, its requests, its outgoing queue."""
+
+    def __init__(self, server: Server, stream: SocketStream):
+        self._server = server
+        self._runtime = server.runtime
+        self._stream = stream
+        self._requests: set[str] = set()
+        self._outbox_send, self._outbox_receive = anyio.create_memory_object_stream[bytes](server.config.send_buffer_frames)
+        self._reading = anyio.CancelScope()
+        self._writer_done = anyio.Event()
+
+    def stop_reading(self) -> None:
+        """Take no more requests; the live ones are cancelled and their endings flushed."""
+        self._reading.cancel()
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._write_loop, tg)
+            with self._reading:
+                await self._read_loop(tg)
+            # The client left, broke the protocol, or the server is stopping:
+            # nobody will send for these requests again.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(FLUSH_GRACE_S):
+                for request_id in list(self._requests):
+                    await self._runtime.cancel(request_id)
+                while self._requests:
+                    await anyio.sleep(0.01)
+                self._outbox_send.close()
+                await self._writer_done.wait()
+            tg.cancel_scope.cancel()
+
+    async def send(self, message: msgspec.Struct) -> None:
+        await self._outbox_send.send(encode_frame(message))
+
+    async def _write_loop(self, tg: TaskGroup) -> None:
+        stall = self._server.config.client_stall_timeout_s
+        try:
+            async with self._outbox_receive:
+                async for frame in self._outbox_receive:
+                    with anyio.fail_after(stall):
+                        await self._stream.send(frame)
+        except TimeoutError:
+            log.warning("client_stalled", seconds=stall, live_requests=len(self._requests))
+            self.stop_reading()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            self.stop_reading()
+        finally:
+            self._writer_done.set()
+
+    async def _read_loop(self, tg: TaskGroup) -> None:
+        config = self._server.config
+        reader = FrameReader(self._stream, ClientMessage, config.max_frame_bytes)
+        if not await self._handshake(reader):
+            return
+        while True:
+            try:
+                body = await reader.read_frame()
+            except FrameTooLarge as exc:
+                await self.send(Error(code="frame_too_large", message=str(exc)))
+                return
+            except anyio.IncompleteRead:
+                return
+            if body is None:
+                return
+            try:
+                message = reader.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                await self.send(Error(code="invalid_message", message=str(exc)))
+                continue
+            await self._dispatch(message, tg)
+
+    async def _handshake(self, reader: FrameReader) -> bool:
+        with anyio.move_on_after(self._server.config.handshake_timeout_s):
+            try:
+                body = await reader.read_frame()
+                hello = reader.decode(body) if body is not None else None
+            except (FrameTooLarge, anyio.IncompleteRead, msgspec.DecodeError, msgspec.ValidationError):
+                hello = None
+            if not isinstance(hello, Hello) or hello.protocol_version != PROTOCOL_VERSION:
+                message = f"the first frame must be Hello(protocol_version={PROTOCOL_VERSION})"
+                await self.send(Error(code="protocol_error", message=message))
+                return False
+            await self.send(self._server.welcome())
+            return True
+        return False
+
+    async def _dispatch(self, message, tg: TaskGroup) -> None:
+        match message:
+            case Generate(request=request):
+                await self._start(request, tg)
+            case Cancel(request_id=rid):
+                if rid in self._requests:
+                    await self._runtime.cancel(rid)
+                else:
+                    await self.send(Error(code="unknown_request", message="no such request on this connection", request_id=rid))
+            case GetStats():
+                stats = await self._runtime.stats()
+                await self.send(Stats(scheduler=stats.scheduler, kv=stats.kv, live_requests=stats.live_requests, connections=len(self._server.connections)))
+            case Hello():
+                await self.send(Error(code="protocol_error", message="Hello was already received"))
+
+    async def _start(self, request: GenerateRequest, tg: TaskGroup) -> None:
+        rid = request.request_id
+        if not rid:
+            await self.send(Error(code="invalid_request", message="request_id is required on the socket", field="request_id"))
+        elif rid in self._requests:
+            await self.send(Error(code="duplicate_request", message="request_id already in use", request_id=rid, field="request_id"))
+        else:
+            self._requests.add(rid)
+            tg.start_soon(self._forward, request, name=f"forward-{rid}")
+
+    async def _forward(self, request: GenerateRequest) -> None:
+        rid = request.request_id
+        try:
+            async for event in self._runtime.generate(request):
+                await self.send(event)
+                if isinstance(event, Finished):
+                    break
+        except RequestTooLargeError as exc:
+            await self.send(Error(code="too_large", message=str(exc), request_id=rid, field=exc.field))
+        except InvalidRequestError as exc:
+            code = "duplicate_request" if exc.field == "request_id" else "invalid_request"
+            await self.send(Error(code=code, message=str(exc), request_id=rid, field=exc.field))
+        except ServerBusyError as exc:
+            await self.send(Error(code="busy", message=str(exc), request_id=rid))
+        except RuntimeClosedError as exc:
+            await self.send(Error(code="shutting_down", message=str(exc), request_id=rid))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the connection is closing
+        finally:
+            self._requests.discard(rid)
+
+
+def peer_uid(stream: SocketStream) -> int | None:
+    """The connecting process's uid (Linux SO_PEERCRED), or None where unavailable."""
+    sock = stream.extra(SocketAttribute.raw_socket, None)
+    if sock is None or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+async def _send_quietly(stream: SocketStream, message: msgspec.Struct) -> None:
+    try:
+        with anyio.move_on_after(1.0):
+            await stream.send(encode_frame(message))
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        pass
