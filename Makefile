@@ -11,11 +11,12 @@ $(STAMP): pyproject.toml .ci/bootstrap.sh
 	@bash .ci/bootstrap.sh
 	@touch $@
 
-# Main job: until the socket server lands, a one-shot demo generation on the built-in model.
+# Main job: serve the built-in default model on a Unix socket (Ctrl-C stops it).
 serve: setup
-	$(PY) -m runtime.cli demo --config configs/default.toml
+	$(PY) -m runtime.cli serve --config configs/default.toml
 
-demo: serve
+demo: setup
+	$(PY) -m runtime.cli demo --config configs/default.toml
 
 test: setup
 	$(PY) -m pytest -q
