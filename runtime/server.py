@@ -149,7 +149,7 @@ class Connection:
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._write_loop, tg)
+            tg.start_soon(self._write_loop)
             with self._reading:
                 await self._read_loop(tg)
             # The client left, broke the protocol, or the server is stopping:
@@ -166,7 +166,7 @@ class Connection:
     async def send(self, message: msgspec.Struct) -> None:
         await self._outbox_send.send(encode_frame(message))
 
-    async def _write_loop(self, tg: TaskGroup) -> None:
+    async def _write_loop(self) -> None:
         stall = self._server.config.client_stall_timeout_s
         try:
             async with self._outbox_receive:
