@@ -13,7 +13,7 @@ from typing import Any, assert_never
 
 import structlog
 
-from protocols.model import ModelInbox, ModelInfo, RunStep, StepFailed
+from protocols.model import DropPrefixes, ModelInbox, ModelInfo, RunStep, StepFailed
 from runtime.config import ModelConfig
 from runtime.engine.engine import Engine
 from runtime.engine.loader import load_model
@@ -38,7 +38,7 @@ class ModelActor:
         self._thread = thread
         self._progress = progress
         self._engine: Engine | None = None
-        self.inbox: Mailbox[ModelInbox] = Mailbox(4)
+        self.inbox: Mailbox[ModelInbox] = Mailbox(16)
 
     async def run(self, *, task_status) -> None:
         loaded = await self._thread.run(load_model, self._config, self._progress)
@@ -51,6 +51,8 @@ class ModelActor:
                 match message:
                     case RunStep(plan=plan, reply=reply):
                         answer(reply, await self._step(plan))
+                    case DropPrefixes(entry_ids=entry_ids):
+                        await self._thread.run(self._engine.drop_prefixes, entry_ids)
                     case _:
                         assert_never(message)
 

@@ -16,7 +16,7 @@ import msgspec
 import structlog
 
 from actors.scheduling import Ended, SchedulePolicy, Tracked
-from protocols.kv import ReleaseKv, ReportKvUsage, ReserveKv
+from protocols.kv import PrefixesSaved, ReleaseKv, ReportKvUsage, ReserveKv, UnpinPrefix
 from protocols.model import RunStep, StepFailed, StepOutcome
 from protocols.scheduler import (
     AddRequest,
@@ -94,9 +94,14 @@ class SchedulerActor:
 
     async def _admit(self) -> None:
         while (tracked := self.policy.admission_candidate()) is not None:
-            rid, need = tracked.request_id, tracked.kv_tokens_needed
-            reservation = await ask(self._kv, lambda reply: ReserveKv(request_id=rid, num_tokens=need, reply=reply))
+            rid, need, prompt = tracked.request_id, tracked.kv_tokens_needed, tracked.admit.prompt_ids
+            reservation = await ask(
+                self._kv,
+                lambda reply: ReserveKv(request_id=rid, num_tokens=need, reply=reply, prompt_ids=prompt, max_prefix_tokens=len(prompt) - 1),
+            )
             if reservation.granted:
+                if reservation.prefix_entry is not None:
+                    tracked.start_from_prefix(reservation.prefix_entry, reservation.prefix_tokens)
                 self.policy.admit(tracked, time.monotonic())
             elif reservation.reason == "never_fits":
                 self.policy.reject_waiting(tracked)
@@ -108,6 +113,10 @@ class SchedulerActor:
     async def _step(self) -> None:
         plan = self.policy.plan(time.monotonic())
         result = await ask(self._model, lambda reply: RunStep(plan=plan, reply=reply))
+        # The plan has run: the prefixes its admissions started from may be evicted now.
+        for admit in plan.admit:
+            if admit.prefix_entry is not None:
+                await self._kv.send(UnpinPrefix(entry_id=admit.prefix_entry))
         match result:
             case StepOutcome():
                 await self._deliver(result)
@@ -131,6 +140,8 @@ class SchedulerActor:
         for ended in self.policy.apply(outcome, time.monotonic()):
             self._notify_end(ended)
             await self._kv.send(ReleaseKv(request_id=ended.tracked.request_id))
+        if outcome.saved_prefixes:
+            await self._kv.send(PrefixesSaved(entries=outcome.saved_prefixes))
         await self._kv.send(ReportKvUsage(live_tokens=outcome.kv_tokens, physical_bytes=outcome.kv_bytes))
 
     def _notify_end(self, ended: Ended, error: str | None = None) -> None:
@@ -141,6 +152,7 @@ class SchedulerActor:
                 finish_reason="error" if error else ended.reason,
                 timeline=tracked.make_timeline(),
                 stop_token_id=ended.stop_token_id,
+                cached_tokens=tracked.cached_tokens,
                 error=error,
             )
         )

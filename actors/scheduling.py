@@ -17,6 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from protocols.model import AdmitRequest, PrefillWork, StepOutcome, StepPlan
 from protocols.session import RequestTimeline
 
@@ -41,6 +43,7 @@ class Tracked:
     num_prefilled: int = 0
     num_skips: int = 0
     release_reason: str | None = None
+    cached_tokens: int = 0
     timeline: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -54,6 +57,11 @@ class Tracked:
     @property
     def kv_tokens_needed(self) -> int:
         return len(self.admit.prompt_ids) + self.admit.max_tokens
+
+    def start_from_prefix(self, entry_id: str, num_tokens: int) -> None:
+        """Seed the request with `num_tokens` of a saved prefix: they need no prefill."""
+        self.admit = msgspec.structs.replace(self.admit, prefix_entry=entry_id, prefix_tokens=num_tokens)
+        self.num_prefilled = self.cached_tokens = num_tokens
 
     def stamp(self, name: str, now: float) -> None:
         self.timeline.setdefault(name, now)

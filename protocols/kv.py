@@ -6,7 +6,10 @@ the arrays themselves live on the MLX thread, addressed by request id.
 
 from __future__ import annotations
 
+import msgspec
+
 from protocols.base import Message, Record, Reply
+from protocols.model import SavedPrefix
 
 
 class KvReservation(Record):
@@ -14,6 +17,9 @@ class KvReservation(Record):
     granted: bool
     # Why not, when not granted: "never_fits" or "no_room".
     reason: str | None = None
+    # A saved prefix to start from (pinned until `UnpinPrefix`), and how many of its tokens.
+    prefix_entry: str | None = None
+    prefix_tokens: int = 0
 
 
 class KvStats(Record):
@@ -24,14 +30,33 @@ class KvStats(Record):
     physical_bytes: int
     bytes_per_token: int
     budget_bytes: int | None
+    prefix_entries: int = 0
+    prefix_bytes: int = 0
+    prefix_hits: int = 0
+    prefix_tokens_reused: int = 0
 
 
 class ReserveKv(Message):
-    """Reserve room for a request's prompt plus its whole generation."""
+    """Reserve room for a request's prompt plus its whole generation, and look up
+    the longest saved prefix of `prompt_ids` (at most `max_prefix_tokens`)."""
 
     request_id: str
     num_tokens: int
     reply: Reply[KvReservation]
+    prompt_ids: list[int] = msgspec.field(default_factory=list)
+    max_prefix_tokens: int = 0
+
+
+class UnpinPrefix(Message):
+    """The request that looked this entry up has been admitted with it."""
+
+    entry_id: str
+
+
+class PrefixesSaved(Message):
+    """The engine kept these requests' KV; index them (or have them dropped)."""
+
+    entries: list[SavedPrefix]
 
 
 class ReleaseKv(Message):
@@ -51,4 +76,4 @@ class GetKvStats(Message):
     reply: Reply[KvStats]
 
 
-KvInbox = ReserveKv | ReleaseKv | ReportKvUsage | GetKvStats
+KvInbox = ReserveKv | ReleaseKv | ReportKvUsage | GetKvStats | UnpinPrefix | PrefixesSaved

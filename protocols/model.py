@@ -27,6 +27,19 @@ class AdmitRequest(Record):
     stop_token_ids: list[int]
     logprobs: bool = False
     top_logprobs: int = 0
+    # Start from the first `prefix_tokens` of this saved prefix entry instead of prefilling them.
+    prefix_entry: str | None = None
+    prefix_tokens: int = 0
+    # Offer the request's KV to the prefix cache when it ends.
+    save_prefix: bool = True
+
+
+class SavedPrefix(Record):
+    """KV the engine kept when a request ended: `tokens` exactly cover it."""
+
+    entry_id: str
+    tokens: list[int]
+    num_bytes: int
 
 
 class PrefillWork(Record):
@@ -70,10 +83,11 @@ class StepOutcome(Record):
     prefilled: list[PrefillReport]
     released: list[str]
     num_decode_rows: int
-    # KV tokens held per live request, and bytes held by all caches.
+    # KV tokens held per live request, and bytes held by all caches (prefix entries included).
     kv_tokens: dict[str, int]
     kv_bytes: int
     step_s: float
+    saved_prefixes: list[SavedPrefix] = msgspec.field(default_factory=list)
 
 
 class ModelInfo(Record):
@@ -104,4 +118,10 @@ class RunStep(Message):
     reply: Reply[StepOutcome | StepFailed]
 
 
-ModelInbox = RunStep
+class DropPrefixes(Message):
+    """Forget these prefix entries (the KV store evicted them)."""
+
+    entry_ids: list[str]
+
+
+ModelInbox = RunStep | DropPrefixes

@@ -45,8 +45,12 @@ class SchedulerConfig(Section):
 
 
 class KvConfig(Section):
-    # Bytes of KV cache the runtime may hold; 0 = no limit.
+    # Bytes of KV cache the runtime may hold, prefix cache included; 0 = no limit.
     budget_bytes: int = 0
+    # Bytes the prefix cache may keep (least recently used entries go first); 0 disables it.
+    prefix_cache_bytes: int = 1 << 30
+    # Shorter sequences are not worth keeping.
+    prefix_min_tokens: int = 16
 
 
 class GenerationConfig(Section):
@@ -151,7 +155,13 @@ class RuntimeConfig(Section):
         for key, value in positive.items():
             if value < 1:
                 raise ConfigError(f"{source}: `{key}` must be >= 1, got {value}")
-        for key, value in {"scheduler.step_token_budget": self.scheduler.step_token_budget, "kv.budget_bytes": self.kv.budget_bytes}.items():
+        non_negative = {
+            "scheduler.step_token_budget": self.scheduler.step_token_budget,
+            "kv.budget_bytes": self.kv.budget_bytes,
+            "kv.prefix_cache_bytes": self.kv.prefix_cache_bytes,
+            "kv.prefix_min_tokens": self.kv.prefix_min_tokens,
+        }
+        for key, value in non_negative.items():
             if value < 0:
                 raise ConfigError(f"{source}: `{key}` must be >= 0, got {value}")
         if self.model.max_context is not None and self.model.max_context < 2:

@@ -97,7 +97,13 @@ class Runtime:
         model = ModelActor(config.model, thread, progress=progress)
         ready: ModelReady = await tg.start(model.run)
         progress.done(f"{ready.info.model_type} {ready.info.num_parameters / 1e6:.1f}M params, {ready.info.dtype} on {ready.info.device}")
-        kv = KvStoreActor(KvLedger(bytes_per_token=ready.info.kv_bytes_per_token, budget_bytes=config.kv.budget_bytes))
+        ledger = KvLedger(
+            bytes_per_token=ready.info.kv_bytes_per_token,
+            budget_bytes=config.kv.budget_bytes,
+            prefix_cache_bytes=config.kv.prefix_cache_bytes,
+            prefix_min_tokens=config.kv.prefix_min_tokens,
+        )
+        kv = KvStoreActor(ledger, model=model.inbox)
         await tg.start(kv.run)
         s = config.scheduler
         policy = SchedulePolicy(

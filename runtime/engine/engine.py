@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from protocols.api import TokenLogprob, TopLogprob
-from protocols.model import AdmitRequest, PrefillReport, PrefillWork, RowOutput, StepOutcome, StepPlan
+from protocols.model import AdmitRequest, PrefillReport, PrefillWork, RowOutput, SavedPrefix, StepOutcome, StepPlan
 from runtime.engine.sampler import BatchSampler, RowSampling, SampleResult
 from runtime.engine.slots import DecodeBatch, LayerGeometry
 
@@ -43,6 +43,14 @@ class Sequence:
     num_prefilled: int = 0
     num_generated: int = 0
     in_batch: bool = False
+    generated: list[int] = field(default_factory=list)
+
+    def tokens_with_kv(self, length: int) -> list[int]:
+        """The tokens whose KV the first `length` cache positions hold."""
+        tokens = self.admit.prompt_ids + self.generated
+        if length > len(tokens):
+            raise EngineInvariantError(f"cache of {length} positions but only {len(tokens)} tokens known")
+        return tokens[:length]
 
     @property
     def prompt_len(self) -> int:
@@ -75,6 +83,10 @@ class Engine:
         self._pending: mx.array | None = None
         self._in_flight: InFlight | None = None
         self._num_steps = 0
+        # Saved prefixes by entry id: per-layer KVCaches whose length is the entry's.
+        self._prefixes: dict[str, list[KVCache]] = {}
+        self._saved: list[SavedPrefix] = []
+        self._num_saved = 0
 
     def step(self, plan: StepPlan) -> StepOutcome:
         """Apply one plan; see the module docstring for the order."""
@@ -90,6 +102,7 @@ class Engine:
         outputs = self._decode(synchronous=bool(prefilled)) if plan.decode else []
         if not self._sequences:
             mx.clear_cache()
+        saved, self._saved = self._saved, []
         return StepOutcome(
             outputs=outputs,
             prefilled=prefilled,
@@ -98,7 +111,12 @@ class Engine:
             kv_tokens=self.kv_tokens(),
             kv_bytes=self.kv_bytes(),
             step_s=time.perf_counter() - started,
+            saved_prefixes=saved,
         )
+
+    def drop_prefixes(self, entry_ids: list[str]) -> None:
+        for entry_id in entry_ids:
+            self._prefixes.pop(entry_id, None)
 
     def reset(self) -> list[str]:
         """Drop every request (after a failed step); returns the ids dropped."""
@@ -118,7 +136,8 @@ class Engine:
 
     def kv_bytes(self) -> int:
         prefill = sum(c.nbytes for s in self._sequences.values() if s.cache is not None for c in s.cache)
-        return prefill + self._batch.nbytes
+        prefixes = sum(c.nbytes for caches in self._prefixes.values() for c in caches)
+        return prefill + prefixes + self._batch.nbytes
 
     @property
     def bytes_per_token(self) -> int:
@@ -127,7 +146,30 @@ class Engine:
     def _admit(self, admit: AdmitRequest) -> None:
         if admit.request_id in self._sequences:
             raise EngineInvariantError(f"request {admit.request_id!r} admitted twice")
-        self._sequences[admit.request_id] = Sequence(admit=admit, stop_ids=frozenset(admit.stop_token_ids))
+        seq = Sequence(admit=admit, stop_ids=frozenset(admit.stop_token_ids))
+        if admit.prefix_entry is not None:
+            seq.cache = self._start_from_prefix(admit)
+            seq.num_prefilled = admit.prefix_tokens
+        self._sequences[admit.request_id] = seq
+
+    def _start_from_prefix(self, admit: AdmitRequest) -> list[KVCache]:
+        """Caches that read the entry's first tokens without copying them.
+
+        Each cache gets its own array objects (slices): `a[...] = b` rebinds the
+        array object `a` in place, so sharing the entry's objects would let a
+        request's writes leak into the entry. The slices end exactly at the prefix,
+        so the first write reallocates and the entry's buffers are never touched.
+        """
+        entry = self._prefixes.get(admit.prefix_entry)
+        n = admit.prefix_tokens
+        if entry is None or not 0 < n <= min(entry[0].offset, len(admit.prompt_ids) - 1):
+            raise EngineInvariantError(f"prefix {admit.prefix_entry!r} cannot seed {n} tokens")
+        caches = []
+        for saved in entry:
+            cache = KVCache()
+            cache.keys, cache.values, cache.offset = saved.keys[..., :n, :], saved.values[..., :n, :], n
+            caches.append(cache)
+        return caches
 
     def _release(self, request_id: str) -> bool:
         seq = self._sequences.get(request_id)
@@ -135,8 +177,19 @@ class Engine:
             return False
         if seq.in_batch:
             self._leave_batch(request_id)
+        elif seq.cache is not None and seq.num_prefilled:
+            self._save_prefix(seq, [_trimmed(c, seq.num_prefilled) for c in seq.cache])
         del self._sequences[request_id]
         return True
+
+    def _save_prefix(self, seq: Sequence, caches: list[KVCache]) -> None:
+        if not seq.admit.save_prefix:
+            return
+        self._num_saved += 1
+        entry_id = f"{seq.admit.request_id}#{self._num_saved}"
+        self._prefixes[entry_id] = caches
+        tokens = seq.tokens_with_kv(caches[0].offset)
+        self._saved.append(SavedPrefix(entry_id=entry_id, tokens=tokens, num_bytes=sum(c.nbytes for c in caches)))
 
     def _prefill(self, works: list[PrefillWork]) -> list[PrefillReport]:
         """Forward prompt chunks. First chunks go through one left-padded batched
@@ -214,6 +267,9 @@ class Engine:
             seq.in_batch = True
 
     def _leave_batch(self, request_id: str) -> None:
+        """Remove an ending request's row, keeping its KV as a prefix entry if wanted."""
+        if self._sequences[request_id].admit.save_prefix:
+            self._save_prefix(self._sequences[request_id], self._batch.extract(request_id))
         order = self._batch.remove_row(request_id)
         self._sampler.reorder(order)
         self._pending = self._pending[mx.array(order, dtype=mx.int32)] if order else None
@@ -246,6 +302,7 @@ class Engine:
 
     def _account(self, rid: str, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RowOutput:
         seq.num_generated += 1
+        seq.generated.append(token)
         admit = seq.admit
         wanted = None
         if logprob is not None and (admit.logprobs or admit.top_logprobs):
@@ -263,6 +320,14 @@ class Engine:
         if seq.in_batch:
             self._leave_batch(rid)
         del self._sequences[rid]
+
+
+def _trimmed(cache: KVCache, length: int) -> KVCache:
+    trimmed = KVCache()
+    trimmed.keys = mx.contiguous(cache.keys[..., :length, :])
+    trimmed.values = mx.contiguous(cache.values[..., :length, :])
+    trimmed.offset = length
+    return trimmed
 
 
 def _read_logprobs(result: SampleResult, tokens: list[int]) -> list[TokenLogprob] | None:

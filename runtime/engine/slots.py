@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 LEN_STEP = 256
 
@@ -120,6 +121,19 @@ class DecodeBatch:
                 self._values[layer][row : row + 1, :, :length] = cache.values[..., :length, :]
         self.row_ids.append(request_id)
         self.lengths.append(length)
+
+    def extract(self, request_id: str) -> list[KVCache]:
+        """A contiguous copy of one row's KV as per-layer `KVCache`s."""
+        row = self.index(request_id)
+        length = self.lengths[row]
+        caches = []
+        for keys, values in zip(self._keys, self._values):
+            cache = KVCache()
+            cache.keys = mx.contiguous(keys[row : row + 1, :, :length])
+            cache.values = mx.contiguous(values[row : row + 1, :, :length])
+            cache.offset = length
+            caches.append(cache)
+        return caches
 
     def remove_row(self, request_id: str) -> list[int]:
         """Drop a row; returns, for each remaining row, the row it used to be."""

@@ -22,33 +22,33 @@ from runtime.mailbox import ask
 
 def test_grant_within_budget():
     ledger = KvLedger(bytes_per_token=10, budget_bytes=1000)
-    assert ledger.reserve("a", 60) == KvReservation(request_id="a", granted=True)
-    assert ledger.reserve("b", 40) == KvReservation(request_id="b", granted=True)  # exactly the budget
+    assert ledger.reserve("a", 60)[0] == KvReservation(request_id="a", granted=True)
+    assert ledger.reserve("b", 40)[0] == KvReservation(request_id="b", granted=True)  # exactly the budget
     assert ledger.stats().reserved_tokens == 100
 
 
 def test_never_fits_when_one_request_exceeds_the_budget():
     ledger = KvLedger(bytes_per_token=10, budget_bytes=1000)
-    assert ledger.reserve("big", 101) == KvReservation(request_id="big", granted=False, reason="never_fits")
+    assert ledger.reserve("big", 101)[0] == KvReservation(request_id="big", granted=False, reason="never_fits")
     assert ledger.stats().reserved_tokens == 0
     # Even with the ledger empty, it does not fit: the reason is not "no_room".
-    assert ledger.reserve("big", 101).reason == "never_fits"
+    assert ledger.reserve("big", 101)[0].reason == "never_fits"
 
 
 def test_no_room_then_granted_after_release():
     ledger = KvLedger(bytes_per_token=10, budget_bytes=1000)
-    assert ledger.reserve("a", 70).granted
-    assert ledger.reserve("b", 31) == KvReservation(request_id="b", granted=False, reason="no_room")
+    assert ledger.reserve("a", 70)[0].granted
+    assert ledger.reserve("b", 31)[0] == KvReservation(request_id="b", granted=False, reason="no_room")
     assert ledger.stats().reserved_tokens == 70
     ledger.release("a")
-    assert ledger.reserve("b", 31) == KvReservation(request_id="b", granted=True)
+    assert ledger.reserve("b", 31)[0] == KvReservation(request_id="b", granted=True)
     assert ledger.stats().reserved_tokens == 31
 
 
 def test_zero_budget_is_unlimited():
     ledger = KvLedger(bytes_per_token=1 << 20, budget_bytes=0)
     for i in range(5):
-        assert ledger.reserve(f"r{i}", 10**9).granted
+        assert ledger.reserve(f"r{i}", 10**9)[0].granted
     stats = ledger.stats()
     assert stats.reserved_tokens == 5 * 10**9
     assert stats.budget_bytes is None
@@ -56,8 +56,8 @@ def test_zero_budget_is_unlimited():
 
 def test_record_usage_and_stats():
     ledger = KvLedger(bytes_per_token=64, budget_bytes=1 << 20)
-    ledger.reserve("a", 100)
-    ledger.reserve("b", 50)
+    ledger.reserve("a", 100)[0]
+    ledger.reserve("b", 50)[0]
     ledger.record_usage({"a": 30, "b": 12}, physical_bytes=9000)
     assert ledger.stats() == KvStats(
         live_requests=2,
@@ -84,8 +84,8 @@ def test_record_usage_copies_its_input():
 
 def test_release_forgets_reservation_and_usage_and_is_idempotent():
     ledger = KvLedger(bytes_per_token=8, budget_bytes=800)
-    ledger.reserve("a", 40)
-    ledger.reserve("b", 40)
+    ledger.reserve("a", 40)[0]
+    ledger.reserve("b", 40)[0]
     ledger.record_usage({"a": 10, "b": 20}, physical_bytes=240)
     ledger.release("a")
     after_once = ledger.stats()

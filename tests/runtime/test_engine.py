@@ -38,6 +38,7 @@ class Driver:
         self.left: dict[str, int] = {}
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
+        self.saved = []
 
     def admit(self, *admits: AdmitRequest) -> None:
         for a in admits:
@@ -62,7 +63,15 @@ class Driver:
                 self.finish[row.request_id] = row.finish_reason
         for rid in outcome.released:
             self.left.pop(rid, None)
+        self.saved += outcome.saved_prefixes
         return outcome
+
+    def assert_only_prefixes_remain(self) -> None:
+        """Every request's KV is gone except the prefix entries it left, which drop cleanly."""
+        assert self.engine.kv_tokens() == {}
+        assert self.engine.kv_bytes() == sum(e.num_bytes for e in self.saved)
+        self.engine.drop_prefixes([e.entry_id for e in self.saved])
+        assert self.engine.kv_bytes() == 0
 
     def run(self, max_steps: int = 200) -> None:
         for _ in range(max_steps):
@@ -84,7 +93,12 @@ def test_batched_engine_matches_mlx_lm(engine, model_and_tokenizer):
     driver.run()
     for i, p in enumerate(prompts):
         assert driver.tokens[str(i)] == greedy_tokens(*model_and_tokenizer, p, 12)
-    assert engine.kv_tokens() == {} and engine.kv_bytes() == 0
+    driver.assert_only_prefixes_remain()
+    # Each saved entry holds exactly the tokens whose KV it covers: prompt + fed tokens.
+    for entry in driver.saved:
+        i = int(entry.entry_id.split("#")[0])
+        assert entry.tokens == (prompts[i] + driver.tokens[str(i)])[: len(entry.tokens)]
+        assert len(prompts[i]) - 1 <= len(entry.tokens) <= len(prompts[i]) + 12
 
 
 @pytest.mark.parametrize("when", ["prefill", "decode"])
@@ -104,7 +118,7 @@ def test_release_frees_kv_and_leaves_others_unchanged(engine, model_and_tokenize
     driver.run()
     for i in (1, 2):
         assert driver.tokens[str(i)] == greedy_tokens(*model_and_tokenizer, prompts[i], 16)
-    assert engine.kv_bytes() == 0
+    driver.assert_only_prefixes_remain()
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3])
@@ -170,3 +184,24 @@ def test_engine_refuses_other_threads(engine):
     thread.start()
     thread.join()
     assert errors
+
+
+def test_requests_seeded_from_one_prefix_never_change_it(engine, model_and_tokenizer):
+    import msgspec
+    import numpy as np
+
+    prompt = _prompts([60])[0]
+    driver = Driver(engine)
+    driver.admit(_admit("a", prompt, max_tokens=10))
+    driver.run()
+    (entry,) = driver.saved
+    before = [np.array(c.keys) for c in engine._prefixes[entry.entry_id]]
+    # The shorter seed writes past position 20 first; the longer one must still see the original KV.
+    for n in (20, len(prompt) - 1):
+        rid = f"b{n}"
+        driver.admit(msgspec.structs.replace(_admit(rid, prompt, max_tokens=10), prefix_entry=entry.entry_id, prefix_tokens=n))
+        driver.left[rid] = len(prompt) - 1 - n
+        driver.run()
+        assert driver.tokens[rid] == driver.tokens["a"]
+    after = [np.array(c.keys) for c in engine._prefixes[entry.entry_id]]
+    assert all(np.array_equal(x, y) for x, y in zip(before, after))

@@ -1,0 +1,133 @@
+"""Prefix reuse across requests, and admission under a KV budget."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+
+from protocols import Finished, GenerateRequest, TokenDelta
+from runtime import Runtime
+from runtime.config import GenerationConfig, KvConfig, LoggingConfig, RuntimeConfig, SchedulerConfig
+from tests.integration.reference import greedy_tokens, load_reference
+
+MAX_TOKENS = 16
+
+
+def _config(**kv) -> RuntimeConfig:
+    return RuntimeConfig.for_model(
+        "builtin:tiny",
+        scheduler=SchedulerConfig(max_batch_size=8, prefill_chunk_size=16),
+        kv=KvConfig(**{"prefix_min_tokens": 4, **kv}),
+        generation=GenerationConfig(seed=0),
+        logging=LoggingConfig(level="warning", format="json"),
+    )
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+async def _run(rt: Runtime, prompt: list[int], max_tokens: int = MAX_TOKENS, **kw) -> tuple[list[int], Finished]:
+    tokens, finished = [], None
+    async for event in rt.generate(GenerateRequest(prompt_ids=prompt, max_tokens=max_tokens, **kw)):
+        if isinstance(event, TokenDelta):
+            tokens += event.token_ids
+        elif isinstance(event, Finished):
+            finished = event
+    return tokens, finished
+
+
+async def test_shared_prefix_is_reused_and_tokens_match_a_cold_run():
+    model, tokenizer = load_reference("builtin:tiny")
+    system = _ids(100, 1)
+    first, second, same = system + _ids(12, 2), system + _ids(9, 3), system + _ids(12, 2)
+    async with Runtime.open(_config()) as rt:
+        tokens_first, fin_first = await _run(rt, first)
+        tokens_second, fin_second = await _run(rt, second)
+        tokens_same, fin_same = await _run(rt, same)
+        stats = (await rt.stats()).kv
+    assert fin_first.usage.cached_tokens == 0
+    assert fin_second.usage.cached_tokens == len(system)
+    assert fin_same.usage.cached_tokens == len(same) - 1
+    assert tokens_first == greedy_tokens(model, tokenizer, first, MAX_TOKENS)
+    assert tokens_second == greedy_tokens(model, tokenizer, second, MAX_TOKENS)
+    assert tokens_same == tokens_first
+    assert stats.prefix_hits == 2 and stats.prefix_tokens_reused == len(system) + len(same) - 1
+
+
+async def test_a_conversation_reuses_its_own_generated_tokens():
+    """A follow-up turn whose prompt contains the previous answer starts after it."""
+    model, tokenizer = load_reference("builtin:tiny")
+    prompt = _ids(40, 4)
+    async with Runtime.open(_config()) as rt:
+        answer, _ = await _run(rt, prompt, ignore_eos=True)
+        follow_up = prompt + answer + _ids(6, 5)
+        tokens, finished = await _run(rt, follow_up)
+    # The saved entry holds the prompt and every generated token that was fed back (all but the last).
+    assert finished.usage.cached_tokens == len(prompt) + len(answer) - 1
+    assert tokens == greedy_tokens(model, tokenizer, follow_up, MAX_TOKENS)
+
+
+async def test_prefix_cache_respects_its_byte_cap():
+    async with Runtime.open(_config()) as rt:
+        await _run(rt, _ids(30, 6))
+        one_entry = (await rt.stats()).kv.prefix_bytes
+    assert one_entry > 0
+    async with Runtime.open(_config(prefix_cache_bytes=int(one_entry * 2.5))) as rt:
+        for seed in range(6):
+            await _run(rt, _ids(30, 10 + seed))
+        stats = (await rt.stats()).kv
+    assert 1 <= stats.prefix_entries <= 2 and stats.prefix_bytes <= int(one_entry * 2.5)
+
+
+async def test_disabled_prefix_cache_keeps_nothing():
+    async with Runtime.open(_config(prefix_cache_bytes=0)) as rt:
+        await _run(rt, _ids(30, 7))
+        _, finished = await _run(rt, _ids(30, 7))
+        stats = (await rt.stats()).kv
+    assert finished.usage.cached_tokens == 0
+    assert stats.prefix_entries == 0 and stats.prefix_bytes == 0 and stats.prefix_hits == 0
+
+
+async def test_burst_under_a_small_budget_completes_and_accounting_returns_to_idle():
+    model, tokenizer = load_reference("builtin:tiny")
+    prompts = [_ids(20 + i, 20 + i) for i in range(12)]
+    async with Runtime.open(_config()) as rt:
+        bytes_per_token = rt.model_info.kv_bytes_per_token
+    # Room for about three requests (prompt + max_tokens) at a time, prefix cache included.
+    budget = 3 * (32 + MAX_TOKENS) * bytes_per_token
+    async with Runtime.open(_config(budget_bytes=budget, prefix_cache_bytes=budget)) as rt:
+        results: dict = {}
+
+        async def one(i):
+            results[i] = await _run(rt, prompts[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        with anyio.fail_after(5):
+            while (stats := await rt.stats()).live_requests or stats.kv.live_tokens:
+                await anyio.sleep(0.01)
+        kv = stats.kv
+    for i, prompt in enumerate(prompts):
+        tokens, finished = results[i]
+        assert finished.finish_reason in ("length", "stop")
+        assert tokens == greedy_tokens(model, tokenizer, prompt, MAX_TOKENS)
+    assert kv.reserved_tokens == 0 and kv.live_tokens == 0
+    assert kv.prefix_bytes <= budget
+
+
+async def test_request_that_can_never_fit_is_refused():
+    import pytest
+
+    from runtime import RequestTooLargeError
+
+    async with Runtime.open(_config()) as rt:
+        bytes_per_token = rt.model_info.kv_bytes_per_token
+    async with Runtime.open(_config(budget_bytes=50 * bytes_per_token)) as rt:
+        with pytest.raises(RequestTooLargeError):
+            await _run(rt, _ids(40, 30), max_tokens=20)
+        tokens, finished = await _run(rt, _ids(10, 31), max_tokens=20)
+        assert finished.finish_reason in ("length", "stop")
