@@ -1,4 +1,4 @@
-"""The KV cache store actor: the authority on KV memory and the prefix cache.
+"""The KV cache store actor: the authority on KV memory, the prefix cache and checkpoints.
 
 Receives `protocols.kv` messages. The arrays live on the MLX thread (the engine
 allocates and frees them as plans say, and keeps saved prefixes under their
@@ -6,12 +6,23 @@ entry ids); this actor decides whether a request's prompt plus generation fits
 the budget before it is admitted, finds the longest saved prefix it can start
 from, indexes the prefixes the engine saves, and evicts least recently used
 ones (telling the model actor to drop them) when the budget needs the room.
+Checkpoints the engine captured are written atomically, in order, by one
+writer task off the event loop, deleted when their request ends for good, and
+expired when old.
 """
 
 from __future__ import annotations
 
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import assert_never
 
+import anyio
+import anyio.to_thread
 import structlog
 
 from actors.prefix_index import PrefixIndex
@@ -24,12 +35,17 @@ from protocols.kv import (
     ReleaseKv,
     ReportKvUsage,
     ReserveKv,
+    SaveCheckpoint,
     UnpinPrefix,
 )
 from protocols.model import DropPrefixes, SavedPrefix
+from runtime import checkpoints
 from runtime.mailbox import Mailbox, answer
 
 log = structlog.get_logger(actor="kv_store")
+
+CHECKPOINT_QUEUE = 64
+EXPIRE_EVERY_S = 3600.0
 
 
 class KvLedger:
@@ -116,17 +132,52 @@ class KvLedger:
         return self.prefixes.evict(over) if over > 0 else []
 
 
+@dataclass(frozen=True)
+class CheckpointSettings:
+    directory: Path
+    model_id: str
+    tokenizer_id: str
+    max_age_s: float
+
+
 class KvStoreActor:
-    def __init__(self, ledger: KvLedger, *, model: Mailbox | None = None, capacity: int = 256):
+    def __init__(
+        self, ledger: KvLedger, *, model: Mailbox | None = None, checkpoints: CheckpointSettings | None = None, capacity: int = 256
+    ):
         self.ledger = ledger
         self.inbox: Mailbox[KvInbox] = Mailbox(capacity)
         self._model = model
+        self._checkpoints = checkpoints
+        # File work happens in order (a write, then its delete) on one writer task.
+        self._jobs_send, self._jobs_receive = anyio.create_memory_object_stream[Callable[[], object]](CHECKPOINT_QUEUE)
+        self._checkpointed: set[str] = set()
 
     async def run(self, *, task_status) -> None:
-        with self.inbox:
-            task_status.started()
+        with self.inbox, self._jobs_send:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._file_writer)
+                task_status.started()
+                while True:
+                    await self.handle(await self.inbox.receive())
+
+    async def _file_writer(self) -> None:
+        settings, last_expiry = self._checkpoints, 0.0
+        async with self._jobs_receive:
             while True:
-                await self.handle(await self.inbox.receive())
+                if settings is not None and time.monotonic() - last_expiry > EXPIRE_EVERY_S:
+                    last_expiry = time.monotonic()
+                    removed = await anyio.to_thread.run_sync(checkpoints.expire, settings.directory, settings.max_age_s)
+                    if removed:
+                        log.info("checkpoints_expired", count=len(removed))
+                with anyio.move_on_after(EXPIRE_EVERY_S):
+                    try:
+                        job = await self._jobs_receive.receive()
+                    except anyio.EndOfStream:
+                        return
+                    try:
+                        await anyio.to_thread.run_sync(job)
+                    except OSError as exc:
+                        log.error("checkpoint_io_failed", error=str(exc))
 
     async def handle(self, message: KvInbox) -> None:
         match message:
@@ -134,8 +185,13 @@ class KvStoreActor:
                 reservation, evicted = self.ledger.reserve(rid, n, prompt, max_prefix)
                 answer(reply, reservation)
                 await self._drop(evicted)
-            case ReleaseKv(request_id=rid):
+            case ReleaseKv(request_id=rid, delete_checkpoint=delete):
                 self.ledger.release(rid)
+                if delete and rid in self._checkpointed:
+                    self._checkpointed.discard(rid)
+                    await self._jobs_send.send(partial(checkpoints.delete, self._checkpoints.directory, rid))
+            case SaveCheckpoint():
+                await self._save_checkpoint(message)
             case UnpinPrefix(entry_id=entry_id):
                 self.ledger.unpin(entry_id)
             case PrefixesSaved(entries=entries):
@@ -147,7 +203,34 @@ class KvStoreActor:
             case _:
                 assert_never(message)
 
+    async def _save_checkpoint(self, message: SaveCheckpoint) -> None:
+        settings = self._checkpoints
+        if settings is None:
+            return
+        rid = message.data.request_id
+        self._checkpointed.add(rid)
+        await self._jobs_send.send(partial(_write_checkpoint, settings, message, time.time()))
+
     async def _drop(self, entry_ids: list[str]) -> None:
         if entry_ids and self._model is not None:
             log.debug("prefixes_dropped", count=len(entry_ids))
             await self._model.send(DropPrefixes(entry_ids=entry_ids))
+
+
+def _write_checkpoint(settings: CheckpointSettings, message: SaveCheckpoint, created_at: float) -> None:
+    data = message.data
+    header = checkpoints.CheckpointHeader(
+        format_version=checkpoints.FORMAT_VERSION,
+        model_id=settings.model_id,
+        tokenizer_id=settings.tokenizer_id,
+        request=message.request,
+        prompt_ids=message.prompt_ids,
+        seed=message.seed,
+        max_tokens=message.max_tokens,
+        stop_token_ids=message.stop_token_ids,
+        generated=data.generated,
+        num_kv_tokens=data.num_kv_tokens,
+        created_at=created_at,
+        tensors_sha256=hashlib.sha256(data.kv_tensors).hexdigest(),
+    )
+    checkpoints.write_atomic(settings.directory, data.request_id, checkpoints.encode(header, data.kv_tensors))

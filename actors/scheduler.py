@@ -16,7 +16,7 @@ import msgspec
 import structlog
 
 from actors.scheduling import Ended, SchedulePolicy, Tracked
-from protocols.kv import PrefixesSaved, ReleaseKv, ReportKvUsage, ReserveKv, UnpinPrefix
+from protocols.kv import PrefixesSaved, ReleaseKv, ReportKvUsage, ReserveKv, SaveCheckpoint, UnpinPrefix
 from protocols.model import RunStep, StepFailed, StepOutcome
 from protocols.scheduler import (
     AddRequest,
@@ -62,8 +62,8 @@ class SchedulerActor:
         match message:
             case AddRequest():
                 self._enqueue(message)
-            case CancelRequest(request_id=rid):
-                await self._end_early(rid, "cancelled")
+            case CancelRequest(request_id=rid, keep_checkpoint=keep):
+                await self._end_early(rid, "cancelled", keep_checkpoint=keep)
             case FinishRequest(request_id=rid):
                 await self._end_early(rid, "stop")
             case GetSchedulerStats(reply=reply):
@@ -83,21 +83,24 @@ class SchedulerActor:
             session=message.session,
             priority=message.priority,
             report_progress=message.report_progress,
+            request=message.request,
+            checkpoint_every=message.checkpoint_every,
         )
         self.policy.enqueue(tracked)
 
-    async def _end_early(self, request_id: str, reason: str) -> None:
-        ended = self.policy.end_early(request_id, reason)
+    async def _end_early(self, request_id: str, reason: str, *, keep_checkpoint: bool = False) -> None:
+        ended = self.policy.end_early(request_id, reason, keep_checkpoint=keep_checkpoint)
         if ended is not None:
-            self._notify_end(ended)
-            await self._kv.send(ReleaseKv(request_id=request_id))
+            await self._finish(ended)
 
     async def _admit(self) -> None:
         while (tracked := self.policy.admission_candidate()) is not None:
             rid, need, prompt = tracked.request_id, tracked.kv_tokens_needed, tracked.admit.prompt_ids
+            # A resumed request brings its own cache; others may start from a saved prefix.
+            max_prefix = 0 if tracked.admit.resume is not None else len(prompt) - 1
             reservation = await ask(
                 self._kv,
-                lambda reply: ReserveKv(request_id=rid, num_tokens=need, reply=reply, prompt_ids=prompt, max_prefix_tokens=len(prompt) - 1),
+                lambda reply: ReserveKv(request_id=rid, num_tokens=need, reply=reply, prompt_ids=prompt, max_prefix_tokens=max_prefix),
             )
             if reservation.granted:
                 if reservation.prefix_entry is not None:
@@ -123,8 +126,7 @@ class SchedulerActor:
             case StepFailed(error=error):
                 log.error("step_failed", error=error)
                 for ended in self.policy.fail_all():
-                    self._notify_end(ended, error=error)
-                    await self._kv.send(ReleaseKv(request_id=ended.tracked.request_id))
+                    await self._finish(ended, error=error)
 
     async def _deliver(self, outcome: StepOutcome) -> None:
         for report in outcome.prefilled:
@@ -137,12 +139,34 @@ class SchedulerActor:
                 tracked.session.send_nowait(
                     TokensGenerated(request_id=row.request_id, token_ids=row.token_ids, logprobs=row.logprobs)
                 )
+        for data in outcome.checkpoints:
+            await self._save_checkpoint(data)
         for ended in self.policy.apply(outcome, time.monotonic()):
-            self._notify_end(ended)
-            await self._kv.send(ReleaseKv(request_id=ended.tracked.request_id))
+            await self._finish(ended)
         if outcome.saved_prefixes:
             await self._kv.send(PrefixesSaved(entries=outcome.saved_prefixes))
         await self._kv.send(ReportKvUsage(live_tokens=outcome.kv_tokens, physical_bytes=outcome.kv_bytes))
+
+    async def _save_checkpoint(self, data) -> None:
+        tracked = self.policy.get(data.request_id)
+        if tracked is None or tracked.request is None:
+            return
+        admit = tracked.admit
+        await self._kv.send(
+            SaveCheckpoint(
+                request=tracked.request,
+                prompt_ids=admit.prompt_ids,
+                seed=admit.seed,
+                max_tokens=admit.max_tokens,
+                stop_token_ids=admit.stop_token_ids,
+                data=data,
+            )
+        )
+
+    async def _finish(self, ended: Ended, error: str | None = None) -> None:
+        self._notify_end(ended, error)
+        delete = not ended.tracked.keep_checkpoint
+        await self._kv.send(ReleaseKv(request_id=ended.tracked.request_id, delete_checkpoint=delete))
 
     def _notify_end(self, ended: Ended, error: str | None = None) -> None:
         tracked = ended.tracked

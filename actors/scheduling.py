@@ -45,6 +45,20 @@ class Tracked:
     release_reason: str | None = None
     cached_tokens: int = 0
     timeline: dict[str, float] = field(default_factory=dict)
+    # The request as submitted (for checkpoints), and its checkpoint cadence.
+    request: Any = None
+    checkpoint_every: int = 0
+    keep_checkpoint: bool = False
+    num_generated: int = 0
+    next_checkpoint: int = 0
+
+    def __post_init__(self) -> None:
+        resume = self.admit.resume
+        if resume is not None:
+            self.num_generated = len(resume.generated)
+            self.num_prefilled = self.cached_tokens = resume.num_kv_tokens
+        if self.checkpoint_every:
+            self.next_checkpoint = (self.num_generated // self.checkpoint_every + 1) * self.checkpoint_every
 
     @property
     def request_id(self) -> str:
@@ -52,7 +66,7 @@ class Tracked:
 
     @property
     def prefill_left(self) -> int:
-        return len(self.admit.prompt_ids) - 1 - self.num_prefilled
+        return len(self.admit.context_ids) - 1 - self.num_prefilled
 
     @property
     def kv_tokens_needed(self) -> int:
@@ -125,18 +139,21 @@ class SchedulePolicy:
 
     # -- early ends ----------------------------------------------------------
 
-    def end_early(self, request_id: str, reason: str) -> Ended | None:
+    def end_early(self, request_id: str, reason: str, *, keep_checkpoint: bool = False) -> Ended | None:
         """Cancel (or stop) a request. Waiting ones end now; admitted ones after a release step."""
         for tracked in self._waiting:
             if tracked.request_id == request_id:
                 self._waiting.remove(tracked)
+                tracked.keep_checkpoint = keep_checkpoint
                 return Ended(tracked, reason)
         for tracked in self._to_admit:
             if tracked.request_id == request_id:
                 self._to_admit.remove(tracked)
+                tracked.keep_checkpoint = keep_checkpoint
                 return Ended(tracked, reason)
         tracked = self._active.get(request_id)
         if tracked is not None and tracked.release_reason is None:
+            tracked.keep_checkpoint = keep_checkpoint
             tracked.release_reason = reason
             tracked.phase = Phase.RELEASING
         return None
@@ -159,7 +176,16 @@ class SchedulePolicy:
         prefill = self._plan_prefill(self.token_budget - num_decoding, now)
         decode = any(t.phase is Phase.DECODING for t in self._active.values())
         self.num_steps += 1
-        return StepPlan(release=release, admit=admit, prefill=prefill, decode=decode)
+        return StepPlan(release=release, admit=admit, prefill=prefill, decode=decode, checkpoint=self._plan_checkpoints())
+
+    def _plan_checkpoints(self) -> list[str]:
+        due = []
+        for tracked in self._active.values():
+            if tracked.phase is Phase.DECODING and tracked.checkpoint_every and tracked.num_generated >= tracked.next_checkpoint:
+                due.append(tracked.request_id)
+                while tracked.next_checkpoint <= tracked.num_generated:
+                    tracked.next_checkpoint += tracked.checkpoint_every
+        return due
 
     def _plan_prefill(self, budget: int, now: float) -> list[PrefillWork]:
         prefilling = [t for t in self._active.values() if t.phase is Phase.PREFILLING]
@@ -194,6 +220,7 @@ class SchedulePolicy:
             tracked = self._active.get(row.request_id)
             if tracked is None:
                 continue
+            tracked.num_generated += len(row.token_ids) + (row.stop_token_id is not None)
             if row.token_ids or row.finish_reason:
                 tracked.stamp("first_token", now)
                 tracked.timeline["last_token"] = now

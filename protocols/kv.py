@@ -9,7 +9,8 @@ from __future__ import annotations
 import msgspec
 
 from protocols.base import Message, Record, Reply
-from protocols.model import SavedPrefix
+from protocols.api import GenerateRequest
+from protocols.model import CheckpointData, SavedPrefix
 
 
 class KvReservation(Record):
@@ -63,6 +64,19 @@ class ReleaseKv(Message):
     """The request's caches are gone; forget its reservation and usage."""
 
     request_id: str
+    # The request ended for good: its checkpoint (if any) is deleted.
+    delete_checkpoint: bool = True
+
+
+class SaveCheckpoint(Message):
+    """Write a request's decode state durably (atomically replacing the previous one)."""
+
+    request: GenerateRequest
+    prompt_ids: list[int]
+    seed: int
+    max_tokens: int
+    stop_token_ids: list[int]
+    data: CheckpointData
 
 
 class ReportKvUsage(Message):
@@ -76,4 +90,4 @@ class GetKvStats(Message):
     reply: Reply[KvStats]
 
 
-KvInbox = ReserveKv | ReleaseKv | ReportKvUsage | GetKvStats | UnpinPrefix | PrefixesSaved
+KvInbox = ReserveKv | ReleaseKv | ReportKvUsage | GetKvStats | UnpinPrefix | PrefixesSaved | SaveCheckpoint

@@ -14,6 +14,16 @@ from protocols.api import SamplingParams, TokenLogprob
 from protocols.base import Message, Record, Reply
 
 
+class ResumeState(Record):
+    """Where a checkpointed request left off: its cache covers the prompt and all
+    `generated` tokens but the last, which is the pending input of the next step."""
+
+    generated: list[int]
+    num_kv_tokens: int
+    # safetensors bytes: keys_<layer>, values_<layer>, each [1, heads, num_kv_tokens, dim].
+    kv_tensors: bytes
+
+
 class AdmitRequest(Record):
     """A request entering the engine; no compute happens until it is prefilled."""
 
@@ -32,6 +42,12 @@ class AdmitRequest(Record):
     prefix_tokens: int = 0
     # Offer the request's KV to the prefix cache when it ends.
     save_prefix: bool = True
+    resume: ResumeState | None = None
+
+    @property
+    def context_ids(self) -> list[int]:
+        """Every token the request has seen: the prompt, then what it generated before a resume."""
+        return self.prompt_ids + self.resume.generated if self.resume is not None else self.prompt_ids
 
 
 class SavedPrefix(Record):
@@ -40,6 +56,15 @@ class SavedPrefix(Record):
     entry_id: str
     tokens: list[int]
     num_bytes: int
+
+
+class CheckpointData(Record):
+    """A request's exact decode state, captured at a step boundary."""
+
+    request_id: str
+    generated: list[int]
+    num_kv_tokens: int
+    kv_tensors: bytes
 
 
 class PrefillWork(Record):
@@ -57,6 +82,8 @@ class StepPlan(Record):
     prefill: list[PrefillWork] = msgspec.field(default_factory=list)
     # Run one batched decode step over every request whose prompt is done.
     decode: bool = False
+    # Capture these decoding requests' state at the end of the step.
+    checkpoint: list[str] = msgspec.field(default_factory=list)
 
 
 class RowOutput(Record):
@@ -88,6 +115,7 @@ class StepOutcome(Record):
     kv_bytes: int
     step_s: float
     saved_prefixes: list[SavedPrefix] = msgspec.field(default_factory=list)
+    checkpoints: list[CheckpointData] = msgspec.field(default_factory=list)
 
 
 class ModelInfo(Record):
@@ -104,6 +132,9 @@ class ModelInfo(Record):
     eos_token_ids: list[int]
     num_parameters: int
     load_s: float
+    # Digests that tie checkpoints to this model and tokenizer.
+    model_id: str = ""
+    tokenizer_id: str = ""
 
 
 class StepFailed(Record):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from protocols.api import GenerateRequest
 from protocols.base import Message, Record, Reply
 from protocols.model import AdmitRequest
 from protocols.session import SessionInbox
@@ -13,14 +14,20 @@ class AddRequest(Message):
     admit: AdmitRequest
     submitted: float
     session: Reply[SessionInbox]
+    # The request as submitted: checkpoints record it so a resume can rebuild it.
+    request: GenerateRequest
     priority: int = 0
     report_progress: bool = False
+    # Tokens between checkpoints; 0 = none.
+    checkpoint_every: int = 0
 
 
 class CancelRequest(Message):
     """Stop the request at the next step boundary; it ends `cancelled`."""
 
     request_id: str
+    # Keep its checkpoint for a later resume (a shutdown, not the client, ended it).
+    keep_checkpoint: bool = False
 
 
 class FinishRequest(Message):

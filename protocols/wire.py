@@ -19,6 +19,8 @@ PROTOCOL_VERSION = 1
 ErrorCode = Literal[
     "invalid_request",  # the request failed validation (message names the field)
     "too_large",  # the request can never fit (context or KV budget)
+    "checkpoint_not_found",  # Resume: no checkpoint for that request id
+    "checkpoint_invalid",  # Resume: corrupt, truncated, foreign-model or other-version checkpoint
     "busy",  # the admission queue is full; retry later
     "duplicate_request",  # the request_id is already live on this server
     "unknown_request",  # Cancel for an id this connection does not own
@@ -46,6 +48,12 @@ class Generate(Message):
     request: GenerateRequest
 
 
+class Resume(Message):
+    """Continue a checkpointed request; its events follow as for `Generate`."""
+
+    request_id: str
+
+
 class Cancel(Message):
     request_id: str
 
@@ -54,7 +62,7 @@ class GetStats(Message):
     pass
 
 
-ClientMessage = Hello | Generate | Cancel | GetStats
+ClientMessage = Hello | Generate | Resume | Cancel | GetStats
 
 
 # -- server -> client --------------------------------------------------------------

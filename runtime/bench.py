@@ -4,7 +4,8 @@ Workloads (random prompt ids, generation forced to full length):
 - decode at concurrency 1 (mlx-lm `generate_step`, the loop under `stream_generate`,
   without detokenizing) and 8 and 16 (mlx-lm `BatchGenerator`, mlx_lm.server's engine);
 - TTFT p50/p99 of those requests;
-- the TTFT of a short request that arrives while a long prompt is prefilling.
+- the TTFT of a short request that arrives while a long prompt is prefilling;
+- (mlxrt only) the TTFT of a request sharing a 1,024-token prefix with the previous one.
 
 The mlx-lm side runs on its own MLX thread with its own copy of the model, never
 at the same time as mlxrt. Prints a table and writes JSON.
@@ -33,6 +34,8 @@ class BenchOptions:
     concurrency: tuple[int, ...] = (1, 8, 16)
     long_prompt_tokens: int = 2048
     short_prompt_tokens: int = 16
+    # The shared prefix of the prefix-reuse workload.
+    prefix_tokens: int = 1024
     # Each workload runs this many times, alternating mlx-lm and mlxrt; medians are reported.
     repeats: int = 5
     seed: int = 0
@@ -181,6 +184,18 @@ async def _mlxrt_interference(rt, long_prompt: list[int], short_prompt: list[int
     return result
 
 
+async def _mlxrt_prefix_reuse(rt, prefix: list[int], suffixes: list[list[int]]) -> dict:
+    """TTFT of a request, then of one sharing its prefix (the second starts from the saved KV)."""
+    result = {}
+    for name, suffix in zip(("cold", "warm"), suffixes):
+        async for event in rt.generate(GenerateRequest(prompt_ids=prefix + suffix, max_tokens=4, ignore_eos=True)):
+            if isinstance(event, Finished):
+                result[f"{name}_ttft_s"] = event.timings.ttft_s
+                result[f"{name}_cached_tokens"] = event.usage.cached_tokens
+    result["warm_over_cold"] = result["warm_ttft_s"] / result["cold_ttft_s"]
+    return result
+
+
 async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
     from runtime.runtime import Runtime
 
@@ -196,9 +211,10 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
             await thread.run(baseline.load, info.path)
             await _warm_up(rt, thread, baseline, info.vocab_size)
             for n in options.concurrency:
-                prompts = _prompts(n, options.prompt_tokens, info.vocab_size, options.seed + n)
                 refs, ours = [], []
                 for rep in range(options.repeats):
+                    # Fresh prompts each run: mlxrt's prefix cache must not serve repeats.
+                    prompts = _prompts(n, options.prompt_tokens, info.vocab_size, options.seed + 1000 * rep + n)
                     progress.step(f"concurrency {n} ({rep + 1}/{options.repeats}): mlx-lm")
                     method = baseline.single if n == 1 else baseline.batch
                     refs.append((await thread.run(method, prompts if n > 1 else prompts[0], options.new_tokens)).summary())
@@ -214,6 +230,9 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
             ref = await thread.run(baseline.interference, long_prompt, short_prompt, ours.get("arrival_s", 0.05))
             results["mlxrt"]["interference"] = ours
             results["mlx_lm"]["interference"] = ref
+            progress.step("prefix reuse: mlxrt")
+            prefix, *suffixes = _prompts(3, options.prefix_tokens, info.vocab_size, options.seed + 7)
+            results["mlxrt"]["prefix_reuse"] = await _mlxrt_prefix_reuse(rt, prefix, [x[:32] for x in suffixes])
     finally:
         await thread.stop()
     progress.done("benchmark finished")
@@ -236,6 +255,9 @@ def _ratios(results: dict) -> dict:
             ratios[f"{key}_throughput"] = ours["throughput_tok_s"] / ref["throughput_tok_s"]
             if ref["decode_tok_s_per_stream"]:
                 ratios[f"{key}_decode_per_stream"] = ours["decode_tok_s_per_stream"] / ref["decode_tok_s_per_stream"]
+    reuse = results["mlxrt"].get("prefix_reuse", {})
+    if reuse:
+        ratios["prefix_warm_over_cold_ttft"] = reuse["warm_over_cold"]
     inter = results["mlxrt"].get("interference", {})
     if inter.get("long_prefill_s"):
         ratios["short_ttft_over_long_prefill"] = inter.get("short_ttft_s", 0.0) / inter["long_prefill_s"]
@@ -246,7 +268,7 @@ def format_table(results: dict) -> str:
     rows = [f"{'workload':<14}{'metric':<26}{'mlxrt':>12}{'mlx-lm':>12}{'ratio':>8}"]
     for key in results["mlxrt"]:
         ours, ref = results["mlxrt"][key], results["mlx_lm"].get(key, {})
-        for metric in ("throughput_tok_s", "decode_tok_s_per_stream", "ttft_p50_s", "ttft_p99_s", "long_prefill_s", "short_ttft_s"):
+        for metric in ("throughput_tok_s", "decode_tok_s_per_stream", "ttft_p50_s", "ttft_p99_s", "long_prefill_s", "short_ttft_s", "cold_ttft_s", "warm_ttft_s", "warm_cached_tokens"):
             if metric in ours:
                 a, b = ours[metric], ref.get(metric, 0.0)
                 ratio = f"{a / b:8.2f}" if b else f"{'':>8}"

@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
 
     client = sub.add_parser("client", help="stream one request from a running server")
     client.add_argument("--socket", default=None, help="server socket (default: MLXRT_SERVER_SOCKET or the default path)")
-    _request_args(client)
+    client.add_argument("--resume", metavar="ID", help="continue a checkpointed request instead of starting one")
+    _request_args(client, required=False)
     client.set_defaults(func=_client)
 
     demo = sub.add_parser("demo", help="one streamed generation on the configured model, with timings")
@@ -76,6 +77,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=64)
     bench.add_argument("--concurrency", default="1,8,16", help="comma-separated")
     bench.add_argument("--long-prompt-tokens", type=int, default=2048)
+    bench.add_argument("--prefix-tokens", type=int, default=1024, help="shared prefix of the prefix-reuse workload")
     bench.add_argument("--repeats", type=int, default=5, help="runs per workload; medians are reported")
     bench.add_argument("--json", dest="json_path", default=None, help="also write the results here")
     bench.set_defaults(func=_bench)
@@ -95,13 +97,15 @@ def _config_arg(parser: argparse.ArgumentParser, default: str = DEFAULT_CONFIG) 
     parser.add_argument("--config", default=default, help=f"TOML config file (default: {default})")
 
 
-def _request_args(parser: argparse.ArgumentParser) -> None:
-    prompt = parser.add_mutually_exclusive_group(required=True)
+def _request_args(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
+    prompt = parser.add_mutually_exclusive_group(required=required)
     prompt.add_argument("--prompt")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--request-id", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=None, help="tokens between durable checkpoints (needs --request-id)")
     parser.add_argument("--json", action="store_true", help="print each event as one JSON object per line")
 
 
@@ -113,6 +117,8 @@ def _request_from(args) -> GenerateRequest:
         max_tokens=args.max_tokens,
         sampling=SamplingParams(temperature=args.temperature, seed=args.seed),
         report_progress=True,
+        request_id=args.request_id,
+        checkpoint_every=args.checkpoint_every,
     )
 
 
@@ -139,11 +145,13 @@ async def _stream(config: RuntimeConfig, request: GenerateRequest, as_json: bool
         return await _print_events(rt.generate(request), as_json)
 
 
-async def _stream_socket(path: str, request: GenerateRequest, as_json: bool) -> Finished | None:
+async def _stream_socket(path: str, request: GenerateRequest | str, as_json: bool) -> Finished | None:
+    """Stream a new request, or resume the checkpointed request with this id."""
     from runtime.client import Client
 
     async with Client.connect(path) as client:
-        return await _print_events(client.generate(request), as_json)
+        events = client.resume(request) if isinstance(request, str) else client.generate(request)
+        return await _print_events(events, as_json)
 
 
 def _finish(finished: Finished | None, as_json: bool) -> int:
@@ -162,7 +170,11 @@ def _generate(args) -> int:
 
 def _client(args) -> int:
     path = args.socket or _default_socket()
-    return _finish(anyio.run(_stream_socket, path, _request_from(args), args.json), args.json)
+    if not args.resume and not (args.prompt or args.prompt_ids):
+        print("mlxrt client: one of --prompt, --prompt-ids or --resume is required", file=sys.stderr)
+        return EXIT_USAGE
+    request = args.resume or _request_from(args)
+    return _finish(anyio.run(_stream_socket, path, request, args.json), args.json)
 
 
 def _default_socket() -> str:
@@ -225,6 +237,7 @@ def _bench(args) -> int:
         new_tokens=args.new_tokens,
         concurrency=tuple(int(x) for x in args.concurrency.split(",")),
         long_prompt_tokens=args.long_prompt_tokens,
+        prefix_tokens=args.prefix_tokens,
         repeats=args.repeats,
     )
     results = anyio.run(run_bench, config, options)

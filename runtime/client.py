@@ -21,7 +21,8 @@ import msgspec
 from anyio.abc import SocketStream
 
 from protocols.api import Event, Finished, GenerateRequest
-from protocols.wire import PROTOCOL_VERSION, Cancel, Error, Generate, GetStats, Hello, ServerMessage, Stats, Welcome
+from protocols.wire import PROTOCOL_VERSION, Cancel, Error, Generate, GetStats, Hello, Resume, ServerMessage, Stats, Welcome
+from runtime.checkpoints import CheckpointError, CheckpointNotFoundError
 from runtime.errors import InvalidRequestError, MlxrtError, RequestTooLargeError, RuntimeClosedError, ServerBusyError
 from runtime.framing import FrameReader, encode_frame
 
@@ -79,13 +80,22 @@ class Client:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """The request's events, exactly as `Runtime.generate` yields them."""
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        async for event in self._request(rid, Generate(request=msgspec.structs.replace(request, request_id=rid))):
+            yield event
+
+    async def resume(self, request_id: str) -> AsyncIterator[Event]:
+        """Continue a checkpointed request, exactly as `Runtime.resume` does."""
+        async for event in self._request(request_id, Resume(request_id=request_id)):
+            yield event
+
+    async def _request(self, rid: str, start: msgspec.Struct) -> AsyncIterator[Event]:
         if rid in self._streams:
             raise InvalidRequestError(f"request_id {rid!r} is already in use", field="request_id")
         send, receive = anyio.create_memory_object_stream[Event | Error](PER_REQUEST_BUFFER)
         self._streams[rid] = send
         finished = False
         try:
-            await self._send(Generate(request=msgspec.structs.replace(request, request_id=rid)))
+            await self._send(start)
             async with receive:
                 async for item in receive:
                     if isinstance(item, Error):
@@ -168,5 +178,9 @@ def _error_for(error: Error) -> Exception:
             return ServerBusyError(error.message)
         case "shutting_down":
             return RuntimeClosedError(error.message)
+        case "checkpoint_not_found":
+            return CheckpointNotFoundError(error.message)
+        case "checkpoint_invalid":
+            return CheckpointError(error.message)
         case _:
             return ServerError(error.code, error.message)

@@ -15,7 +15,7 @@ import msgspec
 from runtime import env
 from runtime.errors import ConfigError
 
-SECTIONS = ("model", "scheduler", "kv", "generation", "logging", "server")
+SECTIONS = ("model", "scheduler", "kv", "generation", "logging", "server", "checkpoints")
 
 
 class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -78,6 +78,21 @@ class ServerConfig(Section):
     send_buffer_frames: int = 256
 
 
+class CheckpointConfig(Section):
+    # Where checkpoints are written; "" = $MLXRT_HOME/checkpoints (default ~/.cache/mlxrt/checkpoints).
+    dir: str = ""
+    # Default tokens between checkpoints for requests that do not say; 0 = off.
+    every_tokens: int = 0
+    # Checkpoints older than this are deleted (at start and hourly).
+    max_age_s: float = 86400.0
+
+    def directory(self) -> Path:
+        if self.dir:
+            return Path(self.dir).expanduser()
+        home = env.get("HOME")
+        return (Path(home).expanduser() if home else Path.home() / ".cache" / "mlxrt") / "checkpoints"
+
+
 class LoggingConfig(Section):
     level: Literal["debug", "info", "warning", "error"] = "info"
     # "auto": human-readable on a terminal, JSON lines otherwise.
@@ -91,6 +106,7 @@ class RuntimeConfig(Section):
     generation: GenerationConfig = GenerationConfig()
     logging: LoggingConfig = LoggingConfig()
     server: ServerConfig = ServerConfig()
+    checkpoints: CheckpointConfig = CheckpointConfig()
 
     @classmethod
     def load(
@@ -139,11 +155,13 @@ class RuntimeConfig(Section):
 
     def resolve_relative_to(self, base: Path) -> RuntimeConfig:
         """Model paths in a file are relative to the file's directory."""
-        path = self.model.path
-        if path.startswith("builtin:"):
-            return self
-        resolved = base / Path(path).expanduser()
-        return msgspec.structs.replace(self, model=msgspec.structs.replace(self.model, path=str(resolved)))
+        path, config = self.model.path, self
+        if not path.startswith("builtin:"):
+            config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=str(base / Path(path).expanduser())))
+        if config.checkpoints.dir:
+            resolved = base / Path(config.checkpoints.dir).expanduser()
+            config = msgspec.structs.replace(config, checkpoints=msgspec.structs.replace(config.checkpoints, dir=str(resolved)))
+        return config
 
     def validate(self, source: str) -> None:
         positive = {
@@ -174,6 +192,8 @@ class RuntimeConfig(Section):
                 raise ConfigError(f"{source}: `{key}` must be >= 1, got {value}")
         if server.handshake_timeout_s <= 0 or server.client_stall_timeout_s <= 0:
             raise ConfigError(f"{source}: server timeouts must be > 0")
+        if self.checkpoints.every_tokens < 0 or self.checkpoints.max_age_s <= 0:
+            raise ConfigError(f"{source}: `checkpoints.every_tokens` must be >= 0 and `checkpoints.max_age_s` > 0")
 
     @property
     def step_token_budget(self) -> int:

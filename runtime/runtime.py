@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import time
 import uuid
+from functools import partial
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -19,17 +20,17 @@ from dataclasses import dataclass
 import anyio
 import structlog
 
-from actors.kv_store import KvLedger, KvStoreActor
+from actors.kv_store import CheckpointSettings, KvLedger, KvStoreActor
 from actors.model import ModelActor, ModelReady
 from actors.scheduler import SchedulerActor
 from actors.scheduling import SchedulePolicy
 from actors.session import SessionActor
 from protocols.api import Event, Finished, GenerateRequest
 from protocols.kv import GetKvStats, KvStats
-from protocols.model import AdmitRequest, ModelInfo
+from protocols.model import AdmitRequest, ModelInfo, ResumeState
 from protocols.scheduler import AddRequest, CancelRequest, GetSchedulerStats, SchedulerStats
-from protocols.session import RequestRejected
-from runtime import blas, requests
+from protocols.session import RequestRejected, TokensGenerated
+from runtime import blas, checkpoints, requests
 from runtime.config import RuntimeConfig
 from runtime.detokenize import make_detokenizer
 from runtime.errors import InvalidRequestError, RequestTooLargeError, RuntimeClosedError, ServerBusyError
@@ -103,7 +104,14 @@ class Runtime:
             prefix_cache_bytes=config.kv.prefix_cache_bytes,
             prefix_min_tokens=config.kv.prefix_min_tokens,
         )
-        kv = KvStoreActor(ledger, model=model.inbox)
+        info = ready.info
+        settings = CheckpointSettings(
+            directory=config.checkpoints.directory(),
+            model_id=info.model_id,
+            tokenizer_id=info.tokenizer_id,
+            max_age_s=config.checkpoints.max_age_s,
+        )
+        kv = KvStoreActor(ledger, model=model.inbox, checkpoints=settings)
         await tg.start(kv.run)
         s = config.scheduler
         policy = SchedulePolicy(
@@ -126,7 +134,43 @@ class Runtime:
         Raises `InvalidRequestError` for bad input, `ServerBusyError` when the
         queue is full, `RuntimeClosedError` during shutdown.
         """
-        admit, session, events = await self._prepare(request)
+        admit, checkpoint_every = await self._prepare(request)
+        events = self._submit(request, admit, checkpoint_every)
+        async for event in self._stream(admit.request_id, events):
+            yield event
+
+    async def resume(self, request_id: str) -> AsyncIterator[Event]:
+        """Continue a checkpointed request: one `TokenDelta` re-delivering what it generated
+        before the checkpoint, then the continuation, then `Finished`.
+
+        Raises a `CheckpointError` subclass when there is no usable checkpoint.
+        """
+        if self._closed:
+            raise RuntimeClosedError("the runtime is shutting down")
+        if request_id in self._sessions:
+            raise InvalidRequestError(f"request {request_id!r} is running", field="request_id")
+        info = self.model_info
+        header, tensors = await anyio.to_thread.run_sync(
+            partial(checkpoints.read, self.config.checkpoints.directory(), request_id, model_id=info.model_id, tokenizer_id=info.tokenizer_id)
+        )
+        request = header.request
+        admit = AdmitRequest(
+            request_id=request_id,
+            prompt_ids=header.prompt_ids,
+            max_tokens=header.max_tokens,
+            sampling=request.sampling,
+            seed=header.seed,
+            stop_token_ids=header.stop_token_ids,
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
+            resume=ResumeState(generated=header.generated, num_kv_tokens=header.num_kv_tokens, kv_tensors=tensors),
+        )
+        replay = TokensGenerated(request_id=request_id, token_ids=header.generated)
+        events = self._submit(request, admit, self._checkpoint_every(request), replay=replay)
+        async for event in self._stream(request_id, events):
+            yield event
+
+    async def _stream(self, request_id: str, events) -> AsyncIterator[Event]:
         finished = False
         try:
             async with events:
@@ -140,7 +184,7 @@ class Runtime:
         finally:
             if not finished:
                 with anyio.CancelScope(shield=True):
-                    await self.cancel(admit.request_id)
+                    await self.cancel(request_id)
 
     async def cancel(self, request_id: str) -> None:
         """End a request at the next step boundary; its stream ends with `Finished(cancelled)`."""
@@ -152,10 +196,11 @@ class Runtime:
         kv = await ask(self._kv.inbox, lambda reply: GetKvStats(reply=reply))
         return RuntimeStats(scheduler=scheduler, kv=kv, live_requests=len(self._sessions))
 
-    async def _prepare(self, request: GenerateRequest):
+    async def _prepare(self, request: GenerateRequest) -> tuple[AdmitRequest, int]:
         if self._closed:
             raise RuntimeClosedError("the runtime is shutting down")
         requests.validate(request, self.model_info)
+        checkpoint_every = self._checkpoint_every(request)
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         if rid in self._sessions:
             raise InvalidRequestError(f"request_id {rid!r} is already in use", field="request_id")
@@ -172,17 +217,43 @@ class Runtime:
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
         )
+        return admit, checkpoint_every
+
+    def _checkpoint_every(self, request: GenerateRequest) -> int:
+        every = request.checkpoint_every if request.checkpoint_every is not None else self.config.checkpoints.every_tokens
+        if every < 0:
+            raise InvalidRequestError("checkpoint_every must be >= 0", field="checkpoint_every")
+        if every and request.request_id is None:
+            raise InvalidRequestError("checkpoints need a request_id to resume by", field="request_id")
+        if every:
+            try:
+                checkpoints.path_for(self.config.checkpoints.directory(), request.request_id)
+            except checkpoints.CheckpointError as exc:
+                raise InvalidRequestError(str(exc), field="request_id") from None
+        return every
+
+    def _submit(self, request: GenerateRequest, admit: AdmitRequest, checkpoint_every: int, replay: TokensGenerated | None = None):
+        """Start the request's session and hand the request to the scheduler; returns its event stream."""
+        rid = admit.request_id
         send, receive = anyio.create_memory_object_stream[Event | RequestRejected](EVENT_BUFFER)
         session = SessionActor(
             request_id=rid,
-            num_prompt_tokens=len(prompt_ids),
+            num_prompt_tokens=len(admit.prompt_ids),
             detokenizer=make_detokenizer(self._tokenizer),
             stop=list(request.stop),
             scheduler=self._scheduler.inbox,
             events=send,
         )
+        if replay is not None:
+            session.inbox.send_nowait(replay)
         message = AddRequest(
-            admit=admit, submitted=time.monotonic(), session=session.inbox, priority=request.priority, report_progress=request.report_progress
+            admit=admit,
+            submitted=time.monotonic(),
+            session=session.inbox,
+            request=request,
+            priority=request.priority,
+            report_progress=request.report_progress,
+            checkpoint_every=checkpoint_every,
         )
         try:
             self._scheduler.inbox.send_nowait(message)
@@ -192,7 +263,7 @@ class Runtime:
             raise ServerBusyError("the scheduler's inbox is full") from None
         self._sessions[rid] = session
         self._task_group.start_soon(self._run_session, session, name=f"session-{rid}")
-        return admit, session, receive
+        return receive
 
     async def _run_session(self, session: SessionActor) -> None:
         with structlog.contextvars.bound_contextvars(request_id=session.request_id):
@@ -205,7 +276,7 @@ class Runtime:
         """Refuse new requests, cancel live ones and give their sessions a moment to report it."""
         self._closed = True
         for rid in list(self._sessions):
-            await self._scheduler.inbox.send(CancelRequest(request_id=rid))
+            await self._scheduler.inbox.send(CancelRequest(request_id=rid, keep_checkpoint=True))
         with anyio.move_on_after(SHUTDOWN_GRACE_S):
             while self._sessions:
                 await anyio.sleep(0.01)

@@ -20,7 +20,7 @@ import msgspec
 import structlog
 from anyio.abc import SocketAttribute, SocketStream, TaskGroup
 
-from protocols.api import Finished, GenerateRequest
+from protocols.api import Finished
 from protocols.wire import (
     PROTOCOL_VERSION,
     Cancel,
@@ -31,10 +31,12 @@ from protocols.wire import (
     Hello,
     Limits,
     ModelSummary,
+    Resume,
     Stats,
     Welcome,
 )
 from runtime import socket_path
+from runtime.checkpoints import CheckpointError, CheckpointNotFoundError
 from runtime.config import ServerConfig
 from runtime.errors import InvalidRequestError, RequestTooLargeError, RuntimeClosedError, ServerBusyError
 from runtime.framing import FrameReader, FrameTooLarge, encode_frame
@@ -221,7 +223,9 @@ class Connection:
     async def _dispatch(self, message, tg: TaskGroup) -> None:
         match message:
             case Generate(request=request):
-                await self._start(request, tg)
+                await self._start(request.request_id, tg, lambda: self._runtime.generate(request))
+            case Resume(request_id=rid):
+                await self._start(rid, tg, lambda: self._runtime.resume(rid))
             case Cancel(request_id=rid):
                 if rid in self._requests:
                     await self._runtime.cancel(rid)
@@ -233,20 +237,18 @@ class Connection:
             case Hello():
                 await self.send(Error(code="protocol_error", message="Hello was already received"))
 
-    async def _start(self, request: GenerateRequest, tg: TaskGroup) -> None:
-        rid = request.request_id
+    async def _start(self, rid: str | None, tg: TaskGroup, events) -> None:
         if not rid:
             await self.send(Error(code="invalid_request", message="request_id is required on the socket", field="request_id"))
         elif rid in self._requests:
             await self.send(Error(code="duplicate_request", message="request_id already in use", request_id=rid, field="request_id"))
         else:
             self._requests.add(rid)
-            tg.start_soon(self._forward, request, name=f"forward-{rid}")
+            tg.start_soon(self._forward, rid, events, name=f"forward-{rid}")
 
-    async def _forward(self, request: GenerateRequest) -> None:
-        rid = request.request_id
+    async def _forward(self, rid: str, events) -> None:
         try:
-            async for event in self._runtime.generate(request):
+            async for event in events():
                 await self.send(event)
                 if isinstance(event, Finished):
                     break
@@ -259,6 +261,10 @@ class Connection:
             await self.send(Error(code="busy", message=str(exc), request_id=rid))
         except RuntimeClosedError as exc:
             await self.send(Error(code="shutting_down", message=str(exc), request_id=rid))
+        except CheckpointNotFoundError as exc:
+            await self.send(Error(code="checkpoint_not_found", message=str(exc), request_id=rid))
+        except CheckpointError as exc:
+            await self.send(Error(code="checkpoint_invalid", message=f"{type(exc).__name__}: {exc}", request_id=rid))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             pass  # the connection is closing
         finally:

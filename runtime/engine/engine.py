@@ -19,10 +19,21 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
+import safetensors.numpy
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from protocols.api import TokenLogprob, TopLogprob
-from protocols.model import AdmitRequest, PrefillReport, PrefillWork, RowOutput, SavedPrefix, StepOutcome, StepPlan
+from protocols.model import (
+    AdmitRequest,
+    CheckpointData,
+    PrefillReport,
+    PrefillWork,
+    RowOutput,
+    SavedPrefix,
+    StepOutcome,
+    StepPlan,
+)
 from runtime.engine.sampler import BatchSampler, RowSampling, SampleResult
 from runtime.engine.slots import DecodeBatch, LayerGeometry
 
@@ -43,6 +54,7 @@ class Sequence:
     num_prefilled: int = 0
     num_generated: int = 0
     in_batch: bool = False
+    joined: bool = False
     generated: list[int] = field(default_factory=list)
 
     def tokens_with_kv(self, length: int) -> list[int]:
@@ -57,8 +69,13 @@ class Sequence:
         return len(self.admit.prompt_ids)
 
     @property
+    def context(self) -> list[int]:
+        """Prompt and generated tokens; the last one is the next decode input until the row joins."""
+        return self.admit.prompt_ids + self.generated
+
+    @property
     def is_ready(self) -> bool:
-        return not self.in_batch and self.num_generated == 0 and self.num_prefilled == self.prompt_len - 1
+        return not self.joined and self.num_prefilled == len(self.context) - 1
 
 
 @dataclass
@@ -100,6 +117,7 @@ class Engine:
         # After a prefill the pipeline has stalled anyway: read this step's tokens
         # now, so requests that just joined get their first token one step sooner.
         outputs = self._decode(synchronous=bool(prefilled)) if plan.decode else []
+        checkpoints = [c for c in map(self._checkpoint, plan.checkpoint) if c is not None]
         if not self._sequences:
             mx.clear_cache()
         saved, self._saved = self._saved, []
@@ -112,6 +130,7 @@ class Engine:
             kv_bytes=self.kv_bytes(),
             step_s=time.perf_counter() - started,
             saved_prefixes=saved,
+            checkpoints=checkpoints,
         )
 
     def drop_prefixes(self, entry_ids: list[str]) -> None:
@@ -147,7 +166,12 @@ class Engine:
         if admit.request_id in self._sequences:
             raise EngineInvariantError(f"request {admit.request_id!r} admitted twice")
         seq = Sequence(admit=admit, stop_ids=frozenset(admit.stop_token_ids))
-        if admit.prefix_entry is not None:
+        if admit.resume is not None:
+            seq.generated = list(admit.resume.generated)
+            seq.num_generated = len(seq.generated)
+            seq.cache = self._restore(admit)
+            seq.num_prefilled = admit.resume.num_kv_tokens
+        elif admit.prefix_entry is not None:
             seq.cache = self._start_from_prefix(admit)
             seq.num_prefilled = admit.prefix_tokens
         self._sequences[admit.request_id] = seq
@@ -170,6 +194,36 @@ class Engine:
             cache.keys, cache.values, cache.offset = saved.keys[..., :n, :], saved.values[..., :n, :], n
             caches.append(cache)
         return caches
+
+    def _restore(self, admit: AdmitRequest) -> list[KVCache]:
+        state = admit.resume
+        if state.num_kv_tokens != len(admit.context_ids) - 1:
+            raise EngineInvariantError(f"checkpoint covers {state.num_kv_tokens} tokens, expected {len(admit.context_ids) - 1}")
+        tensors = safetensors.numpy.load(state.kv_tensors)
+        caches = []
+        for layer, geometry in enumerate(self._geometry):
+            cache = KVCache()
+            cache.keys = mx.array(tensors[f"keys_{layer}"]).astype(geometry.dtype)
+            cache.values = mx.array(tensors[f"values_{layer}"]).astype(geometry.dtype)
+            cache.offset = state.num_kv_tokens
+            if cache.keys.shape != (1, geometry.num_heads, state.num_kv_tokens, geometry.key_dim):
+                raise EngineInvariantError(f"checkpoint layer {layer} has shape {cache.keys.shape}")
+            caches.append(cache)
+        return caches
+
+    def _checkpoint(self, request_id: str) -> CheckpointData | None:
+        """The request's cache over all tokens but its last, which becomes the pending input."""
+        seq = self._sequences.get(request_id)
+        if seq is None or not seq.in_batch or not seq.generated:
+            return None
+        num_kv = len(seq.context) - 1
+        tensors = {}
+        for layer, cache in enumerate(self._batch.extract(request_id)):
+            tensors[f"keys_{layer}"] = np.array(cache.keys[..., :num_kv, :])
+            tensors[f"values_{layer}"] = np.array(cache.values[..., :num_kv, :])
+        return CheckpointData(
+            request_id=request_id, generated=list(seq.generated), num_kv_tokens=num_kv, kv_tensors=safetensors.numpy.save(tensors)
+        )
 
     def _release(self, request_id: str) -> bool:
         seq = self._sequences.get(request_id)
@@ -257,14 +311,14 @@ class Engine:
         for rid, seq in self._sequences.items():
             if not seq.is_ready:
                 continue
-            admit = seq.admit
+            admit, context = seq.admit, seq.context
             self._batch.add_row(rid, seq.cache or [], seq.num_prefilled)
-            row = RowSampling(admit.sampling, admit.seed, admit.logprobs, admit.top_logprobs)
-            self._sampler.add_row(row, context=admit.prompt_ids)
-            last = mx.array([admit.prompt_ids[-1]], dtype=mx.uint32)
+            row = RowSampling(admit.sampling, admit.seed, admit.logprobs, admit.top_logprobs, num_sampled=len(seq.generated))
+            self._sampler.add_row(row, context=context)
+            last = mx.array([context[-1]], dtype=mx.uint32)
             self._pending = last if self._pending is None else mx.concatenate([self._pending, last])
             seq.cache = None
-            seq.in_batch = True
+            seq.in_batch = seq.joined = True
 
     def _leave_batch(self, request_id: str) -> None:
         """Remove an ending request's row, keeping its KV as a prefix entry if wanted."""

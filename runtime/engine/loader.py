@@ -22,6 +22,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from protocols.model import ModelInfo
 from runtime.builtin import builtin_name, ensure_builtin
+from runtime.checkpoints import model_digest, tokenizer_digest
 from runtime.config import ModelConfig
 from runtime.engine.slots import LayerGeometry
 from runtime.errors import ModelLoadError
@@ -79,6 +80,8 @@ def load_model(config: ModelConfig, progress: Callable[[str], None] | None = Non
         eos_token_ids=sorted(tokenizer.eos_token_ids),
         num_parameters=sum(v.size for _, v in tree_flatten(model.parameters())),
         load_s=time.perf_counter() - started,
+        model_id=model_digest(directory),
+        tokenizer_id=tokenizer_digest(directory),
     )
     return LoadedModel(model=model, tokenizer=tokenizer, geometry=geometry, info=info)
 

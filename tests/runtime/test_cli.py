@@ -47,11 +47,12 @@ def test_bench_runs_and_reports_ratios(tmp_path):
     out = tmp_path / "bench.json"
     result = _mlxrt(
         "bench", "--config", "configs/tiny.toml", "--concurrency", "1,2", "--prompt-tokens", "8",
-        "--new-tokens", "4", "--long-prompt-tokens", "80", "--repeats", "1", "--json", str(out),
+        "--new-tokens", "4", "--long-prompt-tokens", "80", "--prefix-tokens", "40", "--repeats", "1", "--json", str(out),
     )
     assert result.returncode == 0, result.stderr
     results = json.loads(out.read_text())
-    for key in ("c1_throughput", "c2_throughput", "short_ttft_over_long_prefill"):
+    assert results["mlxrt"]["prefix_reuse"]["warm_cached_tokens"] >= 40
+    for key in ("c1_throughput", "c2_throughput", "short_ttft_over_long_prefill", "prefix_warm_over_cold_ttft"):
         assert results["ratios"][key] > 0
     assert results["mlxrt"]["c2"]["tokens"] == 8 and results["mlx_lm"]["c2"]["tokens"] == 8
     assert "throughput_tok_s" in result.stdout

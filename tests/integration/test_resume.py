@@ -1,0 +1,99 @@
+"""Durable decode checkpoints and exact resume, in process."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
+from runtime import InvalidRequestError, Runtime
+from runtime.checkpoints import CheckpointNotFoundError, CorruptCheckpointError, path_for
+from runtime.config import CheckpointConfig, GenerationConfig, LoggingConfig, RuntimeConfig, SchedulerConfig
+
+MAX_TOKENS = 64
+
+
+def _config(directory) -> RuntimeConfig:
+    return RuntimeConfig.for_model(
+        "builtin:tiny",
+        scheduler=SchedulerConfig(max_batch_size=8, prefill_chunk_size=16),
+        checkpoints=CheckpointConfig(dir=str(directory)),
+        generation=GenerationConfig(seed=0),
+        logging=LoggingConfig(level="warning", format="json"),
+    )
+
+
+def _request(rid: str, sampling: SamplingParams) -> GenerateRequest:
+    prompt = [random.Random(3).randrange(1000) for _ in range(21)]
+    return GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, request_id=rid, checkpoint_every=8, sampling=sampling)
+
+
+async def _tokens(events) -> tuple[list[list[int]], Finished]:
+    deltas, finished = [], None
+    async for event in events:
+        if isinstance(event, TokenDelta):
+            deltas.append(event.token_ids)
+        elif isinstance(event, Finished):
+            finished = event
+    return deltas, finished
+
+
+SAMPLINGS = {"greedy": SamplingParams(), "seeded": SamplingParams(temperature=1.0, top_p=0.9, seed=42)}
+
+
+async def test_a_client_cancel_deletes_the_checkpoint(tmp_path):
+    async with Runtime.open(_config(tmp_path)) as rt:
+        async for event in rt.generate(_request("gone", SamplingParams())):
+            if isinstance(event, TokenDelta) and path_for(tmp_path, "gone").exists():
+                break
+        with anyio.fail_after(5):
+            while path_for(tmp_path, "gone").exists():
+                await anyio.sleep(0.01)
+
+
+@pytest.mark.parametrize("kind", list(SAMPLINGS))
+async def test_shutdown_keeps_the_checkpoint_and_resume_continues_exactly(tmp_path, kind):
+    sampling = SAMPLINGS[kind]
+    async with Runtime.open(_config(tmp_path / "a")) as rt:
+        deltas, _ = await _tokens(rt.generate(_request("r", sampling)))
+    uninterrupted = [t for d in deltas for t in d]
+
+    directory = tmp_path / "b"
+    async with Runtime.open(_config(directory)) as rt:
+        # Stream until a checkpoint exists, then shut the runtime down under the open stream.
+        stream = rt.generate(_request("r", sampling)).__aiter__()
+        seen = 0
+        while seen < 20 or not path_for(directory, "r").exists():
+            event = await stream.__anext__()
+            seen += len(event.token_ids) if isinstance(event, TokenDelta) else 0
+    assert path_for(directory, "r").exists(), "a shutdown keeps the checkpoint"
+
+    async with Runtime.open(_config(directory)) as rt:
+        deltas, finished = await _tokens(rt.resume("r"))
+        with anyio.fail_after(5):  # a finished request's checkpoint is deleted
+            while path_for(directory, "r").exists():
+                await anyio.sleep(0.01)
+    replayed = deltas[0]
+    assert len(replayed) >= 16 and replayed == uninterrupted[: len(replayed)]
+    assert [t for d in deltas for t in d] == uninterrupted
+    assert finished.finish_reason == "length" and finished.usage.completion_tokens == MAX_TOKENS
+
+
+async def test_resume_errors_are_typed(tmp_path):
+    async with Runtime.open(_config(tmp_path)) as rt:
+        with pytest.raises(CheckpointNotFoundError):
+            async for _ in rt.resume("nobody"):
+                pass
+        path_for(tmp_path, "broken").write_bytes(b"MLXRTCK1\x00\x00\x00\xffgarbage")
+        with pytest.raises(CorruptCheckpointError):
+            async for _ in rt.resume("broken"):
+                pass
+        with pytest.raises(InvalidRequestError) as info:
+            async for _ in rt.generate(GenerateRequest(prompt_ids=[1, 2], checkpoint_every=4)):
+                pass
+        assert info.value.field == "request_id"
+        # The runtime keeps serving.
+        deltas, finished = await _tokens(rt.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=4)))
+        assert finished.finish_reason in ("length", "stop")
