@@ -196,21 +196,25 @@ async def _serve_until_signal(config: RuntimeConfig) -> None:
 
     from runtime.runtime import Runtime
     from runtime.server import Server
-    from runtime.socket_path import default_socket_path
+    from runtime.errors import single_errors
+    from runtime.socket_path import default_socket_path, prepare
 
     path = Path(config.server.socket) if config.server.socket else default_socket_path()
+    # Refuse an unsafe or busy socket path before spending time on the model.
+    prepare(path, int(config.server.socket_mode, 8))
     async with Runtime.open(config) as rt:
         server = Server(rt, config.server, path)
-        async with anyio.create_task_group() as tg:
-            await tg.start(server.serve)
-            print(f"mlxrt: serving {rt.model_info.model_type} ({rt.model_info.path}) on {path}", flush=True)
-            print(f"mlxrt: try  mlxrt client --socket {path} --prompt 'def main():' --max-tokens 32", flush=True)
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for signum in signals:
-                    print(f"mlxrt: {signal.Signals(signum).name}: finishing", flush=True)
-                    break
-            await rt.shutdown()
-            server.stop()
+        with single_errors():
+            async with anyio.create_task_group() as tg:
+                await tg.start(server.serve)
+                print(f"mlxrt: serving {rt.model_info.model_type} ({rt.model_info.path}) on {path}", flush=True)
+                print(f"mlxrt: try  mlxrt client --socket {path} --prompt 'def main():' --max-tokens 32", flush=True)
+                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for signum in signals:
+                        print(f"mlxrt: {signal.Signals(signum).name}: finishing", flush=True)
+                        break
+                await rt.shutdown()
+                server.stop()
 
 
 def _demo(args) -> int:

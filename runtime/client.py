@@ -23,7 +23,7 @@ from anyio.abc import SocketStream
 from protocols.api import Event, Finished, GenerateRequest
 from protocols.wire import PROTOCOL_VERSION, Cancel, Error, Generate, GetStats, Hello, Resume, ServerMessage, Stats, Welcome
 from runtime.checkpoints import CheckpointError, CheckpointNotFoundError
-from runtime.errors import InvalidRequestError, MlxrtError, RequestTooLargeError, RuntimeClosedError, ServerBusyError
+from runtime.errors import InvalidRequestError, MlxrtError, RequestTooLargeError, RuntimeClosedError, ServerBusyError, single_errors
 from runtime.framing import FrameReader, encode_frame
 
 PER_REQUEST_BUFFER = 256
@@ -62,20 +62,29 @@ class Client:
         async with stream:
             reader = FrameReader(stream, ServerMessage, MAX_FRAME_BYTES)
             with anyio.fail_after(timeout):
-                await stream.send(encode_frame(Hello(protocol_version=PROTOCOL_VERSION, client=name)))
-                welcome = await _read_one(reader)
+                try:
+                    await stream.send(encode_frame(Hello(protocol_version=PROTOCOL_VERSION, client=name)))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass  # the server refused us before reading; its Error frame says why
+                try:
+                    welcome = await _read_one(reader)
+                except (anyio.IncompleteRead, anyio.BrokenResourceError):
+                    welcome = None
+            if welcome is None:
+                raise ConnectionLostError("the server closed the connection during the handshake")
             if isinstance(welcome, Error):
                 raise _error_for(welcome)
             if not isinstance(welcome, Welcome):
                 raise ServerError("protocol_error", f"expected Welcome, got {type(welcome).__name__}")
             client = cls(stream, reader, welcome)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(client._read_loop)
-                try:
-                    yield client
-                finally:
-                    client._closed = True
-                    tg.cancel_scope.cancel()
+            with single_errors():
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(client._read_loop)
+                    try:
+                        yield client
+                    finally:
+                        client._closed = True
+                        tg.cancel_scope.cancel()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """The request's events, exactly as `Runtime.generate` yields them."""
@@ -123,12 +132,15 @@ class Client:
         async with self._stats_lock:
             send, receive = anyio.create_memory_object_stream[Stats](1)
             self._stats = send
-            with send, receive:
-                await self._send(GetStats())
-                try:
-                    return await receive.receive()
-                except anyio.EndOfStream:
-                    raise ConnectionLostError() from None
+            try:
+                with send, receive:
+                    await self._send(GetStats())
+                    try:
+                        return await receive.receive()
+                    except anyio.EndOfStream:
+                        raise ConnectionLostError() from None
+            finally:
+                self._stats = None
 
     async def _send(self, message: msgspec.Struct) -> None:
         async with self._send_lock:
@@ -153,7 +165,10 @@ class Client:
     async def _route(self, message) -> None:
         if isinstance(message, Stats):
             if self._stats is not None:
-                self._stats.send_nowait(message)
+                try:
+                    self._stats.send_nowait(message)
+                except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass  # the asker gave up; a late answer is dropped
             return
         target = self._streams.get(getattr(message, "request_id", None) or "")
         if target is not None:

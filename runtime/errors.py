@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 
 class MlxrtError(Exception):
     """Base of every error the runtime raises on purpose."""
@@ -33,3 +35,14 @@ class ModelLoadError(MlxrtError):
 
 class RuntimeClosedError(MlxrtError):
     """The runtime is shutting down or has failed; no new requests are taken."""
+
+
+@contextmanager
+def single_errors():
+    """Re-raise a task group's lone failure as itself rather than wrapped in an ExceptionGroup."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from group
+        raise

@@ -53,7 +53,10 @@ class FrameReader(Generic[T]):
 
     def decode(self, body: bytes) -> T:
         """Raises `msgspec.DecodeError` (bad msgpack) or `msgspec.ValidationError` (bad shape)."""
-        return self._decoder.decode(body)
+        try:
+            return self._decoder.decode(body)
+        except RecursionError:
+            raise msgspec.DecodeError("message nested too deeply") from None
 
     async def _read_exactly(self, n: int, *, allow_eof: bool) -> bytes | None:
         while len(self._buffer) < n:

@@ -33,7 +33,7 @@ from protocols.session import RequestRejected, TokensGenerated
 from runtime import blas, checkpoints, requests
 from runtime.config import RuntimeConfig
 from runtime.detokenize import make_detokenizer
-from runtime.errors import InvalidRequestError, RequestTooLargeError, RuntimeClosedError, ServerBusyError
+from runtime.errors import InvalidRequestError, RequestTooLargeError, RuntimeClosedError, ServerBusyError, single_errors
 from runtime.logging import configure_logging
 from runtime.mailbox import ask
 from runtime.mlx_thread import MlxThread
@@ -66,6 +66,9 @@ class Runtime:
         self._sessions: dict[str, SessionActor] = {}
         self._seeds = random.Random(config.generation.seed)
         self._closed = False
+        # Requests still being tokenized, and cancels that arrived for them meanwhile.
+        self._preparing: set[str] = set()
+        self._early_cancels: set[str] = set()
 
     @classmethod
     @asynccontextmanager
@@ -75,19 +78,15 @@ class Runtime:
         thread = MlxThread()
         thread.start()
         try:
-            async with anyio.create_task_group() as tg:
-                runtime = await cls._start_actors(config, thread, tg)
-                try:
-                    yield runtime
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        await runtime.shutdown()
-                    tg.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            # One failure (the caller's, or an actor's) surfaces as itself, not wrapped.
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from group
-            raise
+            with single_errors():
+                async with anyio.create_task_group() as tg:
+                    runtime = await cls._start_actors(config, thread, tg)
+                    try:
+                        yield runtime
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            await runtime.shutdown()
+                        tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await thread.stop()
@@ -134,9 +133,16 @@ class Runtime:
         Raises `InvalidRequestError` for bad input, `ServerBusyError` when the
         queue is full, `RuntimeClosedError` during shutdown.
         """
-        admit, checkpoint_every = await self._prepare(request)
-        events = self._submit(request, admit, checkpoint_every)
-        async for event in self._stream(admit.request_id, events):
+        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        if rid in self._sessions or rid in self._preparing:
+            raise InvalidRequestError(f"request_id {rid!r} is already in use", field="request_id")
+        self._preparing.add(rid)
+        try:
+            admit, checkpoint_every = await self._prepare(request, rid)
+            events = self._submit(request, admit, checkpoint_every)
+        finally:
+            self._preparing.discard(rid)
+        async for event in self._stream(rid, events):
             yield event
 
     async def resume(self, request_id: str) -> AsyncIterator[Event]:
@@ -190,20 +196,19 @@ class Runtime:
         """End a request at the next step boundary; its stream ends with `Finished(cancelled)`."""
         if request_id in self._sessions:
             await self._scheduler.inbox.send(CancelRequest(request_id=request_id))
+        elif request_id in self._preparing:
+            self._early_cancels.add(request_id)
 
     async def stats(self) -> RuntimeStats:
         scheduler = await ask(self._scheduler.inbox, lambda reply: GetSchedulerStats(reply=reply))
         kv = await ask(self._kv.inbox, lambda reply: GetKvStats(reply=reply))
         return RuntimeStats(scheduler=scheduler, kv=kv, live_requests=len(self._sessions))
 
-    async def _prepare(self, request: GenerateRequest) -> tuple[AdmitRequest, int]:
+    async def _prepare(self, request: GenerateRequest, rid: str) -> tuple[AdmitRequest, int]:
         if self._closed:
             raise RuntimeClosedError("the runtime is shutting down")
         requests.validate(request, self.model_info)
         checkpoint_every = self._checkpoint_every(request)
-        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
-        if rid in self._sessions:
-            raise InvalidRequestError(f"request_id {rid!r} is already in use", field="request_id")
         prompt_ids = await anyio.to_thread.run_sync(requests.render_prompt, request, self._tokenizer)
         max_tokens = requests.effective_max_tokens(request, len(prompt_ids), self.model_info, self.config.generation.default_max_tokens)
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
@@ -263,6 +268,9 @@ class Runtime:
             raise ServerBusyError("the scheduler's inbox is full") from None
         self._sessions[rid] = session
         self._task_group.start_soon(self._run_session, session, name=f"session-{rid}")
+        if rid in self._early_cancels:
+            self._early_cancels.discard(rid)
+            self._task_group.start_soon(self.cancel, rid)
         return receive
 
     async def _run_session(self, session: SessionActor) -> None:

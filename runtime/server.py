@@ -141,6 +141,8 @@ class Connection:
         self._runtime = server.runtime
         self._stream = stream
         self._requests: set[str] = set()
+        # Cancels received for this connection's requests; re-sent once a request is running.
+        self._cancelled: set[str] = set()
         self._outbox_send, self._outbox_receive = anyio.create_memory_object_stream[bytes](server.config.send_buffer_frames)
         self._reading = anyio.CancelScope()
         self._writer_done = anyio.Event()
@@ -228,6 +230,7 @@ class Connection:
                 await self._start(rid, tg, lambda: self._runtime.resume(rid))
             case Cancel(request_id=rid):
                 if rid in self._requests:
+                    self._cancelled.add(rid)
                     await self._runtime.cancel(rid)
                 else:
                     await self.send(Error(code="unknown_request", message="no such request on this connection", request_id=rid))
@@ -248,27 +251,43 @@ class Connection:
 
     async def _forward(self, rid: str, events) -> None:
         try:
-            async for event in events():
-                await self.send(event)
-                if isinstance(event, Finished):
-                    break
-        except RequestTooLargeError as exc:
-            await self.send(Error(code="too_large", message=str(exc), request_id=rid, field=exc.field))
-        except InvalidRequestError as exc:
-            code = "duplicate_request" if exc.field == "request_id" else "invalid_request"
-            await self.send(Error(code=code, message=str(exc), request_id=rid, field=exc.field))
-        except ServerBusyError as exc:
-            await self.send(Error(code="busy", message=str(exc), request_id=rid))
-        except RuntimeClosedError as exc:
-            await self.send(Error(code="shutting_down", message=str(exc), request_id=rid))
-        except CheckpointNotFoundError as exc:
-            await self.send(Error(code="checkpoint_not_found", message=str(exc), request_id=rid))
-        except CheckpointError as exc:
-            await self.send(Error(code="checkpoint_invalid", message=f"{type(exc).__name__}: {exc}", request_id=rid))
+            refusal = None
+            try:
+                async for event in events():
+                    if rid in self._cancelled:
+                        # The cancel may have arrived before the runtime knew the request.
+                        self._cancelled.discard(rid)
+                        await self._runtime.cancel(rid)
+                    await self.send(event)
+                    if isinstance(event, Finished):
+                        break
+            except (InvalidRequestError, ServerBusyError, RuntimeClosedError, CheckpointError) as exc:
+                refusal = _refusal(rid, exc)
+            if refusal is not None:
+                await self.send(refusal)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass  # the connection is closing
+            pass  # the client is gone; its requests are being cancelled
         finally:
             self._requests.discard(rid)
+            self._cancelled.discard(rid)
+
+
+def _refusal(rid: str, exc: Exception) -> Error:
+    """The Error frame for a request the runtime refused."""
+    match exc:
+        case RequestTooLargeError():
+            return Error(code="too_large", message=str(exc), request_id=rid, field=exc.field)
+        case InvalidRequestError():
+            code = "duplicate_request" if exc.field == "request_id" else "invalid_request"
+            return Error(code=code, message=str(exc), request_id=rid, field=exc.field)
+        case ServerBusyError():
+            return Error(code="busy", message=str(exc), request_id=rid)
+        case RuntimeClosedError():
+            return Error(code="shutting_down", message=str(exc), request_id=rid)
+        case CheckpointNotFoundError():
+            return Error(code="checkpoint_not_found", message=str(exc), request_id=rid)
+        case _:
+            return Error(code="checkpoint_invalid", message=f"{type(exc).__name__}: {exc}", request_id=rid)
 
 
 def peer_uid(stream: SocketStream) -> int | None:
