@@ -207,9 +207,10 @@ async def _serve_until_signal(config: RuntimeConfig) -> None:
         with single_errors():
             async with anyio.create_task_group() as tg:
                 await tg.start(server.serve)
-                print(f"mlxrt: serving {rt.model_info.model_type} ({rt.model_info.path}) on {path}", flush=True)
-                print(f"mlxrt: try  mlxrt client --socket {path} --prompt 'def main():' --max-tokens 32", flush=True)
                 with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    # Announce readiness only once a signal will be handled gracefully.
+                    print(f"mlxrt: serving {rt.model_info.model_type} ({rt.model_info.path}) on {path}", flush=True)
+                    print(f"mlxrt: try  mlxrt client --socket {path} --prompt 'def main():' --max-tokens 32", flush=True)
                     async for signum in signals:
                         print(f"mlxrt: {signal.Signals(signum).name}: finishing", flush=True)
                         break

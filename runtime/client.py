@@ -20,13 +20,13 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream
 
-from protocols.api import Event, Finished, GenerateRequest
+from protocols.api import Event, Finished, GenerateRequest, TokenDelta
 from protocols.wire import PROTOCOL_VERSION, Cancel, Error, Generate, GetStats, Hello, Resume, ServerMessage, Stats, Welcome
 from runtime.checkpoints import CheckpointError, CheckpointNotFoundError
 from runtime.errors import InvalidRequestError, MlxrtError, RequestTooLargeError, RuntimeClosedError, ServerBusyError, single_errors
 from runtime.framing import FrameReader, encode_frame
+from runtime.mailbox import CoalescingInbox, join_optional
 
-PER_REQUEST_BUFFER = 256
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
@@ -49,7 +49,7 @@ class Client:
         self._stream = stream
         self._reader = reader
         self._send_lock = anyio.Lock()
-        self._streams: dict[str, anyio.abc.ObjectSendStream] = {}
+        self._streams: dict[str, CoalescingInbox] = {}
         self._stats_lock = anyio.Lock()
         self._stats: anyio.abc.ObjectSendStream | None = None
         self._closed = False
@@ -100,24 +100,31 @@ class Client:
     async def _request(self, rid: str, start: msgspec.Struct) -> AsyncIterator[Event]:
         if rid in self._streams:
             raise InvalidRequestError(f"request_id {rid!r} is already in use", field="request_id")
-        send, receive = anyio.create_memory_object_stream[Event | Error](PER_REQUEST_BUFFER)
-        self._streams[rid] = send
+        frame = encode_frame(start)
+        if len(frame) > self.welcome.limits.max_frame_bytes:
+            raise RequestTooLargeError(
+                f"the request encodes to {len(frame)} bytes; the server accepts frames up to {self.welcome.limits.max_frame_bytes}",
+                field="prompt",
+            )
+        inbox = CoalescingInbox(_merge_events)
+        self._streams[rid] = inbox
         finished = False
         try:
-            await self._send(start)
-            async with receive:
-                async for item in receive:
-                    if isinstance(item, Error):
-                        finished = True
-                        raise _error_for(item)
-                    yield item
-                    if isinstance(item, Finished):
-                        finished = True
-                        return
-            raise ConnectionLostError()
+            await self._send_frame(frame)
+            while True:
+                try:
+                    item = await inbox.receive()
+                except anyio.EndOfStream:
+                    raise ConnectionLostError() from None
+                if isinstance(item, Error):
+                    finished = True
+                    raise _error_for(item)
+                yield item
+                if isinstance(item, Finished):
+                    finished = True
+                    return
         finally:
             self._streams.pop(rid, None)
-            send.close()
             if not finished and not self._closed:
                 with anyio.CancelScope(shield=True):
                     await self.cancel(rid)
@@ -125,7 +132,7 @@ class Client:
     async def cancel(self, request_id: str) -> None:
         try:
             await self._send(Cancel(request_id=request_id))
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        except ConnectionLostError:
             pass
 
     async def stats(self) -> Stats:
@@ -143,8 +150,16 @@ class Client:
                 self._stats = None
 
     async def _send(self, message: msgspec.Struct) -> None:
+        await self._send_frame(encode_frame(message))
+
+    async def _send_frame(self, frame: bytes) -> None:
+        if self._closed:
+            raise ConnectionLostError()
         async with self._send_lock:
-            await self._stream.send(encode_frame(message))
+            try:
+                await self._stream.send(frame)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                raise ConnectionLostError() from None
 
     async def _read_loop(self) -> None:
         try:
@@ -157,8 +172,8 @@ class Client:
             return
         finally:
             self._closed = True
-            for send in list(self._streams.values()):
-                send.close()
+            for inbox in list(self._streams.values()):
+                inbox.close()
             if self._stats is not None:
                 self._stats.close()
 
@@ -170,17 +185,23 @@ class Client:
                 except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
                     pass  # the asker gave up; a late answer is dropped
             return
+        # Never blocks: a request whose caller is not reading accumulates (merged) tokens
+        # instead of holding up every other request on this connection.
         target = self._streams.get(getattr(message, "request_id", None) or "")
         if target is not None:
-            try:
-                await target.send(message)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass  # the consumer left; its cancel is on the way
+            target.send_nowait(message)
 
 
 async def _read_one(reader: FrameReader):
     body = await reader.read_frame()
     return None if body is None else reader.decode(body)
+
+
+def _merge_events(last, new):
+    if isinstance(last, TokenDelta) and isinstance(new, TokenDelta):
+        logprobs = join_optional(last.logprobs, new.logprobs)
+        return msgspec.structs.replace(last, token_ids=last.token_ids + new.token_ids, text=last.text + new.text, logprobs=logprobs)
+    return None
 
 
 def _error_for(error: Error) -> Exception:

@@ -69,30 +69,36 @@ def answer(reply: Reply[R], value: R) -> None:
         pass
 
 
-class SessionMailbox:
-    """A session's inbox; never blocks the scheduler and stays bounded.
-
-    Consecutive `TokensGenerated` merge into one, consecutive progress reports
-    keep the latest, so the queue holds at most a few messages whatever the
-    consumer's pace, and tokens are bounded by the request's `max_tokens`.
+class CoalescingInbox(Generic[T]):
+    """An inbox that never blocks its sender and stays small: a new message may
+    merge into the last queued one (`merge` returns the merged message, or None
+    to queue it separately). Used where a fast producer must not wait on a slow
+    consumer and what piles up is bounded by its own nature (a request's tokens).
     """
 
-    def __init__(self) -> None:
-        self._items: deque[SessionInbox] = deque()
+    def __init__(self, merge: Callable[[T, T], T | None]):
+        self._merge = merge
+        self._items: deque[T] = deque()
         self._arrived = anyio.Event()
+        self._closed = False
 
-    def send_nowait(self, message: SessionInbox) -> None:
-        last = self._items[-1] if self._items else None
-        if isinstance(message, TokensGenerated) and isinstance(last, TokensGenerated):
-            self._items[-1] = _merge(last, message)
-        elif isinstance(message, PrefillProgressed) and isinstance(last, PrefillProgressed):
-            self._items[-1] = message
+    def send_nowait(self, message: T) -> None:
+        merged = self._merge(self._items[-1], message) if self._items else None
+        if merged is not None:
+            self._items[-1] = merged
         else:
             self._items.append(message)
         self._arrived.set()
 
-    async def receive(self) -> SessionInbox:
+    def close(self) -> None:
+        """No more messages; `receive` raises `anyio.EndOfStream` once the queue is empty."""
+        self._closed = True
+        self._arrived.set()
+
+    async def receive(self) -> T:
         while not self._items:
+            if self._closed:
+                raise anyio.EndOfStream
             self._arrived = anyio.Event()
             await self._arrived.wait()
         return self._items.popleft()
@@ -101,6 +107,22 @@ class SessionMailbox:
         return len(self._items)
 
 
-def _merge(a: TokensGenerated, b: TokensGenerated) -> TokensGenerated:
-    logprobs = (a.logprobs or []) + (b.logprobs or []) if a.logprobs is not None or b.logprobs is not None else None
-    return msgspec.structs.replace(a, token_ids=a.token_ids + b.token_ids, logprobs=logprobs)
+def merge_session_messages(last: SessionInbox, new: SessionInbox) -> SessionInbox | None:
+    """Consecutive tokens concatenate; consecutive progress reports keep the latest."""
+    if isinstance(last, TokensGenerated) and isinstance(new, TokensGenerated):
+        return msgspec.structs.replace(last, token_ids=last.token_ids + new.token_ids, logprobs=join_optional(last.logprobs, new.logprobs))
+    if isinstance(last, PrefillProgressed) and isinstance(new, PrefillProgressed):
+        return new
+    return None
+
+
+class SessionMailbox(CoalescingInbox[SessionInbox]):
+    """A session's inbox: the scheduler never blocks on it, and it holds at most a few messages."""
+
+    def __init__(self) -> None:
+        super().__init__(merge_session_messages)
+
+
+def join_optional(a: list | None, b: list | None) -> list | None:
+    """Concatenate two optional lists; None only when both are."""
+    return (a or []) + (b or []) if a is not None or b is not None else None

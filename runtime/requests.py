@@ -15,6 +15,7 @@ from protocols.model import ModelInfo
 from runtime.errors import InvalidRequestError, RequestTooLargeError
 
 MAX_TOP_LOGPROBS = 20
+MAX_PENALTY_CONTEXT = 4096
 
 
 def validate(request: GenerateRequest, info: ModelInfo) -> None:
@@ -45,7 +46,7 @@ def validate_sampling(s: SamplingParams) -> None:
         ("repetition_penalty", s.repetition_penalty > 0 and math.isfinite(s.repetition_penalty), "a finite number > 0"),
         ("presence_penalty", math.isfinite(s.presence_penalty), "finite"),
         ("frequency_penalty", math.isfinite(s.frequency_penalty), "finite"),
-        ("penalty_context_size", isinstance(s.penalty_context_size, int) and s.penalty_context_size >= 1, "an integer >= 1"),
+        ("penalty_context_size", isinstance(s.penalty_context_size, int) and 1 <= s.penalty_context_size <= MAX_PENALTY_CONTEXT, f"an integer in [1, {MAX_PENALTY_CONTEXT}]"),
     ]
     for name, ok, expected in checks:
         if not ok:

@@ -1,0 +1,117 @@
+"""A server killed with SIGKILL mid-generation; a restarted one resumes exactly.
+
+Uses the ~125M built-in model so that a 64-token generation lasts long enough
+(~3 s on 2 cores) to be killed in the middle deterministically.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import anyio
+import msgspec
+import pytest
+
+from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
+from runtime import Runtime, RuntimeConfig
+from runtime.checkpoints import path_for
+from runtime.client import Client, ConnectionLostError
+from tests.integration.server_helpers import ServerProcess
+
+MAX_TOKENS = 64
+
+
+def _config(directory) -> tuple[dict, object]:
+    tree = {
+        "model": {"path": "builtin:bench"},
+        "generation": {"seed": 0},
+        "logging": {"level": "warning", "format": "json"},
+        "checkpoints": {"dir": str(directory / "checkpoints")},
+    }
+    path = directory / "server.toml"
+    path.write_bytes(msgspec.toml.encode(tree))
+    return tree, path
+
+
+def _request(sampling: SamplingParams) -> GenerateRequest:
+    prompt = [random.Random(9).randrange(100, 30000) for _ in range(40)]
+    return GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, request_id="job-1", checkpoint_every=8, sampling=sampling)
+
+
+SAMPLINGS = {"greedy": SamplingParams(), "seeded": SamplingParams(temperature=0.9, top_k=50, seed=1234)}
+
+
+@pytest.mark.parametrize("kind", list(SAMPLINGS))
+async def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, kind):
+    sampling = SAMPLINGS[kind]
+    tree, config_path = _config(tmp_path)
+    reference_config = RuntimeConfig.from_tree({**tree, "checkpoints": {"dir": str(tmp_path / "reference")}}, source="test")
+    async with Runtime.open(reference_config) as rt:
+        uninterrupted = [t async for e in rt.generate(_request(sampling)) if isinstance(e, TokenDelta) for t in e.token_ids]
+    assert len(uninterrupted) == MAX_TOKENS
+
+    checkpoint = path_for(tmp_path / "checkpoints", "job-1")
+    socket = tmp_path / "run" / "s.sock"
+    server = ServerProcess(config_path, socket, tmp_path)
+    before: list[int] = []
+    try:
+        server.wait_ready()
+        with pytest.raises(ConnectionLostError):
+            async with Client.connect(socket) as client:
+                async for event in client.generate(_request(sampling)):
+                    if isinstance(event, TokenDelta):
+                        before += event.token_ids
+                        if len(before) >= 20 and checkpoint.exists():
+                            server.proc.kill()
+                            server.proc.wait()
+    finally:
+        server.stop()
+    assert server.returncode == -9 and len(before) < MAX_TOKENS
+    assert before == uninterrupted[: len(before)]
+
+    restarted = ServerProcess(config_path, socket, tmp_path)
+    try:
+        restarted.wait_ready()
+        async with Client.connect(socket) as client:
+            deltas, finished = [], None
+            async for event in client.resume("job-1"):
+                if isinstance(event, TokenDelta):
+                    deltas.append(event.token_ids)
+                elif isinstance(event, Finished):
+                    finished = event
+            with anyio.fail_after(5):
+                while checkpoint.exists():  # deleted once the request has finished
+                    await anyio.sleep(0.02)
+    finally:
+        restarted.stop()
+    assert len(deltas[0]) >= 16, "the first delta re-delivers everything before the checkpoint"
+    assert [t for d in deltas for t in d] == uninterrupted
+    assert finished.finish_reason == "length" and finished.usage.completion_tokens == MAX_TOKENS
+
+
+async def test_resume_over_the_socket_rejects_bad_checkpoints(tmp_path):
+    from runtime.checkpoints import CheckpointError, CheckpointNotFoundError
+
+    tree, config_path = _config(tmp_path)
+    tree["model"]["path"] = "builtin:tiny"
+    config_path.write_bytes(msgspec.toml.encode(tree))
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    path_for(directory, "broken").write_bytes(b"MLXRTCK1" + b"\x00" * 40)
+    socket = tmp_path / "run" / "s.sock"
+    server = ServerProcess(config_path, socket, tmp_path)
+    try:
+        server.wait_ready()
+        async with Client.connect(socket) as client:
+            with pytest.raises(CheckpointNotFoundError):
+                async for _ in client.resume("missing"):
+                    pass
+            with pytest.raises(CheckpointError):
+                async for _ in client.resume("broken"):
+                    pass
+            started = time.monotonic()
+            outcome = [e async for e in client.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=3))]
+            assert isinstance(outcome[-1], Finished) and time.monotonic() - started < 10
+    finally:
+        server.stop()
