@@ -24,6 +24,7 @@ from protocols.scheduler import (
     FinishRequest,
     GetSchedulerStats,
     SchedulerInbox,
+    SetPaused,
     SchedulerStats,
 )
 from protocols.session import PrefillProgressed, RequestFinished, RequestRejected, TokensGenerated
@@ -66,6 +67,8 @@ class SchedulerActor:
                 await self._end_early(rid, "cancelled", keep_checkpoint=keep)
             case FinishRequest(request_id=rid):
                 await self._end_early(rid, "stop")
+            case SetPaused(request_id=rid, paused=paused):
+                self.policy.set_paused(rid, paused)
             case GetSchedulerStats(reply=reply):
                 counts = self.policy.counts()
                 answer(reply, SchedulerStats(steps=self.policy.num_steps, num_finished=self.policy.num_finished, **counts))

@@ -51,6 +51,16 @@ class Tracked:
     keep_checkpoint: bool = False
     num_generated: int = 0
     next_checkpoint: int = 0
+    # The caller is not reading: decoding stops (KV kept) until it catches up.
+    paused: bool = False
+    parked: bool = False
+    # Steps completed since it was parked: after one, no token of it is in flight.
+    parked_steps: int = 0
+
+    @property
+    def is_idle(self) -> bool:
+        """Parked with nothing left in flight: no step can do anything for it."""
+        return self.paused and self.parked and self.parked_steps >= 1 and self.phase is not Phase.RELEASING
 
     def __post_init__(self) -> None:
         resume = self.admit.resume
@@ -160,8 +170,13 @@ class SchedulePolicy:
 
     # -- stepping ------------------------------------------------------------
 
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        for tracked in [*self._waiting, *self._to_admit, *self._active.values()]:
+            if tracked.request_id == request_id:
+                tracked.paused = paused
+
     def has_work(self) -> bool:
-        return bool(self._active or self._to_admit)
+        return bool(self._to_admit) or any(not t.is_idle for t in self._active.values())
 
     def plan(self, now: float) -> StepPlan:
         """The next step. Call only when `has_work()`."""
@@ -172,11 +187,18 @@ class SchedulePolicy:
             self._active[tracked.request_id] = tracked
             admit.append(tracked.admit)
         self._to_admit.clear()
-        num_decoding = sum(t.phase is Phase.DECODING for t in self._active.values())
-        prefill = self._plan_prefill(self.token_budget - num_decoding, now)
-        decode = any(t.phase is Phase.DECODING for t in self._active.values())
+        park = [t.request_id for t in self._active.values() if t.paused and not t.parked and t.phase is not Phase.RELEASING]
+        unpark = [t.request_id for t in self._active.values() if t.parked and not t.paused]
+        for tracked in self._active.values():
+            tracked.parked = tracked.paused and tracked.phase is not Phase.RELEASING
+            tracked.parked_steps = tracked.parked_steps if tracked.parked else 0
+        decoding = [t for t in self._active.values() if t.phase is Phase.DECODING]
+        prefill = self._plan_prefill(self.token_budget - len(decoding), now)
+        # A parked row may still have a token in flight: decode runs until it is read.
+        decode = any(t.phase is Phase.DECODING and not t.is_idle for t in self._active.values())
         self.num_steps += 1
-        return StepPlan(release=release, admit=admit, prefill=prefill, decode=decode, checkpoint=self._plan_checkpoints())
+        checkpoint = self._plan_checkpoints()
+        return StepPlan(release=release, admit=admit, prefill=prefill, decode=decode, checkpoint=checkpoint, park=park, unpark=unpark)
 
     def _plan_checkpoints(self) -> list[str]:
         due = []
@@ -213,6 +235,8 @@ class SchedulePolicy:
     def apply(self, outcome: StepOutcome, now: float) -> list[Ended]:
         """Record what a step did; returns the requests that ended in it."""
         ended = []
+        for tracked in self._active.values():
+            tracked.parked_steps += tracked.parked
         for rid in outcome.released:
             tracked = self._active.pop(rid)
             ended.append(Ended(tracked, tracked.release_reason or "cancelled"))
@@ -239,6 +263,7 @@ class SchedulePolicy:
             "waiting": len(self._waiting) + len(self._to_admit),
             "prefilling": phases.count(Phase.PREFILLING),
             "decoding": phases.count(Phase.DECODING) + phases.count(Phase.RELEASING),
+            "paused": sum(t.parked for t in self._active.values()),
         }
 
     def fail_all(self) -> list[Ended]:

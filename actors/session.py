@@ -18,7 +18,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from actors.stops import StopMatcher
 from protocols.api import Finished, PrefillProgress, Timings, TokenDelta, Usage
-from protocols.scheduler import CancelRequest, FinishRequest
+from protocols.scheduler import CancelRequest, FinishRequest, SetPaused
 from protocols.session import (
     PrefillProgressed,
     RequestFinished,
@@ -69,7 +69,7 @@ class SessionActor:
                 case TokensGenerated():
                     await self._on_tokens(message)
                 case PrefillProgressed(processed_tokens=done, total_tokens=total):
-                    await self._events.send(PrefillProgress(request_id=self.request_id, processed_tokens=done, total_tokens=total))
+                    await self._emit(PrefillProgress(request_id=self.request_id, processed_tokens=done, total_tokens=total))
                 case RequestFinished():
                     await self._on_finished(message)
                     return
@@ -93,7 +93,18 @@ class SessionActor:
                 await self._scheduler.send(FinishRequest(request_id=self.request_id))
                 break
         logprobs = message.logprobs[: len(ids)] if message.logprobs is not None else None
-        await self._events.send(TokenDelta(request_id=self.request_id, token_ids=ids, text="".join(texts), logprobs=logprobs))
+        await self._emit(TokenDelta(request_id=self.request_id, token_ids=ids, text="".join(texts), logprobs=logprobs))
+
+    async def _emit(self, event) -> None:
+        """Deliver an event; while the caller is not reading, the request stops decoding."""
+        try:
+            self._events.send_nowait(event)
+            return
+        except anyio.WouldBlock:
+            pass
+        await self._scheduler.send(SetPaused(request_id=self.request_id, paused=True))
+        await self._events.send(event)
+        await self._scheduler.send(SetPaused(request_id=self.request_id, paused=False))
 
     async def _on_finished(self, message: RequestFinished) -> None:
         if self._stop_sequence is None:

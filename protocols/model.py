@@ -84,6 +84,9 @@ class StepPlan(Record):
     decode: bool = False
     # Capture these decoding requests' state at the end of the step.
     checkpoint: list[str] = msgspec.field(default_factory=list)
+    # Stop decoding these (their callers are not reading), keeping their KV; restart these.
+    park: list[str] = msgspec.field(default_factory=list)
+    unpark: list[str] = msgspec.field(default_factory=list)
 
 
 class RowOutput(Record):

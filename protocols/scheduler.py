@@ -30,6 +30,13 @@ class CancelRequest(Message):
     keep_checkpoint: bool = False
 
 
+class SetPaused(Message):
+    """The request's caller is (or is no longer) behind: stop (or restart) decoding it."""
+
+    request_id: str
+    paused: bool
+
+
 class FinishRequest(Message):
     """The session saw a stop string: end the request as `stop`."""
 
@@ -42,10 +49,12 @@ class SchedulerStats(Record):
     decoding: int
     steps: int
     num_finished: int
+    # Admitted requests whose callers are not reading (decoding stopped, KV kept).
+    paused: int = 0
 
 
 class GetSchedulerStats(Message):
     reply: Reply[SchedulerStats]
 
 
-SchedulerInbox = AddRequest | CancelRequest | FinishRequest | GetSchedulerStats
+SchedulerInbox = AddRequest | CancelRequest | FinishRequest | SetPaused | GetSchedulerStats

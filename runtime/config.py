@@ -75,7 +75,7 @@ class ServerConfig(Section):
     # Seconds a client may leave a frame unread before the server drops the connection.
     client_stall_timeout_s: float = 60.0
     # Frames queued per connection before its requests wait for the client.
-    send_buffer_frames: int = 256
+    send_buffer_frames: int = 64
 
 
 class CheckpointConfig(Section):

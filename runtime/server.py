@@ -44,6 +44,7 @@ from runtime.framing import FrameReader, FrameTooLarge, encode_frame
 log = structlog.get_logger(actor="server")
 
 FLUSH_GRACE_S = 2.0
+SEND_BUFFER_BYTES = 64 * 1024
 
 
 class Server:
@@ -99,6 +100,11 @@ class Server:
                 code = "shutting_down" if self._stopping.is_set() else "busy"
                 await _send_quietly(stream, Error(code=code, message="no more connections accepted"))
                 return
+            # A small kernel buffer keeps what a stalled client holds bounded and makes its
+            # requests pause soon (they stop decoding once their queues are full).
+            sock = stream.extra(SocketAttribute.raw_socket, None)
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             connection = Connection(self, stream)
             self.connections.add(connection)
             try:

@@ -55,6 +55,8 @@ class Sequence:
     num_generated: int = 0
     in_batch: bool = False
     joined: bool = False
+    # Its caller is not reading: kept out of the batch (KV in `cache`) until unparked.
+    parked: bool = False
     generated: list[int] = field(default_factory=list)
 
     def tokens_with_kv(self, length: int) -> list[int]:
@@ -75,7 +77,7 @@ class Sequence:
 
     @property
     def is_ready(self) -> bool:
-        return not self.joined and self.num_prefilled == len(self.context) - 1
+        return not self.joined and not self.parked and self.num_prefilled == len(self.context) - 1
 
 
 @dataclass
@@ -113,6 +115,11 @@ class Engine:
         released = [rid for rid in plan.release if self._release(rid)]
         for admit in plan.admit:
             self._admit(admit)
+        for rid in plan.park:
+            self._park(rid)
+        for rid in plan.unpark:
+            if rid in self._sequences:
+                self._sequences[rid].parked = False
         prefilled = self._prefill(plan.prefill)
         # After a prefill the pipeline has stalled anyway: read this step's tokens
         # now, so requests that just joined get their first token one step sooner.
@@ -225,6 +232,18 @@ class Engine:
             request_id=request_id, generated=list(seq.generated), num_kv_tokens=num_kv, kv_tensors=safetensors.numpy.save(tensors)
         )
 
+    def _park(self, request_id: str) -> None:
+        """Take a row out of the batch, keeping its KV; it rejoins once unparked."""
+        seq = self._sequences.get(request_id)
+        if seq is None:
+            return
+        seq.parked = True
+        if seq.in_batch:
+            seq.cache = self._batch.extract(request_id)
+            seq.num_prefilled = seq.cache[0].offset
+            self._remove_row(request_id)
+            seq.joined = False
+
     def _release(self, request_id: str) -> bool:
         seq = self._sequences.get(request_id)
         if seq is None:
@@ -324,6 +343,9 @@ class Engine:
         """Remove an ending request's row, keeping its KV as a prefix entry if wanted."""
         if self._sequences[request_id].admit.save_prefix:
             self._save_prefix(self._sequences[request_id], self._batch.extract(request_id))
+        self._remove_row(request_id)
+
+    def _remove_row(self, request_id: str) -> None:
         order = self._batch.remove_row(request_id)
         self._sampler.reorder(order)
         self._pending = self._pending[mx.array(order, dtype=mx.int32)] if order else None
@@ -371,9 +393,7 @@ class Engine:
         return RowOutput(request_id=rid, token_ids=[token], logprobs=wanted)
 
     def _finish(self, rid: str, seq: Sequence) -> None:
-        if seq.in_batch:
-            self._leave_batch(rid)
-        del self._sequences[rid]
+        self._release(rid)
 
 
 def _trimmed(cache: KVCache, length: int) -> KVCache:

@@ -205,3 +205,21 @@ def test_requests_seeded_from_one_prefix_never_change_it(engine, model_and_token
         assert driver.tokens[rid] == driver.tokens["a"]
     after = [np.array(c.keys) for c in engine._prefixes[entry.entry_id]]
     assert all(np.array_equal(x, y) for x, y in zip(before, after))
+
+
+def test_a_parked_row_resumes_exactly_where_it_stopped(engine, model_and_tokenizer):
+    prompts = _prompts([9, 14])
+    driver = Driver(engine)
+    driver.admit(_admit("a", prompts[0], max_tokens=20), _admit("b", prompts[1], max_tokens=20))
+    for _ in range(6):
+        driver.step(driver.plan())
+    driver.step(StepPlan(park=["a"], decode=True))
+    assert "a" not in engine._batch.row_ids and "a" in engine.kv_tokens()
+    held = len(driver.tokens["a"])
+    for _ in range(5):
+        driver.step(driver.plan())
+    assert len(driver.tokens["a"]) <= held + 1, "a parked row decodes at most its in-flight token"
+    driver.step(StepPlan(unpark=["a"], decode=True))
+    driver.run()
+    for rid, prompt in zip("ab", prompts):
+        assert driver.tokens[rid] == greedy_tokens(*model_and_tokenizer, prompt, 20)
