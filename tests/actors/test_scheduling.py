@@ -481,10 +481,10 @@ def test_max_batch_size_limits_admission():
         sim.add(make_tracked(rid, prompt_len=1, max_tokens=1 if rid == "a" else 5))
     assert sim.admit_all() == ["a", "b"]
     assert sim.policy.admission_candidate() is None
-    assert sim.policy.counts() == {"waiting": 3, "prefilling": 0, "decoding": 0}
+    assert sim.policy.counts() == {"waiting": 3, "prefilling": 0, "decoding": 0, "paused": 0}
     sim.step()
     assert sim.policy.admission_candidate() is None
-    assert sim.policy.counts() == {"waiting": 1, "prefilling": 0, "decoding": 2}
+    assert sim.policy.counts() == {"waiting": 1, "prefilling": 0, "decoding": 2, "paused": 0}
     sim.step()  # "a" produces its only token and ends
     assert sim.ended["a"].reason == "length"
     assert sim.policy.admission_candidate() is sim.tracked["c"]
@@ -719,9 +719,9 @@ def test_counts_and_steps():
     sim.add(make_tracked("d", prompt_len=1, max_tokens=10))
     sim.add(make_tracked("w", prompt_len=1, max_tokens=1))
     sim.admit_all()
-    assert sim.policy.counts() == {"waiting": 3, "prefilling": 0, "decoding": 0}
+    assert sim.policy.counts() == {"waiting": 3, "prefilling": 0, "decoding": 0, "paused": 0}
     sim.step()
-    assert sim.policy.counts() == {"waiting": 0, "prefilling": 1, "decoding": 2}
+    assert sim.policy.counts() == {"waiting": 0, "prefilling": 1, "decoding": 2, "paused": 0}
     assert sim.policy.num_steps == 1
 
 
