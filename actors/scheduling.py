@@ -216,6 +216,9 @@ class SchedulePolicy:
         work = []
         for tracked in prefilling:
             chunk = min(self.chunk_size, tracked.prefill_left)
+            snapshot = tracked.admit.snapshot_at
+            if snapshot is not None and tracked.num_prefilled < snapshot < tracked.num_prefilled + chunk:
+                chunk = snapshot - tracked.num_prefilled  # the snapshot is taken at a chunk's end
             if chunk > budget and work:
                 tracked.num_skips += 1
                 continue

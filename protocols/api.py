@@ -51,6 +51,9 @@ class GenerateRequest(Record):
     priority: int = 0
     # Emit `PrefillProgress` events while the prompt is being processed.
     report_progress: bool = False
+    # Keep the KV of the first `snapshot_at` prompt tokens as a prefix entry as soon as
+    # prefill passes them (e.g. the end of a shared system prompt).
+    snapshot_at: int | None = None
     # Save a durable checkpoint every this many generated tokens (needs `request_id`);
     # None: the runtime's `checkpoints.every_tokens` (0 there means off).
     checkpoint_every: int | None = None

@@ -40,8 +40,10 @@ class AdmitRequest(Record):
     # Start from the first `prefix_tokens` of this saved prefix entry instead of prefilling them.
     prefix_entry: str | None = None
     prefix_tokens: int = 0
-    # Offer the request's KV to the prefix cache when it ends.
+    # Offer the request's KV to the prefix cache when it ends, and the first
+    # `snapshot_at` prompt tokens' KV as soon as prefill reaches them.
     save_prefix: bool = True
+    snapshot_at: int | None = None
     resume: ResumeState | None = None
 
     @property

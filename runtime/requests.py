@@ -32,6 +32,8 @@ def validate(request: GenerateRequest, info: ModelInfo) -> None:
     _check_ids(request.stop_token_ids, info.vocab_size, "stop_token_ids")
     if request.prompt_ids is not None:
         _check_ids(request.prompt_ids, info.vocab_size, "prompt_ids")
+    if request.snapshot_at is not None and (not isinstance(request.snapshot_at, int) or request.snapshot_at < 1):
+        raise InvalidRequestError("snapshot_at must be a positive number of prompt tokens", field="snapshot_at")
     if request.messages is not None and (not request.messages or not all(isinstance(m, dict) for m in request.messages)):
         raise InvalidRequestError("messages must be a non-empty list of objects", field="messages")
     validate_sampling(request.sampling)

@@ -221,6 +221,8 @@ class Runtime:
             stop_token_ids=sorted(set(() if request.ignore_eos else self._eos_ids) | set(request.stop_token_ids)),
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
+            # The last prompt token is never prefilled; a snapshot there is the end-of-request entry.
+            snapshot_at=request.snapshot_at if request.snapshot_at and request.snapshot_at < len(prompt_ids) - 1 else None,
         )
         return admit, checkpoint_every
 

@@ -277,6 +277,9 @@ class Engine:
                 self._prefill_one(seq, work.num_tokens)
         if first:
             self._prefill_together(first)
+        for seq in seqs:
+            if seq.admit.snapshot_at is not None and seq.num_prefilled == seq.admit.snapshot_at:
+                self._save_prefix(seq, [_trimmed(c, seq.num_prefilled) for c in seq.cache])
         return [PrefillReport(request_id=s.admit.request_id, processed_tokens=s.num_prefilled, total_tokens=s.prompt_len) for s in seqs]
 
     def _prefill_target(self, work: PrefillWork) -> Sequence:

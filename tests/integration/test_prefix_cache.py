@@ -131,3 +131,18 @@ async def test_request_that_can_never_fit_is_refused():
             await _run(rt, _ids(40, 30), max_tokens=20)
         tokens, finished = await _run(rt, _ids(10, 31), max_tokens=20)
         assert finished.finish_reason in ("length", "stop")
+
+
+async def test_snapshot_at_keeps_the_system_prompt_while_the_request_runs():
+    system = _ids(37, 40)
+    async with Runtime.open(_config()) as rt:
+        first = rt.generate(GenerateRequest(prompt_ids=system + _ids(20, 41), max_tokens=200, ignore_eos=True, snapshot_at=len(system)))
+        # The snapshot exists as soon as prefill passed the system prompt, long before the first request ends.
+        async for event in first:
+            if isinstance(event, TokenDelta):
+                break
+        stats = (await rt.stats()).kv
+        assert stats.prefix_entries == 1
+        tokens, finished = await _run(rt, system + _ids(5, 42))
+        assert finished.usage.cached_tokens == len(system)
+        await first.aclose()
