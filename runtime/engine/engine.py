@@ -106,6 +106,7 @@ class Engine:
         self._prefixes: dict[str, list[KVCache]] = {}
         self._saved: list[SavedPrefix] = []
         self._num_saved = 0
+        self._prefix_bytes = 0
 
     def step(self, plan: StepPlan) -> StepOutcome:
         """Apply one plan; see the module docstring for the order."""
@@ -142,7 +143,9 @@ class Engine:
 
     def drop_prefixes(self, entry_ids: list[str]) -> None:
         for entry_id in entry_ids:
-            self._prefixes.pop(entry_id, None)
+            caches = self._prefixes.pop(entry_id, None)
+            if caches is not None:
+                self._prefix_bytes -= sum(c.nbytes for c in caches)
 
     def reset(self) -> list[str]:
         """Drop every request (after a failed step); returns the ids dropped."""
@@ -162,8 +165,7 @@ class Engine:
 
     def kv_bytes(self) -> int:
         prefill = sum(c.nbytes for s in self._sequences.values() if s.cache is not None for c in s.cache)
-        prefixes = sum(c.nbytes for caches in self._prefixes.values() for c in caches)
-        return prefill + prefixes + self._batch.nbytes
+        return prefill + self._prefix_bytes + self._batch.nbytes
 
     @property
     def bytes_per_token(self) -> int:
@@ -261,8 +263,9 @@ class Engine:
         self._num_saved += 1
         entry_id = f"{seq.admit.request_id}#{self._num_saved}"
         self._prefixes[entry_id] = caches
-        tokens = seq.tokens_with_kv(caches[0].offset)
-        self._saved.append(SavedPrefix(entry_id=entry_id, tokens=tokens, num_bytes=sum(c.nbytes for c in caches)))
+        num_bytes = sum(c.nbytes for c in caches)
+        self._prefix_bytes += num_bytes
+        self._saved.append(SavedPrefix(entry_id=entry_id, tokens=seq.tokens_with_kv(caches[0].offset), num_bytes=num_bytes))
 
     def _prefill(self, works: list[PrefillWork]) -> list[PrefillReport]:
         """Forward prompt chunks. First chunks go through one left-padded batched
@@ -404,6 +407,7 @@ def _trimmed(cache: KVCache, length: int) -> KVCache:
     trimmed.keys = mx.contiguous(cache.keys[..., :length, :])
     trimmed.values = mx.contiguous(cache.values[..., :length, :])
     trimmed.offset = length
+    mx.eval(trimmed.keys, trimmed.values)
     return trimmed
 
 

@@ -123,7 +123,9 @@ class DecodeBatch:
         self.lengths.append(length)
 
     def extract(self, request_id: str) -> list[KVCache]:
-        """A contiguous copy of one row's KV as per-layer `KVCache`s."""
+        """A contiguous copy of one row's KV as per-layer `KVCache`s, evaluated now: a lazy
+        copy would keep the batch buffers referenced, and every later write would then copy
+        whole buffers instead of updating them in place."""
         row = self.index(request_id)
         length = self.lengths[row]
         caches = []
@@ -133,6 +135,7 @@ class DecodeBatch:
             cache.values = mx.contiguous(values[row : row + 1, :, :length])
             cache.offset = length
             caches.append(cache)
+        mx.eval([c.state for c in caches])
         return caches
 
     def remove_row(self, request_id: str) -> list[int]:
