@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import assert_never
 
@@ -34,6 +32,7 @@ from protocols.kv import (
     PrefixesSaved,
     ReleaseKv,
     ReportKvUsage,
+    DrainFiles,
     ReserveKv,
     SaveCheckpoint,
     UnpinPrefix,
@@ -70,18 +69,29 @@ class KvLedger:
     def reserve(
         self, request_id: str, num_tokens: int, prompt_ids: list[int] = (), max_prefix_tokens: int = 0
     ) -> tuple[KvReservation, list[str]]:
-        """A reservation, and the prefix entries evicted to make room for it."""
+        """A reservation, and the prefix entries evicted to make room for it.
+
+        The request's own prefix match is pinned before anything is evicted, and
+        entries are evicted only when that makes the request fit.
+        """
         need = num_tokens * self.bytes_per_token
         if self.budget_bytes and need > self.budget_bytes:
             return KvReservation(request_id=request_id, granted=False, reason="never_fits"), []
-        evicted = self._make_room(need)
-        if self.budget_bytes and self.reserved_bytes + self.prefixes.num_bytes + need > self.budget_bytes:
-            return KvReservation(request_id=request_id, granted=False, reason="no_room"), evicted
-        self._reserved[request_id] = num_tokens
         match = self.prefixes.lookup(prompt_ids, max_prefix_tokens) if max_prefix_tokens > 0 else None
+        if match is not None:
+            self.prefixes.pin(match.entry_id)
+        evicted = []
+        if self.budget_bytes:
+            over = self.reserved_bytes + self.prefixes.num_bytes + need - self.budget_bytes
+            if over > 0 and self.reserved_bytes + need <= self.budget_bytes:
+                evicted = self.prefixes.evict(over)
+            if self.reserved_bytes + self.prefixes.num_bytes + need > self.budget_bytes:
+                if match is not None:
+                    self.prefixes.unpin(match.entry_id)
+                return KvReservation(request_id=request_id, granted=False, reason="no_room"), evicted
+        self._reserved[request_id] = num_tokens
         if match is None:
             return KvReservation(request_id=request_id, granted=True), evicted
-        self.prefixes.pin(match.entry_id)
         self._hits += 1
         self._tokens_reused += match.num_tokens
         return KvReservation(request_id=request_id, granted=True, prefix_entry=match.entry_id, prefix_tokens=match.num_tokens), evicted
@@ -148,9 +158,10 @@ class KvStoreActor:
         self.inbox: Mailbox[KvInbox] = Mailbox(capacity)
         self._model = model
         self._checkpoints = checkpoints
-        # File work happens in order (a write, then its delete) on one writer task.
-        self._jobs_send, self._jobs_receive = anyio.create_memory_object_stream[Callable[[], object]](CHECKPOINT_QUEUE)
-        self._checkpointed: set[str] = set()
+        # File work runs in order on one writer task. A job names a request; the latest
+        # pending checkpoint of that request is what gets written (older ones are dropped).
+        self._pending: dict[str, SaveCheckpoint] = {}
+        self._jobs_send, self._jobs_receive = anyio.create_memory_object_stream[tuple[str, object]](CHECKPOINT_QUEUE)
 
     async def run(self, *, task_status) -> None:
         with self.inbox, self._jobs_send:
@@ -161,23 +172,41 @@ class KvStoreActor:
                     await self.handle(await self.inbox.receive())
 
     async def _file_writer(self) -> None:
-        settings, last_expiry = self._checkpoints, 0.0
+        last_expiry = -EXPIRE_EVERY_S
         async with self._jobs_receive:
             while True:
-                if settings is not None and time.monotonic() - last_expiry > EXPIRE_EVERY_S:
+                if time.monotonic() - last_expiry >= EXPIRE_EVERY_S:
                     last_expiry = time.monotonic()
-                    removed = await anyio.to_thread.run_sync(checkpoints.expire, settings.directory, settings.max_age_s)
-                    if removed:
-                        log.info("checkpoints_expired", count=len(removed))
+                    await self._expire()
                 with anyio.move_on_after(EXPIRE_EVERY_S):
                     try:
-                        job = await self._jobs_receive.receive()
+                        kind, subject = await self._jobs_receive.receive()
                     except anyio.EndOfStream:
                         return
-                    try:
-                        await anyio.to_thread.run_sync(job)
-                    except OSError as exc:
-                        log.error("checkpoint_io_failed", error=str(exc))
+                    await self._run_job(kind, subject)
+
+    async def _run_job(self, kind: str, subject) -> None:
+        settings = self._checkpoints
+        try:
+            if kind == "write" and (message := self._pending.pop(subject, None)) is not None:
+                await anyio.to_thread.run_sync(_write_checkpoint, settings, message, time.time())
+            elif kind == "delete":
+                await anyio.to_thread.run_sync(checkpoints.delete, settings.directory, subject)
+            elif kind == "sync":
+                answer(subject, True)
+        except OSError as exc:
+            log.error("checkpoint_io_failed", job=kind, error=str(exc))
+
+    async def _expire(self) -> None:
+        if self._checkpoints is None:
+            return
+        try:
+            removed = await anyio.to_thread.run_sync(checkpoints.expire, self._checkpoints.directory, self._checkpoints.max_age_s)
+        except OSError as exc:
+            log.error("checkpoint_expiry_failed", error=str(exc))
+            return
+        if removed:
+            log.info("checkpoints_expired", count=len(removed))
 
     async def handle(self, message: KvInbox) -> None:
         match message:
@@ -187,11 +216,13 @@ class KvStoreActor:
                 await self._drop(evicted)
             case ReleaseKv(request_id=rid, delete_checkpoint=delete):
                 self.ledger.release(rid)
-                if delete and rid in self._checkpointed:
-                    self._checkpointed.discard(rid)
-                    await self._jobs_send.send(partial(checkpoints.delete, self._checkpoints.directory, rid))
+                if delete and self._checkpoints is not None:
+                    self._pending.pop(rid, None)
+                    await self._jobs_send.send(("delete", rid))
             case SaveCheckpoint():
                 await self._save_checkpoint(message)
+            case DrainFiles(reply=reply):
+                await self._jobs_send.send(("sync", reply))
             case UnpinPrefix(entry_id=entry_id):
                 self.ledger.unpin(entry_id)
             case PrefixesSaved(entries=entries):
@@ -204,12 +235,13 @@ class KvStoreActor:
                 assert_never(message)
 
     async def _save_checkpoint(self, message: SaveCheckpoint) -> None:
-        settings = self._checkpoints
-        if settings is None:
+        if self._checkpoints is None:
             return
         rid = message.data.request_id
-        self._checkpointed.add(rid)
-        await self._jobs_send.send(partial(_write_checkpoint, settings, message, time.time()))
+        queued = rid in self._pending
+        self._pending[rid] = message
+        if not queued:
+            await self._jobs_send.send(("write", rid))
 
     async def _drop(self, entry_ids: list[str]) -> None:
         if entry_ids and self._model is not None:

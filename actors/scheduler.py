@@ -77,6 +77,9 @@ class SchedulerActor:
 
     def _enqueue(self, message: AddRequest) -> None:
         rid = message.admit.request_id
+        if self.policy.is_tracked(rid):
+            message.session.send_nowait(RequestRejected(request_id=rid, code="duplicate", message=f"request {rid!r} is still running"))
+            return
         if not self.policy.can_enqueue():
             message.session.send_nowait(RequestRejected(request_id=rid, code="busy", message="admission queue is full"))
             return
@@ -109,6 +112,9 @@ class SchedulerActor:
                 if reservation.prefix_entry is not None:
                     tracked.start_from_prefix(reservation.prefix_entry, reservation.prefix_tokens)
                 self.policy.admit(tracked, time.monotonic())
+                if tracked.admit.resume is not None:
+                    # A resumed stream first re-delivers what was generated before its checkpoint.
+                    tracked.session.send_nowait(TokensGenerated(request_id=rid, token_ids=tracked.admit.resume.generated))
             elif reservation.reason == "never_fits":
                 self.policy.reject_waiting(tracked)
                 message = f"prompt + max_tokens ({need} tokens) can never fit the KV budget"
@@ -167,16 +173,21 @@ class SchedulerActor:
         )
 
     async def _finish(self, ended: Ended, error: str | None = None) -> None:
+        tracked = ended.tracked
         self._notify_end(ended, error)
-        delete = not ended.tracked.keep_checkpoint
-        await self._kv.send(ReleaseKv(request_id=ended.tracked.request_id, delete_checkpoint=delete))
+        if not tracked.planned and tracked.admit.prefix_entry is not None:
+            await self._kv.send(UnpinPrefix(entry_id=tracked.admit.prefix_entry))
+        # A checkpoint survives shutdowns and failed steps (that is what it is for), not a normal end.
+        has_checkpoint = tracked.checkpoint_every or tracked.admit.resume is not None
+        delete = bool(has_checkpoint) and not tracked.keep_checkpoint and error is None
+        await self._kv.send(ReleaseKv(request_id=tracked.request_id, delete_checkpoint=delete))
 
     def _notify_end(self, ended: Ended, error: str | None = None) -> None:
         tracked = ended.tracked
         tracked.session.send_nowait(
             RequestFinished(
                 request_id=tracked.request_id,
-                finish_reason="error" if error else ended.reason,
+                finish_reason="error" if error and tracked.release_reason is None else ended.reason,
                 timeline=tracked.make_timeline(),
                 stop_token_id=ended.stop_token_id,
                 cached_tokens=tracked.cached_tokens,

@@ -54,6 +54,8 @@ class Tracked:
     # The caller is not reading: decoding stops (KV kept) until it catches up.
     paused: bool = False
     parked: bool = False
+    # Whether a plan has carried its admission to the engine.
+    planned: bool = False
     # Steps completed since it was parked: after one, no token of it is in flight.
     parked_steps: int = 0
 
@@ -170,6 +172,10 @@ class SchedulePolicy:
 
     # -- stepping ------------------------------------------------------------
 
+    def is_tracked(self, request_id: str) -> bool:
+        """Waiting, about to be admitted, or running (possibly still releasing)."""
+        return request_id in self._active or any(t.request_id == request_id for t in [*self._waiting, *self._to_admit])
+
     def set_paused(self, request_id: str, paused: bool) -> None:
         for tracked in [*self._waiting, *self._to_admit, *self._active.values()]:
             if tracked.request_id == request_id:
@@ -183,6 +189,7 @@ class SchedulePolicy:
         release = [t.request_id for t in self._active.values() if t.phase is Phase.RELEASING]
         admit = []
         for tracked in self._to_admit:
+            tracked.planned = True
             tracked.phase = Phase.PREFILLING if tracked.prefill_left > 0 else Phase.DECODING
             self._active[tracked.request_id] = tracked
             admit.append(tracked.admit)
@@ -203,7 +210,8 @@ class SchedulePolicy:
     def _plan_checkpoints(self) -> list[str]:
         due = []
         for tracked in self._active.values():
-            if tracked.phase is Phase.DECODING and tracked.checkpoint_every and tracked.num_generated >= tracked.next_checkpoint:
+            # A parked row is out of the batch: its checkpoint waits until it decodes again.
+            if tracked.phase is Phase.DECODING and not tracked.parked and tracked.checkpoint_every and tracked.num_generated >= tracked.next_checkpoint:
                 due.append(tracked.request_id)
                 while tracked.next_checkpoint <= tracked.num_generated:
                     tracked.next_checkpoint += tracked.checkpoint_every
@@ -271,7 +279,8 @@ class SchedulePolicy:
 
     def fail_all(self) -> list[Ended]:
         """The engine dropped everything: every admitted request ends in error."""
-        ended = [Ended(t, "error") for t in self._active.values()]
+        # Requests already ending keep their reason (a cancel stays a cancel).
+        ended = [Ended(t, t.release_reason or "error") for t in self._active.values()]
         self._active.clear()
         self.num_finished += len(ended)
         return ended

@@ -31,6 +31,8 @@ from runtime.mailbox import Mailbox, SessionMailbox
 
 log = structlog.get_logger(actor="session")
 
+RESUME_POLL_S = 0.005
+
 
 class SessionActor:
     def __init__(
@@ -52,15 +54,28 @@ class SessionActor:
         self._events = events
         self._num_tokens = 0
         self._stop_sequence: str | None = None
+        # The scheduler is done with the request (it sent RequestFinished or RequestRejected).
+        self._ended = False
 
     async def run(self) -> None:
         with self._events:
             try:
                 await self._serve()
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                # The caller stopped listening; make sure the request stops too.
+                # The caller stopped listening: stop the request, and hold its id until
+                # the scheduler is done with it, so a new request cannot take the id too early.
                 with anyio.CancelScope(shield=True):
-                    await self._scheduler.send(CancelRequest(request_id=self.request_id))
+                    try:
+                        await self._scheduler.send(CancelRequest(request_id=self.request_id))
+                    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                        return  # the runtime is gone
+                if not self._ended:
+                    await self._drain()  # not shielded: a runtime shutting down cancels it
+
+    async def _drain(self) -> None:
+        while not isinstance(await self.inbox.receive(), RequestFinished | RequestRejected):
+            pass
+        self._ended = True
 
     async def _serve(self) -> None:
         while True:
@@ -71,9 +86,11 @@ class SessionActor:
                 case PrefillProgressed(processed_tokens=done, total_tokens=total):
                     await self._emit(PrefillProgress(request_id=self.request_id, processed_tokens=done, total_tokens=total))
                 case RequestFinished():
+                    self._ended = True
                     await self._on_finished(message)
                     return
                 case RequestRejected():
+                    self._ended = True
                     await self._events.send(message)
                     return
                 case _:
@@ -96,7 +113,11 @@ class SessionActor:
         await self._emit(TokenDelta(request_id=self.request_id, token_ids=ids, text="".join(texts), logprobs=logprobs))
 
     async def _emit(self, event) -> None:
-        """Deliver an event; while the caller is not reading, the request stops decoding."""
+        """Deliver an event; while the caller is not reading, the request stops decoding.
+
+        It restarts only once the caller has drained half of its buffer, so a reader
+        slightly slower than decoding does not park and rejoin the row at every token.
+        """
         try:
             self._events.send_nowait(event)
             return
@@ -104,6 +125,10 @@ class SessionActor:
             pass
         await self._scheduler.send(SetPaused(request_id=self.request_id, paused=True))
         await self._events.send(event)
+        stats = self._events.statistics()
+        while stats.current_buffer_used > stats.max_buffer_size // 2 and stats.open_receive_streams:
+            await anyio.sleep(RESUME_POLL_S)
+            stats = self._events.statistics()
         await self._scheduler.send(SetPaused(request_id=self.request_id, paused=False))
 
     async def _on_finished(self, message: RequestFinished) -> None:

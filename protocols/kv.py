@@ -90,4 +90,10 @@ class GetKvStats(Message):
     reply: Reply[KvStats]
 
 
-KvInbox = ReserveKv | ReleaseKv | ReportKvUsage | GetKvStats | UnpinPrefix | PrefixesSaved | SaveCheckpoint
+class DrainFiles(Message):
+    """Answer once every checkpoint write and delete asked for so far is done."""
+
+    reply: Reply[bool]
+
+
+KvInbox = ReserveKv | ReleaseKv | ReportKvUsage | GetKvStats | UnpinPrefix | PrefixesSaved | SaveCheckpoint | DrainFiles

@@ -77,7 +77,8 @@ class PrefillWork(Record):
 
 
 class StepPlan(Record):
-    """What one engine step does, in this order: release, admit, prefill, decode."""
+    """What one engine step does, in this order: release, admit, park/unpark,
+    prefill, decode, then checkpoints of the rows still decoding."""
 
     release: list[str] = msgspec.field(default_factory=list)
     admit: list[AdmitRequest] = msgspec.field(default_factory=list)
@@ -140,6 +141,8 @@ class ModelInfo(Record):
     # Digests that tie checkpoints to this model and tokenizer.
     model_id: str = ""
     tokenizer_id: str = ""
+    # Per layer: (kv heads, key dim, value dim).
+    kv_shapes: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
 
 
 class StepFailed(Record):

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import safetensors.numpy
 
 from protocols.api import GenerateRequest
 from protocols.base import Record
@@ -133,6 +134,24 @@ def decode(data: bytes, *, source: str = "<checkpoint>") -> tuple[CheckpointHead
     if hashlib.sha256(tensors).hexdigest() != header.tensors_sha256:
         raise CorruptCheckpointError(f"{source} is truncated or altered (tensor checksum mismatch)")
     return header, tensors
+
+
+def check_tensors(header: CheckpointHeader, tensors: bytes, kv_shapes: list[tuple[int, int, int]]) -> None:
+    """The tensors hold a cache of `num_kv_tokens` positions shaped for this model."""
+    expected_len = len(header.prompt_ids) + len(header.generated) - 1
+    if not header.generated or header.num_kv_tokens != expected_len:
+        raise CorruptCheckpointError(f"checkpoint covers {header.num_kv_tokens} tokens, expected {expected_len}")
+    try:
+        arrays = safetensors.numpy.load(tensors)
+    except Exception as exc:  # safetensors reports malformed data with several exception types
+        raise CorruptCheckpointError(f"unreadable checkpoint tensors: {exc}") from None
+    if len(arrays) != 2 * len(kv_shapes):
+        raise CorruptCheckpointError(f"checkpoint has {len(arrays)} tensors, the model needs {2 * len(kv_shapes)}")
+    for layer, (heads, key_dim, value_dim) in enumerate(kv_shapes):
+        keys, values = arrays.get(f"keys_{layer}"), arrays.get(f"values_{layer}")
+        n = header.num_kv_tokens
+        if keys is None or values is None or keys.shape != (1, heads, n, key_dim) or values.shape != (1, heads, n, value_dim):
+            raise CorruptCheckpointError(f"checkpoint layer {layer} does not fit the model")
 
 
 def delete(directory: Path, request_id: str) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 import time
 import uuid
-from functools import partial
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -26,10 +25,10 @@ from actors.scheduler import SchedulerActor
 from actors.scheduling import SchedulePolicy
 from actors.session import SessionActor
 from protocols.api import Event, Finished, GenerateRequest
-from protocols.kv import GetKvStats, KvStats
+from protocols.kv import DrainFiles, GetKvStats, KvStats
 from protocols.model import AdmitRequest, ModelInfo, ResumeState
 from protocols.scheduler import AddRequest, CancelRequest, GetSchedulerStats, SchedulerStats
-from protocols.session import RequestRejected, TokensGenerated
+from protocols.session import RequestRejected
 from runtime import blas, checkpoints, requests
 from runtime.config import RuntimeConfig
 from runtime.detokenize import make_detokenizer
@@ -134,15 +133,10 @@ class Runtime:
         queue is full, `RuntimeClosedError` during shutdown.
         """
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
-        if rid in self._sessions or rid in self._preparing:
-            raise InvalidRequestError(f"request_id {rid!r} is already in use", field="request_id")
-        self._preparing.add(rid)
-        try:
+        async with self._claim(rid):
             admit, checkpoint_every = await self._prepare(request, rid)
-            events = self._submit(request, admit, checkpoint_every)
-        finally:
-            self._preparing.discard(rid)
-        async for event in self._stream(rid, events):
+            session, events = self._submit(request, admit, checkpoint_every)
+        async for event in self._stream(session, events):
             yield event
 
     async def resume(self, request_id: str) -> AsyncIterator[Event]:
@@ -151,53 +145,77 @@ class Runtime:
 
         Raises a `CheckpointError` subclass when there is no usable checkpoint.
         """
-        if self._closed:
-            raise RuntimeClosedError("the runtime is shutting down")
-        if request_id in self._sessions:
-            raise InvalidRequestError(f"request {request_id!r} is running", field="request_id")
-        info = self.model_info
-        header, tensors = await anyio.to_thread.run_sync(
-            partial(checkpoints.read, self.config.checkpoints.directory(), request_id, model_id=info.model_id, tokenizer_id=info.tokenizer_id)
-        )
-        request = header.request
-        admit = AdmitRequest(
-            request_id=request_id,
-            prompt_ids=header.prompt_ids,
-            max_tokens=header.max_tokens,
-            sampling=request.sampling,
-            seed=header.seed,
-            stop_token_ids=header.stop_token_ids,
-            logprobs=request.logprobs,
-            top_logprobs=request.top_logprobs,
-            resume=ResumeState(generated=header.generated, num_kv_tokens=header.num_kv_tokens, kv_tensors=tensors),
-        )
-        replay = TokensGenerated(request_id=request_id, token_ids=header.generated)
-        events = self._submit(request, admit, self._checkpoint_every(request), replay=replay)
-        async for event in self._stream(request_id, events):
+        async with self._claim(request_id):
+            if self._closed:
+                raise RuntimeClosedError("the runtime is shutting down")
+            header, tensors = await anyio.to_thread.run_sync(self._read_checkpoint, request_id)
+            request = header.request
+            admit = AdmitRequest(
+                request_id=request_id,
+                prompt_ids=header.prompt_ids,
+                max_tokens=header.max_tokens,
+                sampling=request.sampling,
+                seed=header.seed,
+                stop_token_ids=header.stop_token_ids,
+                logprobs=request.logprobs,
+                top_logprobs=request.top_logprobs,
+                resume=ResumeState(generated=header.generated, num_kv_tokens=header.num_kv_tokens, kv_tensors=tensors),
+            )
+            session, events = self._submit(request, admit, self._checkpoint_every(request))
+        async for event in self._stream(session, events):
             yield event
 
-    async def _stream(self, request_id: str, events) -> AsyncIterator[Event]:
+    def _read_checkpoint(self, request_id: str):
+        """A checkpoint this model can resume, its tensors checked against the model (blocking)."""
+        info = self.model_info
+        header, tensors = checkpoints.read(self.config.checkpoints.directory(), request_id, model_id=info.model_id, tokenizer_id=info.tokenizer_id)
+        checkpoints.check_tensors(header, tensors, info.kv_shapes)
+        return header, tensors
+
+    @asynccontextmanager
+    async def _claim(self, request_id: str):
+        """Hold `request_id` while a request is prepared; a cancel meanwhile applies once it starts."""
+        if request_id in self._sessions or request_id in self._preparing:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
+        self._preparing.add(request_id)
+        try:
+            yield
+        finally:
+            self._preparing.discard(request_id)
+            cancelled_early = request_id in self._early_cancels
+            self._early_cancels.discard(request_id)
+        if cancelled_early and request_id in self._sessions:
+            self._task_group.start_soon(self._cancel_session, self._sessions[request_id])
+
+    async def _stream(self, session: SessionActor, events) -> AsyncIterator[Event]:
         finished = False
         try:
             async with events:
                 async for event in events:
                     if isinstance(event, RequestRejected):
-                        raise _rejection_error(event)
-                    yield event
-                    if isinstance(event, Finished):
                         finished = True
+                        raise _rejection_error(event)
+                    # Before yielding: a caller may stop at Finished and never resume us.
+                    finished = isinstance(event, Finished)
+                    yield event
+                    if finished:
                         return
         finally:
             if not finished:
                 with anyio.CancelScope(shield=True):
-                    await self.cancel(request_id)
+                    await self._cancel_session(session)
 
     async def cancel(self, request_id: str) -> None:
         """End a request at the next step boundary; its stream ends with `Finished(cancelled)`."""
         if request_id in self._sessions:
-            await self._scheduler.inbox.send(CancelRequest(request_id=request_id))
+            await self._cancel_session(self._sessions[request_id])
         elif request_id in self._preparing:
             self._early_cancels.add(request_id)
+
+    async def _cancel_session(self, session: SessionActor) -> None:
+        # Only while that very session is live: its id may already belong to a newer request.
+        if self._sessions.get(session.request_id) is session:
+            await self._scheduler.inbox.send(CancelRequest(request_id=session.request_id))
 
     async def stats(self) -> RuntimeStats:
         scheduler = await ask(self._scheduler.inbox, lambda reply: GetSchedulerStats(reply=reply))
@@ -239,8 +257,8 @@ class Runtime:
                 raise InvalidRequestError(str(exc), field="request_id") from None
         return every
 
-    def _submit(self, request: GenerateRequest, admit: AdmitRequest, checkpoint_every: int, replay: TokensGenerated | None = None):
-        """Start the request's session and hand the request to the scheduler; returns its event stream."""
+    def _submit(self, request: GenerateRequest, admit: AdmitRequest, checkpoint_every: int):
+        """Start the request's session and hand the request to the scheduler; returns both ends."""
         rid = admit.request_id
         send, receive = anyio.create_memory_object_stream[Event | RequestRejected](EVENT_BUFFER)
         session = SessionActor(
@@ -251,8 +269,6 @@ class Runtime:
             scheduler=self._scheduler.inbox,
             events=send,
         )
-        if replay is not None:
-            session.inbox.send_nowait(replay)
         message = AddRequest(
             admit=admit,
             submitted=time.monotonic(),
@@ -270,10 +286,7 @@ class Runtime:
             raise ServerBusyError("the scheduler's inbox is full") from None
         self._sessions[rid] = session
         self._task_group.start_soon(self._run_session, session, name=f"session-{rid}")
-        if rid in self._early_cancels:
-            self._early_cancels.discard(rid)
-            self._task_group.start_soon(self.cancel, rid)
-        return receive
+        return session, receive
 
     async def _run_session(self, session: SessionActor) -> None:
         with structlog.contextvars.bound_contextvars(request_id=session.request_id):
@@ -290,6 +303,8 @@ class Runtime:
         with anyio.move_on_after(SHUTDOWN_GRACE_S):
             while self._sessions:
                 await anyio.sleep(0.01)
+            # Pending checkpoint writes and deletes reach the disk before the actors stop.
+            await ask(self._kv.inbox, lambda reply: DrainFiles(reply=reply))
 
 
 def _report_blas() -> None:
@@ -305,4 +320,4 @@ def _rejection_error(event: RequestRejected) -> Exception:
         return ServerBusyError(event.message)
     if event.code == "too_large":
         return RequestTooLargeError(event.message, field="max_tokens")
-    return InvalidRequestError(event.message)
+    return InvalidRequestError(event.message, field="request_id" if event.code == "duplicate" else None)

@@ -1,9 +1,10 @@
 """The engine: executes the scheduler's step plans on the MLX thread.
 
-Owns every per-request array: prefill caches (mlx-lm `KVCache`s, one request at
-a time, chunk by chunk), the decode batch's KV slots, the batch sampler state
-and the in-flight step. A plan is applied in order: release, admit, prefill,
-decode. Decode is pipelined like mlx-lm's `generate_step`: step n+1 is
+Owns every per-request array: prefill caches (mlx-lm `KVCache`s, chunk by chunk,
+first chunks of several requests batched), the decode batch's KV slots, the batch
+sampler state, the in-flight step, saved prefix entries, and parked rows. A plan
+is applied in order: release, admit, park/unpark, prefill, decode, checkpoints.
+Decode is pipelined like mlx-lm's `generate_step`: step n+1 is
 dispatched (`mx.async_eval`) before step n's tokens are read back, so the only
 host round-trip per step is one `tolist()` of already-computed ids.
 
@@ -19,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import structlog
 import numpy as np
 import safetensors.numpy
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
@@ -38,6 +40,8 @@ from runtime.engine.sampler import BatchSampler, RowSampling, SampleResult
 from runtime.engine.slots import DecodeBatch, LayerGeometry
 
 CLEAR_CACHE_EVERY = 256
+
+log = structlog.get_logger(actor="engine")
 
 
 class EngineInvariantError(RuntimeError):
@@ -82,9 +86,13 @@ class Sequence:
 
 @dataclass
 class InFlight:
-    """A dispatched decode step whose tokens have not been read yet."""
+    """A dispatched decode step whose tokens have not been read yet.
 
-    row_ids: list[str]
+    Rows are the `Sequence` objects themselves, not ids: a request id may be
+    reused once its request has ended, and a stale token must not reach the new one.
+    """
+
+    rows: list[Sequence]
     result: SampleResult
 
 
@@ -125,7 +133,7 @@ class Engine:
         # After a prefill the pipeline has stalled anyway: read this step's tokens
         # now, so requests that just joined get their first token one step sooner.
         outputs = self._decode(synchronous=bool(prefilled)) if plan.decode else []
-        checkpoints = [c for c in map(self._checkpoint, plan.checkpoint) if c is not None]
+        checkpoints = [c for c in map(self._checkpoint_or_skip, plan.checkpoint) if c is not None]
         if not self._sequences:
             mx.clear_cache()
         saved, self._saved = self._saved, []
@@ -220,6 +228,14 @@ class Engine:
             caches.append(cache)
         return caches
 
+    def _checkpoint_or_skip(self, request_id: str) -> CheckpointData | None:
+        """A failed capture skips that checkpoint; it must not fail the step for everyone."""
+        try:
+            return self._checkpoint(request_id)
+        except Exception:
+            log.exception("checkpoint_failed", request_id=request_id)
+            return None
+
     def _checkpoint(self, request_id: str) -> CheckpointData | None:
         """The request's cache over all tokens but its last, which becomes the pending input."""
         seq = self._sequences.get(request_id)
@@ -227,9 +243,10 @@ class Engine:
             return None
         num_kv = len(seq.context) - 1
         tensors = {}
+        # Stored as float32: numpy has no bfloat16, and the widening is exact (restore narrows back).
         for layer, cache in enumerate(self._batch.extract(request_id)):
-            tensors[f"keys_{layer}"] = np.array(cache.keys[..., :num_kv, :])
-            tensors[f"values_{layer}"] = np.array(cache.values[..., :num_kv, :])
+            tensors[f"keys_{layer}"] = np.array(cache.keys[..., :num_kv, :].astype(mx.float32))
+            tensors[f"values_{layer}"] = np.array(cache.values[..., :num_kv, :].astype(mx.float32))
         return CheckpointData(
             request_id=request_id, generated=list(seq.generated), num_kv_tokens=num_kv, kv_tensors=safetensors.numpy.save(tensors)
         )
@@ -326,10 +343,10 @@ class Engine:
 
     def _retire_exhausted(self) -> None:
         """Rows whose in-flight token is their last leave before the next dispatch."""
-        in_flight = set(self._in_flight.row_ids) if self._in_flight is not None else set()
+        in_flight = {id(seq) for seq in self._in_flight.rows} if self._in_flight is not None else set()
         for rid in list(self._batch.row_ids):
             seq = self._sequences[rid]
-            if seq.num_generated + (rid in in_flight) >= seq.admit.max_tokens:
+            if seq.num_generated + (id(seq) in in_flight) >= seq.admit.max_tokens:
                 self._leave_batch(rid)
 
     def _join_ready(self) -> None:
@@ -368,17 +385,17 @@ class Engine:
         self._num_steps += 1
         if self._num_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-        return InFlight(row_ids=list(batch.row_ids), result=result)
+        return InFlight(rows=[self._sequences[rid] for rid in batch.row_ids], result=result)
 
     def _collect(self, in_flight: InFlight) -> list[RowOutput]:
         result = in_flight.result
         tokens = result.tokens.tolist()
         logprobs = _read_logprobs(result, tokens)
         outputs = []
-        for i, rid in enumerate(in_flight.row_ids):
-            seq = self._sequences.get(rid)
-            if seq is None:
-                continue
+        for i, seq in enumerate(in_flight.rows):
+            rid = seq.admit.request_id
+            if self._sequences.get(rid) is not seq:
+                continue  # released since the dispatch (its id may even be reused by now)
             outputs.append(self._account(rid, seq, tokens[i], logprobs[i] if logprobs else None))
         return outputs
 

@@ -82,6 +82,7 @@ def load_model(config: ModelConfig, progress: Callable[[str], None] | None = Non
         load_s=time.perf_counter() - started,
         model_id=model_digest(directory),
         tokenizer_id=tokenizer_digest(directory),
+        kv_shapes=[(g.num_heads, g.key_dim, g.value_dim) for g in geometry],
     )
     return LoadedModel(model=model, tokenizer=tokenizer, geometry=geometry, info=info)
 

@@ -146,3 +146,49 @@ def test_actor_module_imports_on_its_own():
         [sys.executable, "-c", "import actors.kv_store"], cwd=repo, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_prefixes_are_not_evicted_when_that_cannot_make_room():
+    from protocols.model import SavedPrefix
+
+    ledger = KvLedger(bytes_per_token=1, budget_bytes=100, prefix_cache_bytes=100, prefix_min_tokens=1)
+    assert ledger.save_prefixes([SavedPrefix(entry_id="p", tokens=[1, 2, 3], num_bytes=30)]) == []
+    assert ledger.reserve("a", 60)[0].granted
+    # 60 reserved + 50 needed > 100 even with an empty prefix cache: nothing is evicted.
+    reservation, evicted = ledger.reserve("b", 50)
+    assert reservation.reason == "no_room" and evicted == [] and len(ledger.prefixes) == 1
+    # 60 + 30 + 10 fits exactly; 60 + 30 + 20 fits only without the prefix, which then goes.
+    reservation, evicted = ledger.reserve("c", 20)
+    assert reservation.granted and evicted == ["p"]
+
+
+def test_a_request_never_evicts_the_prefix_it_starts_from():
+    from protocols.model import SavedPrefix
+
+    ledger = KvLedger(bytes_per_token=1, budget_bytes=100, prefix_cache_bytes=100, prefix_min_tokens=1)
+    ledger.save_prefixes([SavedPrefix(entry_id="p", tokens=[1, 2, 3, 4], num_bytes=40)])
+    reservation, evicted = ledger.reserve("a", 70, prompt_ids=[1, 2, 3, 4, 5], max_prefix_tokens=4)
+    # Evicting "p" would make room, but "a" needs it: it waits instead.
+    assert reservation.reason == "no_room" and evicted == [] and "p" in ledger.prefixes
+    ledger.unpin("p")
+
+
+async def test_ending_deletes_a_checkpoint_written_by_an_earlier_process(tmp_path):
+    """A resumed request may end before writing a checkpoint of its own; its old file goes too."""
+    import anyio
+
+    from actors.kv_store import CheckpointSettings, KvStoreActor
+    from protocols.kv import DrainFiles, ReleaseKv
+    from runtime import checkpoints
+    from runtime.mailbox import ask
+
+    checkpoints.write_atomic(tmp_path, "old", b"bytes from a previous run")
+    settings = CheckpointSettings(directory=tmp_path, model_id="m", tokenizer_id="t", max_age_s=3600)
+    actor = KvStoreActor(KvLedger(bytes_per_token=1), checkpoints=settings)
+    async with anyio.create_task_group() as tg:
+        await tg.start(actor.run)
+        await actor.inbox.send(ReleaseKv(request_id="kept", delete_checkpoint=False))
+        await actor.inbox.send(ReleaseKv(request_id="old", delete_checkpoint=True))
+        assert await ask(actor.inbox, lambda reply: DrainFiles(reply=reply))
+        assert not checkpoints.path_for(tmp_path, "old").exists()
+        tg.cancel_scope.cancel()

@@ -66,3 +66,26 @@ def test_a_parked_request_can_still_be_cancelled():
     assert plan.release == ["a"]
     (ended,) = policy.apply(_outcome(released=["a"]), 0.0)
     assert ended.reason == "cancelled" and not policy.has_work()
+
+
+def test_a_failed_step_keeps_the_reason_of_requests_already_ending():
+    policy = _policy_with("a", "b")
+    policy.plan(0.0)
+    policy.apply(_outcome(), 0.0)
+    policy.end_early("a", "cancelled")
+    reasons = {e.tracked.request_id: e.reason for e in policy.fail_all()}
+    assert reasons == {"a": "cancelled", "b": "error"}
+
+
+def test_parked_requests_wait_for_their_checkpoint():
+    policy = _policy_with("a")
+    policy.plan(0.0)
+    tracked = policy.get("a")
+    tracked.checkpoint_every, tracked.next_checkpoint = 4, 4
+    policy.set_paused("a", True)
+    policy.plan(0.0)  # parks "a"
+    tracked.num_generated = 5
+    assert policy.plan(0.0).checkpoint == []
+    policy.set_paused("a", False)
+    plan = policy.plan(0.0)  # the row rejoins in this step, before its checkpoint is taken
+    assert plan.unpark == ["a"] and plan.checkpoint == ["a"]

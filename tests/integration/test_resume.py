@@ -97,3 +97,24 @@ async def test_resume_errors_are_typed(tmp_path):
         # The runtime keeps serving.
         deltas, finished = await _tokens(rt.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=4)))
         assert finished.finish_reason in ("length", "stop")
+
+
+async def test_bfloat16_models_checkpoint_and_resume_exactly(tmp_path):
+    from msgspec.structs import replace
+
+    def config(directory):
+        base = _config(directory)
+        return replace(base, model=replace(base.model, dtype="bfloat16"))
+
+    async with Runtime.open(config(tmp_path / "a")) as rt:
+        assert rt.model_info.dtype == "bfloat16"
+        deltas, _ = await _tokens(rt.generate(_request("r", SamplingParams())))
+    uninterrupted = [t for d in deltas for t in d]
+    directory = tmp_path / "b"
+    async with Runtime.open(config(directory)) as rt:
+        stream = rt.generate(_request("r", SamplingParams())).__aiter__()
+        while not path_for(directory, "r").exists():
+            await stream.__anext__()
+    async with Runtime.open(config(directory)) as rt:
+        deltas, finished = await _tokens(rt.resume("r"))
+    assert [t for d in deltas for t in d] == uninterrupted and finished.finish_reason == "length"

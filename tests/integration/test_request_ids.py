@@ -1,0 +1,85 @@
+"""Request ids: reuse after an end, races on one id, and cancels that arrive early."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from protocols import Finished, GenerateRequest, TokenDelta
+from runtime import InvalidRequestError, RequestTooLargeError, Runtime
+
+
+async def _collect(rt: Runtime, request: GenerateRequest, cancel_after: int | None = None) -> tuple[list[int], str]:
+    tokens, reason = [], None
+    async for event in rt.generate(request):
+        if isinstance(event, TokenDelta):
+            tokens += event.token_ids
+            if cancel_after is not None and len(tokens) >= cancel_after:
+                cancel_after = None
+                await rt.cancel(request.request_id)
+        elif isinstance(event, Finished):
+            reason = event.finish_reason
+    return tokens, reason
+
+
+def _short(rid: str) -> GenerateRequest:
+    return GenerateRequest(prompt_ids=[9], max_tokens=4, ignore_eos=True, request_id=rid)
+
+
+async def test_an_id_reused_after_a_cancel_gets_none_of_the_old_tokens(tiny_config):
+    async with Runtime.open(tiny_config) as rt:
+        fresh = await _collect(rt, _short("fresh"))
+        cancelled = await _collect(rt, GenerateRequest(prompt_ids=[5, 6, 7, 8], max_tokens=50, ignore_eos=True, request_id="X"), cancel_after=3)
+        reused = await _collect(rt, _short("X"))
+    assert cancelled[1] == "cancelled"
+    assert reused == fresh == (fresh[0], "length")
+
+
+async def test_stopping_at_finished_does_not_cancel_a_later_request_with_that_id(tiny_config):
+    async with Runtime.open(tiny_config) as rt:
+        async for event in rt.generate(_short("Y")):
+            if isinstance(event, Finished):
+                break  # the generator is left suspended at its last yield
+        await anyio.sleep(0.05)
+        tokens, reason = await _collect(rt, _short("Y"))
+    assert reason == "length" and len(tokens) == 4
+
+
+async def test_one_id_cannot_run_twice(tiny_config):
+    long = GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=400, ignore_eos=True, request_id="Z")
+    async with Runtime.open(tiny_config) as rt:
+        async with anyio.create_task_group() as tg:
+            results = {}
+
+            async def first():
+                results["first"] = await _collect(rt, long)
+
+            async def other():
+                results["other"] = await _collect(rt, _short("O"))
+
+            tg.start_soon(first)
+            await anyio.sleep(0.02)
+            with pytest.raises(InvalidRequestError) as info:
+                await _collect(rt, long)
+            assert info.value.field == "request_id"
+            with pytest.raises(InvalidRequestError):
+                async for _ in rt.resume("Z"):
+                    pass
+            tg.start_soon(other)
+        assert results["first"][1] == "length" and results["other"][1] == "length"
+
+
+async def test_an_early_cancel_for_a_refused_request_does_not_linger(tiny_config):
+    async with Runtime.open(tiny_config) as rt:
+        too_long = GenerateRequest(prompt_ids=[1] * rt.model_info.max_context, request_id="E")
+        async with anyio.create_task_group() as tg:
+
+            async def refused():
+                with pytest.raises(RequestTooLargeError):
+                    await _collect(rt, too_long)
+
+            tg.start_soon(refused)
+            await anyio.sleep(0)
+            await rt.cancel("E")  # arrives while the request is still being prepared
+        tokens, reason = await _collect(rt, _short("E"))
+    assert reason == "length" and len(tokens) == 4
