@@ -32,6 +32,8 @@ from runtime.mailbox import Mailbox, answer, ask
 
 log = structlog.get_logger(actor="scheduler")
 
+REPORT_EVERY_STEPS = 32
+
 
 class SchedulerActor:
     def __init__(self, policy: SchedulePolicy, *, model: Mailbox, kv: Mailbox, capacity: int):
@@ -39,6 +41,8 @@ class SchedulerActor:
         self.inbox: Mailbox[SchedulerInbox] = Mailbox(capacity)
         self._model = model
         self._kv = kv
+        self._reported_keys: set[str] = set()
+        self._steps_since_report = 0
 
     async def run(self, *, task_status) -> None:
         with self.inbox:
@@ -154,7 +158,16 @@ class SchedulerActor:
             await self._finish(ended)
         if outcome.saved_prefixes:
             await self._kv.send(PrefixesSaved(entries=outcome.saved_prefixes))
-        await self._kv.send(ReportKvUsage(live_tokens=outcome.kv_tokens, physical_bytes=outcome.kv_bytes))
+        await self._report_usage(outcome)
+
+    async def _report_usage(self, outcome: StepOutcome) -> None:
+        # Every step would wake the KV store for figures only stats read; report when the
+        # set of live requests changes, and now and then.
+        keys = outcome.kv_tokens.keys()
+        self._steps_since_report += 1
+        if keys != self._reported_keys or self._steps_since_report >= REPORT_EVERY_STEPS:
+            self._reported_keys, self._steps_since_report = set(keys), 0
+            await self._kv.send(ReportKvUsage(live_tokens=outcome.kv_tokens, physical_bytes=outcome.kv_bytes))
 
     async def _save_checkpoint(self, data) -> None:
         tracked = self.policy.get(data.request_id)
