@@ -11,12 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, assert_never
 
+import anyio
+import anyio.to_thread
 import structlog
 
 from protocols.model import DropPrefixes, ModelInbox, ModelInfo, RunStep, StepFailed
 from runtime.config import ModelConfig
 from runtime.engine.engine import Engine
 from runtime.engine.loader import load_model
+from runtime.grammar import GrammarCache
 from runtime.mailbox import Mailbox, answer
 from runtime.mlx_thread import MlxThread
 
@@ -30,6 +33,8 @@ class ModelReady:
     info: ModelInfo
     # A transformers/mlx-lm tokenizer: plain Python, safe to use off the MLX thread.
     tokenizer: Any
+    # Compiles response formats; shared with the engine, which only asks for matchers.
+    grammars: GrammarCache
 
 
 class ModelActor:
@@ -42,10 +47,12 @@ class ModelActor:
 
     async def run(self, *, task_status) -> None:
         loaded = await self._thread.run(load_model, self._config, self._progress)
-        self._engine = await self._thread.run(Engine, loaded.model, loaded.geometry)
+        info = loaded.info
+        grammars = await anyio.to_thread.run_sync(GrammarCache, loaded.tokenizer, info.vocab_size, info.eos_token_ids)
+        self._engine = await self._thread.run(Engine, loaded.model, loaded.geometry, grammars)
         log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
         with self.inbox:
-            task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer))
+            task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer, grammars=grammars))
             while True:
                 message = await self.inbox.receive()
                 match message:

@@ -17,7 +17,8 @@ import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 
 from actors.stops import StopMatcher
-from protocols.api import Finished, PrefillProgress, Timings, TokenDelta, Usage
+from actors.output_parser import OutputParser, Parsed
+from protocols.api import Finished, PrefillProgress, Timings, TokenDelta, ToolCall, Usage
 from protocols.scheduler import CancelRequest, FinishRequest, SetPaused
 from protocols.session import (
     PrefillProgressed,
@@ -44,12 +45,15 @@ class SessionActor:
         stop: list[str],
         scheduler: Mailbox,
         events: MemoryObjectSendStream,
+        parser: OutputParser | None = None,
     ):
         self.request_id = request_id
         self.inbox = SessionMailbox()
         self._num_prompt_tokens = num_prompt_tokens
         self._detokenizer = detokenizer
         self._matcher = StopMatcher(stop)
+        self._parser = parser
+        self._num_calls = 0
         self._scheduler = scheduler
         self._events = events
         self._num_tokens = 0
@@ -110,7 +114,27 @@ class SessionActor:
                 await self._scheduler.send(FinishRequest(request_id=self.request_id))
                 break
         logprobs = message.logprobs[: len(ids)] if message.logprobs is not None else None
-        await self._emit(TokenDelta(request_id=self.request_id, token_ids=ids, text="".join(texts), logprobs=logprobs))
+        await self._deliver("".join(texts), ids, logprobs)
+
+    async def _deliver(self, text: str, ids: list[int], logprobs=None, *, final: bool = False) -> None:
+        """A TokenDelta for the new text (split into content and reasoning), then any tool calls."""
+        parsed = Parsed(content=text)
+        if self._parser is not None:
+            parsed = self._parser.feed(text)
+            if final:
+                rest = self._parser.flush()
+                parsed = Parsed(parsed.content + rest.content, parsed.reasoning + rest.reasoning, parsed.calls)
+        calls = []
+        for call in parsed.calls:
+            if "error" in call:
+                parsed.content += call["raw"]  # not a call after all: keep the text visible
+            else:
+                calls.append(call)
+        if ids or parsed.content or parsed.reasoning or not final:
+            await self._emit(TokenDelta(request_id=self.request_id, token_ids=ids, text=parsed.content, logprobs=logprobs, reasoning=parsed.reasoning))
+        for call in calls:
+            await self._emit(ToolCall(request_id=self.request_id, index=self._num_calls, id=f"call-{self.request_id}-{self._num_calls}", **call))
+            self._num_calls += 1
 
     async def _emit(self, event) -> None:
         """Deliver an event; while the caller is not reading, the request stops decoding.
@@ -136,8 +160,9 @@ class SessionActor:
             text, stop = self._matcher.feed(self._detokenizer.flush())
             self._stop_sequence = stop
             text += "" if stop is not None else self._matcher.flush()
-            if text:
-                await self._events.send(TokenDelta(request_id=self.request_id, token_ids=[], text=text))
+            await self._deliver(text, [], final=True)
+        elif self._parser is not None:
+            await self._deliver("", [], final=True)
         num_completion = self._num_tokens + (message.stop_token_id is not None)
         reason = "stop" if self._stop_sequence is not None and message.finish_reason != "error" else message.finish_reason
         await self._events.send(

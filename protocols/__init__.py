@@ -14,6 +14,7 @@ from protocols.api import (
     Timings,
     TokenDelta,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     Usage,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "Timings",
     "TokenDelta",
     "TokenLogprob",
+    "ToolCall",
     "TopLogprob",
     "Usage",
 ]

@@ -51,6 +51,18 @@ class GenerateRequest(Record):
     priority: int = 0
     # Emit `PrefillProgress` events while the prompt is being processed.
     report_progress: bool = False
+    # Structured output, OpenAI's shapes as plain dicts: {"type": "json_schema", "json_schema":
+    # {"name": ..., "schema": {...}}}, {"type": "json_object"}, plus {"type": "regex", "pattern": ...}
+    # and {"type": "grammar", "ebnf": ...}.
+    response_format: dict[str, Any] | None = None
+    # OpenAI-style tools, rendered by the chat template; calls arrive as `ToolCall` events.
+    tools: list[dict[str, Any]] | None = None
+    # "auto" (the model decides), "none", "required", or {"type": "function", "function": {"name": ...}};
+    # the last two constrain the output to the model's tool-call format.
+    tool_choice: str | dict[str, Any] | None = None
+    # Append tokens the grammar forces in one forward instead of sampling them one by one
+    # (None: the runtime's default; never while logprobs are requested).
+    jump_forward: bool | None = None
     # Keep the KV of the first `snapshot_at` prompt tokens as a prefix entry as soon as
     # prefill passes them (e.g. the end of a shared system prompt).
     snapshot_at: int | None = None
@@ -73,12 +85,27 @@ class TokenLogprob(Record):
 
 
 class TokenDelta(Message):
-    """New tokens of one request and the text they completed."""
+    """New tokens of one request and the text they completed.
+
+    With tools, tool-call markup is reported as `ToolCall`s instead of text; a leading
+    `<think>` block goes to `reasoning`. `token_ids` always has every token.
+    """
 
     request_id: str
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None
+    reasoning: str = ""
+
+
+class ToolCall(Message):
+    """A complete tool call parsed from the output; `arguments` is a JSON object as text."""
+
+    request_id: str
+    index: int
+    id: str
+    name: str
+    arguments: str
 
 
 class PrefillProgress(Message):
@@ -117,4 +144,4 @@ class Finished(Message):
     error: str | None = None
 
 
-Event = TokenDelta | PrefillProgress | Finished
+Event = TokenDelta | ToolCall | PrefillProgress | Finished

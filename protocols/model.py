@@ -14,6 +14,14 @@ from protocols.api import SamplingParams, TokenLogprob
 from protocols.base import Message, Record, Reply
 
 
+class GrammarSpec(Record, frozen=True):
+    """A grammar to constrain a request, as plain data (compiled by `runtime.grammar`)."""
+
+    # "json_schema", "json_object", "regex", "ebnf" or "tool_call" (source: the tools, as JSON).
+    kind: str
+    source: str = ""
+
+
 class ResumeState(Record):
     """Where a checkpointed request left off: its cache covers the prompt and all
     `generated` tokens but the last, which is the pending input of the next step."""
@@ -45,6 +53,9 @@ class AdmitRequest(Record):
     save_prefix: bool = True
     snapshot_at: int | None = None
     resume: ResumeState | None = None
+    grammar: GrammarSpec | None = None
+    # Append grammar-forced tokens in one multi-token forward (jump-forward decoding).
+    jump_forward: bool = False
 
     @property
     def context_ids(self) -> list[int]:

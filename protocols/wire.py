@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from protocols.api import Finished, GenerateRequest, PrefillProgress, TokenDelta
+from protocols.api import Finished, GenerateRequest, PrefillProgress, TokenDelta, ToolCall
 from protocols.base import Message, Record
 from protocols.kv import KvStats
 from protocols.scheduler import SchedulerStats
@@ -104,4 +104,4 @@ class Stats(Message):
     connections: int
 
 
-ServerMessage = Welcome | TokenDelta | PrefillProgress | Finished | Error | Stats
+ServerMessage = Welcome | TokenDelta | ToolCall | PrefillProgress | Finished | Error | Stats

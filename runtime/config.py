@@ -56,6 +56,8 @@ class KvConfig(Section):
 class GenerationConfig(Section):
     # max_tokens for requests that do not set it.
     default_max_tokens: int = 256
+    # Jump-forward decoding for grammar requests that do not say (never with logprobs).
+    jump_forward: bool = False
     # Seed of the generator that draws seeds for requests that do not set one.
     seed: int | None = None
 

@@ -32,6 +32,10 @@ def validate(request: GenerateRequest, info: ModelInfo) -> None:
     _check_ids(request.stop_token_ids, info.vocab_size, "stop_token_ids")
     if request.prompt_ids is not None:
         _check_ids(request.prompt_ids, info.vocab_size, "prompt_ids")
+    if request.tools is not None and (not isinstance(request.tools, list) or not all(isinstance(t, dict) for t in request.tools)):
+        raise InvalidRequestError("tools must be a list of objects", field="tools")
+    if request.response_format is not None and request.ignore_eos:
+        raise InvalidRequestError("ignore_eos cannot be combined with response_format: a finished grammar only allows end of sequence", field="ignore_eos")
     if request.snapshot_at is not None and (not isinstance(request.snapshot_at, int) or request.snapshot_at < 1):
         raise InvalidRequestError("snapshot_at must be a positive number of prompt tokens", field="snapshot_at")
     if request.messages is not None and (not request.messages or not all(isinstance(m, dict) for m in request.messages)):
@@ -69,7 +73,7 @@ def render_prompt(request: GenerateRequest, tokenizer: Any) -> list[int]:
         ids = tokenizer.encode(request.prompt, add_special_tokens=bos is None or not request.prompt.startswith(bos))
     else:
         try:
-            text = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja and template errors come in many types
             raise InvalidRequestError(f"messages could not be rendered with the chat template: {exc}", field="messages") from exc
         ids = tokenizer.encode(text, add_special_tokens=False)

@@ -23,6 +23,7 @@ from actors.kv_store import CheckpointSettings, KvLedger, KvStoreActor
 from actors.model import ModelActor, ModelReady
 from actors.scheduler import SchedulerActor
 from actors.scheduling import SchedulePolicy
+from actors.output_parser import OutputParser
 from actors.session import SessionActor
 from protocols.api import Event, Finished, GenerateRequest
 from protocols.kv import DrainFiles, GetKvStats, KvStats
@@ -33,6 +34,7 @@ from runtime import blas, checkpoints, requests
 from runtime.config import RuntimeConfig
 from runtime.detokenize import make_detokenizer
 from runtime.errors import InvalidRequestError, RequestTooLargeError, RuntimeClosedError, ServerBusyError, single_errors
+from runtime.grammar import grammar_spec
 from runtime.logging import configure_logging
 from runtime.mailbox import ask
 from runtime.mlx_thread import MlxThread
@@ -58,6 +60,9 @@ class Runtime:
         self.config = config
         self.model_info: ModelInfo = ready.info
         self._tokenizer = ready.tokenizer
+        self._grammars = ready.grammars
+        tokenizer = ready.tokenizer
+        self._tool_markers = (tokenizer.tool_call_start, tokenizer.tool_call_end) if getattr(tokenizer, "has_tool_calling", False) else None
         self._eos_ids = list(ready.info.eos_token_ids)
         self._scheduler = scheduler
         self._kv = kv
@@ -227,6 +232,9 @@ class Runtime:
             raise RuntimeClosedError("the runtime is shutting down")
         requests.validate(request, self.model_info)
         checkpoint_every = self._checkpoint_every(request)
+        grammar = grammar_spec(request, self._tool_markers)
+        if grammar is not None:
+            await anyio.to_thread.run_sync(self._grammars.compile, grammar)  # rejects bad grammars before any compute
         prompt_ids = await anyio.to_thread.run_sync(requests.render_prompt, request, self._tokenizer)
         max_tokens = requests.effective_max_tokens(request, len(prompt_ids), self.model_info, self.config.generation.default_max_tokens)
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
@@ -239,6 +247,10 @@ class Runtime:
             stop_token_ids=sorted(set(() if request.ignore_eos else self._eos_ids) | set(request.stop_token_ids)),
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
+            grammar=grammar,
+            jump_forward=grammar is not None and not (request.logprobs or request.top_logprobs) and (
+                request.jump_forward if request.jump_forward is not None else self.config.generation.jump_forward
+            ),
             # The last prompt token is never prefilled; a snapshot there is the end-of-request entry.
             snapshot_at=request.snapshot_at if request.snapshot_at and request.snapshot_at < len(prompt_ids) - 1 else None,
         )
@@ -268,6 +280,7 @@ class Runtime:
             stop=list(request.stop),
             scheduler=self._scheduler.inbox,
             events=send,
+            parser=self._output_parser(request),
         )
         message = AddRequest(
             admit=admit,
@@ -287,6 +300,16 @@ class Runtime:
         self._sessions[rid] = session
         self._task_group.start_soon(self._run_session, session, name=f"session-{rid}")
         return session, receive
+
+    def _output_parser(self, request: GenerateRequest) -> OutputParser | None:
+        """Reasoning split when the model has think markers; tool calls when the request has tools."""
+        tokenizer = self._tokenizer
+        think = (tokenizer.think_start, tokenizer.think_end) if getattr(tokenizer, "has_thinking", False) else None
+        tools = self._tool_markers if request.tools and request.tool_choice != "none" else None
+        if think is None and tools is None:
+            return None
+        parser = tokenizer.tool_parser if tools is not None else None
+        return OutputParser(think=think, tool_markers=tools, parse_call=(lambda body: parser(body, request.tools)) if parser else None)
 
     async def _run_session(self, session: SessionActor) -> None:
         with structlog.contextvars.bound_contextvars(request_id=session.request_id):

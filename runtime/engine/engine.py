@@ -18,8 +18,10 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
+import torch
 import structlog
 import numpy as np
 import safetensors.numpy
@@ -37,6 +39,7 @@ from protocols.model import (
     StepPlan,
 )
 from runtime.engine.sampler import BatchSampler, RowSampling, SampleResult
+from runtime.grammar import GrammarCache
 from runtime.engine.slots import DecodeBatch, LayerGeometry
 
 CLEAR_CACHE_EVERY = 256
@@ -61,6 +64,9 @@ class Sequence:
     joined: bool = False
     # Its caller is not reading: kept out of the batch (KV in `cache`) until unparked.
     parked: bool = False
+    # Grammar state, and tokens it forced after the last sampled one (fed with it next step).
+    matcher: Any = None
+    extra: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
 
     def tokens_with_kv(self, length: int) -> list[int]:
@@ -81,7 +87,8 @@ class Sequence:
 
     @property
     def is_ready(self) -> bool:
-        return not self.joined and not self.parked and self.num_prefilled == len(self.context) - 1
+        """Prefill is done: the cache covers the prompt but its last token (more, after a park)."""
+        return not self.joined and not self.parked and self.prompt_len - 1 <= self.num_prefilled <= len(self.context) - 1
 
 
 @dataclass
@@ -99,8 +106,9 @@ class InFlight:
 class Engine:
     """Runs plans against one model. Not thread-safe: the MLX thread only."""
 
-    def __init__(self, model, geometry: list[LayerGeometry]):
+    def __init__(self, model, geometry: list[LayerGeometry], grammars: GrammarCache | None = None):
         self._model = model
+        self._grammars = grammars
         self._geometry = geometry
         self._bytes_per_token = sum(g.bytes_per_token for g in geometry)
         self._thread = threading.current_thread()
@@ -110,6 +118,8 @@ class Engine:
         self._pending: mx.array | None = None
         self._in_flight: InFlight | None = None
         self._num_steps = 0
+        # Tokens appended by jump-forward rather than sampled (for benchmarks and stats).
+        self.num_forced_tokens = 0
         # Saved prefixes by entry id: per-layer KVCaches whose length is the entry's.
         self._prefixes: dict[str, list[KVCache]] = {}
         self._saved: list[SavedPrefix] = []
@@ -183,6 +193,10 @@ class Engine:
         if admit.request_id in self._sequences:
             raise EngineInvariantError(f"request {admit.request_id!r} admitted twice")
         seq = Sequence(admit=admit, stop_ids=frozenset(admit.stop_token_ids))
+        if admit.grammar is not None:
+            if self._grammars is None:
+                raise EngineInvariantError("a grammar request reached an engine without grammars")
+            seq.matcher = self._grammars.matcher(admit.grammar)
         if admit.resume is not None:
             seq.generated = list(admit.resume.generated)
             seq.num_generated = len(seq.generated)
@@ -239,8 +253,8 @@ class Engine:
     def _checkpoint(self, request_id: str) -> CheckpointData | None:
         """The request's cache over all tokens but its last, which becomes the pending input."""
         seq = self._sequences.get(request_id)
-        if seq is None or not seq.in_batch or not seq.generated:
-            return None
+        if seq is None or not seq.in_batch or not seq.generated or seq.extra:
+            return None  # (forced tokens not yet fed: the next step's checkpoint covers them)
         num_kv = len(seq.context) - 1
         tensors = {}
         # Stored as float32: numpy has no bfloat16, and the widening is exact (restore narrows back).
@@ -333,6 +347,8 @@ class Engine:
     def _decode(self, *, synchronous: bool) -> list[RowOutput]:
         self._retire_exhausted()
         self._join_ready()
+        # A grammar's next mask needs this step's token: no pipelining while one decodes.
+        synchronous = synchronous or any(self._sequences[rid].matcher is not None for rid in self._batch.row_ids)
         dispatched = self._dispatch() if len(self._batch) else None
         outputs = self._collect(self._in_flight) if self._in_flight is not None else []
         self._in_flight = dispatched
@@ -357,7 +373,9 @@ class Engine:
             self._batch.add_row(rid, seq.cache or [], seq.num_prefilled)
             row = RowSampling(admit.sampling, admit.seed, admit.logprobs, admit.top_logprobs, num_sampled=len(seq.generated))
             self._sampler.add_row(row, context=context)
-            last = mx.array([context[-1]], dtype=mx.uint32)
+            # Everything the cache lacks is fed next: usually the last token, more after a park.
+            seq.extra = context[seq.num_prefilled + 1 :]
+            last = mx.array([context[seq.num_prefilled]], dtype=mx.uint32)
             self._pending = last if self._pending is None else mx.concatenate([self._pending, last])
             seq.cache = None
             seq.in_batch = seq.joined = True
@@ -376,16 +394,39 @@ class Engine:
 
     def _dispatch(self) -> InFlight:
         batch = self._batch
-        batch.begin_step(1)
-        logits = self._model(self._pending[:, None], cache=batch.layers)[:, -1, :]
-        result = self._sampler.sample(logits)
+        rows = [self._sequences[rid] for rid in batch.row_ids]
+        counts = [1 + len(seq.extra) for seq in rows]
+        if max(counts) == 1:
+            inputs = self._pending[:, None]
+        else:
+            # Some rows append known tokens (grammar jump-forward): one ragged forward.
+            width = max(counts)
+            firsts = self._pending.tolist()
+            inputs = mx.array([[first, *seq.extra] + [0] * (width - count) for first, seq, count in zip(firsts, rows, counts)], dtype=mx.uint32)
+        batch.begin_step(counts)
+        logits = self._model(inputs, cache=batch.layers)
+        logits = logits[:, -1, :] if max(counts) == 1 else logits[mx.arange(len(rows)), mx.array(counts) - 1]
+        result = self._sampler.sample(logits, mask=self._grammar_mask(rows))
         batch.end_step()
+        for seq in rows:
+            seq.extra = []
         self._pending = result.tokens
         mx.async_eval(result.arrays())
         self._num_steps += 1
         if self._num_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-        return InFlight(rows=[self._sequences[rid] for rid in batch.row_ids], result=result)
+        return InFlight(rows=rows, result=result)
+
+    def _grammar_mask(self, rows: list[Sequence]) -> mx.array | None:
+        """Allowed-token bitmask rows from each grammar's state (all allowed elsewhere)."""
+        if not any(seq.matcher is not None for seq in rows):
+            return None
+        bitmask = np.full((len(rows), (self._grammars.vocab_size + 31) // 32), -1, dtype=np.int32)
+        tensor = torch.from_numpy(bitmask)
+        for i, seq in enumerate(rows):
+            if seq.matcher is not None:
+                seq.matcher.fill_next_token_bitmask(tensor, i)
+        return mx.array(bitmask)
 
     def _collect(self, in_flight: InFlight) -> list[RowOutput]:
         result = in_flight.result
@@ -403,6 +444,10 @@ class Engine:
         seq.num_generated += 1
         seq.generated.append(token)
         admit = seq.admit
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            log.error("grammar_rejected_token", request_id=rid, token=token)
+            self._finish(rid, seq)
+            return RowOutput(request_id=rid, token_ids=[token], finish_reason="stop")
         wanted = None
         if logprob is not None and (admit.logprobs or admit.top_logprobs):
             top = logprob.top[: admit.top_logprobs] if admit.top_logprobs and logprob.top else None
@@ -413,7 +458,26 @@ class Engine:
         if seq.num_generated >= admit.max_tokens:
             self._finish(rid, seq)
             return RowOutput(request_id=rid, token_ids=[token], logprobs=wanted, finish_reason="length")
-        return RowOutput(request_id=rid, token_ids=[token], logprobs=wanted)
+        forced = self._jump_forward(seq)
+        if seq.num_generated >= admit.max_tokens:
+            self._finish(rid, seq)
+            return RowOutput(request_id=rid, token_ids=[token, *forced], finish_reason="length")
+        return RowOutput(request_id=rid, token_ids=[token, *forced], logprobs=wanted)
+
+    def _jump_forward(self, seq: Sequence) -> list[int]:
+        """Tokens the grammar now forces: emitted at once, their KV written with the next step."""
+        if seq.matcher is None or not seq.admit.jump_forward or seq.matcher.is_terminated():
+            return []
+        forced = []
+        for token in seq.matcher.find_jump_forward_tokens()[: seq.admit.max_tokens - seq.num_generated]:
+            if not seq.matcher.accept_token(token):
+                break
+            forced.append(token)
+        seq.generated += forced
+        seq.num_generated += len(forced)
+        seq.extra = forced
+        self.num_forced_tokens += len(forced)
+        return forced
 
     def _finish(self, rid: str, seq: Sequence) -> None:
         self._release(rid)

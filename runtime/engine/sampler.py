@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 import mlx.core as mx
+from xgrammar.kernels.apply_token_bitmask_mlx import apply_token_bitmask_mlx
 
 from protocols.api import SamplingParams
 
@@ -102,9 +103,12 @@ class BatchSampler:
         logits = logits.astype(mx.float32)
         return self._apply_penalties(logits) if self._window is not None else logits
 
-    def sample(self, logits: mx.array) -> SampleResult:
+    def sample(self, logits: mx.array, mask: mx.array | None = None) -> SampleResult:
+        """One token per row; `mask` is an xgrammar bitmask ([rows, ceil(vocab / 32)] int32)."""
         rows = self.rows
         logits = self.process(logits)
+        if mask is not None:
+            logits = apply_token_bitmask_mlx(mask, logits, logits.shape[-1])
         tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
         sampled = [i for i, r in enumerate(rows) if not r.is_greedy]
         if sampled:

@@ -83,6 +83,7 @@ class DecodeBatch:
         self.mask: mx.array | None = None
         self._write_index: mx.array | None = None
         self._uniform_start: int | None = None
+        self._counts: list[int] = []
         self._num_new = 0
         self._width = 0
 
@@ -169,9 +170,15 @@ class DecodeBatch:
         self._keys = [mx.contiguous(k[:new_rows, :, :new_capacity]) for k in self._keys]
         self._values = [mx.contiguous(v[:new_rows, :, :new_capacity]) for v in self._values]
 
-    def begin_step(self, num_new: int) -> None:
-        """Prepare positions, mask and write indices for `num_new` tokens per row."""
+    def begin_step(self, counts: list[int]) -> None:
+        """Prepare positions, mask and write indices for `counts[r]` new tokens in row r.
+
+        Every row forwards max(counts) positions; a row's extra positions are padding
+        whose KV lands past its length, is never attended to, and is overwritten later.
+        """
         lengths = self.lengths
+        num_new = max(counts)
+        self._counts = counts
         self._reserve(len(lengths), max(lengths) + num_new)
         _, num_heads, capacity, _ = self._keys[0].shape
         self._num_new = num_new
@@ -194,7 +201,7 @@ class DecodeBatch:
             self.mask = (key_pos <= query_pos)[:, None]
 
     def end_step(self) -> None:
-        self.lengths = [n + self._num_new for n in self.lengths]
+        self.lengths = [n + c for n, c in zip(self.lengths, self._counts)]
         self.positions = self.mask = self._write_index = None
 
     def write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:

@@ -1,0 +1,110 @@
+"""Splitting a request's streamed text into content, reasoning and tool calls (pure).
+
+A leading `<think>...</think>` block (the model's own markers) is reasoning; with
+tools, `<tool_call>...</tool_call>` spans (the model's own markup) are parsed by
+the model's tool parser into calls. Text that could be the start of a marker is
+held back until it is known not to be one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Parsed:
+    content: str = ""
+    reasoning: str = ""
+    calls: list[dict] = field(default_factory=list)
+
+
+class OutputParser:
+    def __init__(
+        self,
+        *,
+        think: tuple[str, str] | None = None,
+        tool_markers: tuple[str, str] | None = None,
+        parse_call: Callable[[str], dict] | None = None,
+    ):
+        self._think = think
+        self._tools = tool_markers
+        self._parse_call = parse_call
+        self._buffer = ""
+        # "start" (might open a think block), "think", "content", or "call".
+        self._state = "start" if think else "content"
+
+    def feed(self, text: str) -> Parsed:
+        self._buffer += text
+        out = Parsed()
+        while self._step(out):
+            pass
+        return out
+
+    def flush(self) -> Parsed:
+        """End of output: whatever is held is content (an unfinished call stays visible text)."""
+        out = Parsed()
+        prefix = self._tools[0] if self._state == "call" else ""
+        target = "reasoning" if self._state == "think" else "content"
+        setattr(out, target, prefix + self._buffer)
+        self._buffer = ""
+        return out
+
+    def _step(self, out: Parsed) -> bool:
+        """Consume what can be decided now; True if progress was made and more may follow."""
+        buffer = self._buffer
+        if self._state == "start":
+            stripped = buffer.lstrip()
+            start = self._think[0]
+            if stripped.startswith(start):
+                self._buffer, self._state = stripped[len(start) :], "think"
+                return True
+            if start.startswith(stripped):
+                return False  # maybe the marker, still arriving
+            self._state = "content"
+            return True
+        if self._state == "think":
+            return self._until(self._think[1], out, "reasoning", next_state="content")
+        if self._state == "call":
+            index = buffer.find(self._tools[1])
+            if index < 0:
+                return False
+            out.calls.append(self._call(buffer[:index]))
+            self._buffer, self._state = buffer[index + len(self._tools[1]) :], "content"
+            return True
+        if self._tools is None:
+            out.content += buffer
+            self._buffer = ""
+            return False
+        return self._until(self._tools[0], out, "content", next_state="call")
+
+    def _until(self, marker: str, out: Parsed, target: str, next_state: str) -> bool:
+        """Move text before `marker` to `target`; on the marker switch state. Holds partial markers."""
+        buffer = self._buffer
+        index = buffer.find(marker)
+        if index >= 0:
+            setattr(out, target, getattr(out, target) + buffer[:index])
+            self._buffer, self._state = buffer[index + len(marker) :], next_state
+            return True
+        hold = _partial_suffix(buffer, marker)
+        setattr(out, target, getattr(out, target) + buffer[: len(buffer) - hold])
+        self._buffer = buffer[len(buffer) - hold :]
+        return False
+
+    def _call(self, body: str) -> dict:
+        try:
+            call = self._parse_call(body) if self._parse_call else json.loads(body)
+        except (ValueError, TypeError) as exc:
+            return {"error": f"unparseable tool call: {exc}", "raw": body}
+        if not isinstance(call, dict) or "name" not in call:
+            return {"error": "a tool call needs a name", "raw": body}
+        arguments = call.get("arguments", {})
+        return {"name": str(call["name"]), "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
