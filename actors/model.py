@@ -49,7 +49,7 @@ class ModelActor:
         loaded = await self._thread.run(load_model, self._config, self._progress)
         info = loaded.info
         grammars = await anyio.to_thread.run_sync(GrammarCache, loaded.tokenizer, info.vocab_size, info.eos_token_ids)
-        self._engine = await self._thread.run(Engine, loaded.model, loaded.geometry, grammars)
+        self._engine = await self._thread.run(Engine, loaded.model, loaded.geometry, grammars, loaded.tokenizer.decode)
         log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
         with self.inbox:
             task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer, grammars=grammars))

@@ -148,6 +148,8 @@ class SchedulerActor:
                 tracked.session.send_nowait(PrefillProgressed(**msgspec.structs.asdict(report)))
         for row in outcome.outputs:
             tracked = self.policy.get(row.request_id)
+            if row.fill is not None and tracked is not None:
+                tracked.fill = row.fill
             if row.token_ids and tracked is not None and tracked.release_reason is None:
                 tracked.session.send_nowait(
                     TokensGenerated(request_id=row.request_id, token_ids=row.token_ids, logprobs=row.logprobs)
@@ -205,6 +207,7 @@ class SchedulerActor:
                 stop_token_id=ended.stop_token_id,
                 cached_tokens=tracked.cached_tokens,
                 error=error,
+                fill=tracked.fill,
             )
         )
 

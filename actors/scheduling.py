@@ -44,6 +44,8 @@ class Tracked:
     num_skips: int = 0
     release_reason: str | None = None
     cached_tokens: int = 0
+    # The engine's latest fast-forwarding figures for it (reported in Finished).
+    fill: Any = None
     timeline: dict[str, float] = field(default_factory=dict)
     # The request as submitted (for checkpoints), and its checkpoint cadence.
     request: Any = None

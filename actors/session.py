@@ -18,7 +18,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from actors.stops import StopMatcher
 from actors.output_parser import OutputParser, Parsed
-from protocols.api import Finished, PrefillProgress, Timings, TokenDelta, ToolCall, Usage
+from protocols.api import FillStats, Finished, PrefillProgress, Timings, TokenDelta, ToolCall, Usage
 from protocols.scheduler import CancelRequest, FinishRequest, SetPaused
 from protocols.session import (
     PrefillProgressed,
@@ -46,6 +46,7 @@ class SessionActor:
         scheduler: Mailbox,
         events: MemoryObjectSendStream,
         parser: OutputParser | None = None,
+        fill: FillStats | None = None,
     ):
         self.request_id = request_id
         self.inbox = SessionMailbox()
@@ -53,6 +54,8 @@ class SessionActor:
         self._detokenizer = detokenizer
         self._matcher = StopMatcher(stop)
         self._parser = parser
+        # Fast-forwarding figures until the scheduler reports the engine's.
+        self._fill = fill
         self._num_calls = 0
         self._scheduler = scheduler
         self._events = events
@@ -173,6 +176,7 @@ class SessionActor:
                 timings=_timings(message.timeline, self._num_prompt_tokens, num_completion),
                 stop_sequence=self._stop_sequence,
                 error=message.error,
+                fill=message.fill or self._fill,
             )
         )
 

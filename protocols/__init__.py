@@ -6,6 +6,7 @@ are one inbox each (`model`, `kv`, `scheduler`, `session`).
 
 from protocols.api import (
     Event,
+    FillStats,
     FinishReason,
     Finished,
     GenerateRequest,
@@ -21,6 +22,7 @@ from protocols.api import (
 
 __all__ = [
     "Event",
+    "FillStats",
     "FinishReason",
     "Finished",
     "GenerateRequest",

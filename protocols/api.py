@@ -69,6 +69,12 @@ class GenerateRequest(Record):
     # Save a durable checkpoint every this many generated tokens (needs `request_id`);
     # None: the runtime's `checkpoints.every_tokens` (0 there means off).
     checkpoint_every: int | None = None
+    # Token fast-forwarding: "off", "strict" (the chat template's tool-call scaffold for this
+    # request's tools is appended without sampling it) or "echo" (strict, plus spans copied
+    # from earlier in the context, kept only as far as the model's own greedy choice agrees).
+    # None: the runtime's `generation.fill`. Refused (reason in `Finished.fill`) with a
+    # grammar or logprobs.
+    fill: str | None = None
 
 
 class TopLogprob(Record):
@@ -132,6 +138,32 @@ class Timings(Record):
     decode_tokens_per_s: float = 0.0
 
 
+class FillStats(Record):
+    """What token fast-forwarding did for one request (`Finished.fill`)."""
+
+    mode: str
+    # Why fast-forwarding did not run at all (grammar, logprobs), or why echo spans did not.
+    refused: str | None = None
+    echo_refused: str | None = None
+    # Spans that put at least one token into the output, and the tokens they put there.
+    events: int = 0
+    injected: int = 0
+    strict: int = 0
+    echo: int = 0
+    span_lens: list[int] = msgspec.field(default_factory=list)
+    # Sampled tokens dropped to take a strict span (0 here: fill rows decode synchronously,
+    # so a span is appended before the next token is dispatched, never over one in flight).
+    wasted_samples: int = 0
+    # Spans shortened by a clamp (end of sequence, delimiter, maximum span, max_tokens).
+    truncated: int = 0
+    # Tokens the model sampled itself.
+    decode_steps: int = 0
+    # Echo spans that reached a forward, and their tokens the model agreed with or not.
+    verify_events: int = 0
+    verify_accepted: int = 0
+    verify_rejected: int = 0
+
+
 class Finished(Message):
     """The last event of every request."""
 
@@ -142,6 +174,8 @@ class Finished(Message):
     # The stop string that ended the request, when one did.
     stop_sequence: str | None = None
     error: str | None = None
+    # Token fast-forwarding figures, when the request asked for it.
+    fill: FillStats | None = None
 
 
 Event = TokenDelta | ToolCall | PrefillProgress | Finished

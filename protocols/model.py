@@ -10,7 +10,7 @@ from typing import Literal
 
 import msgspec
 
-from protocols.api import SamplingParams, TokenLogprob
+from protocols.api import FillStats, SamplingParams, TokenLogprob
 from protocols.base import Message, Record, Reply
 
 
@@ -20,6 +20,43 @@ class GrammarSpec(Record, frozen=True):
     # "json_schema", "json_object", "regex", "ebnf" or "tool_call" (source: the tools, as JSON).
     kind: str
     source: str = ""
+
+
+class FillRow(Record, frozen=True):
+    """A strict fast-forward row: when the output ends with `trigger`, `emit` follows.
+
+    Both are sliced out of a full chat-template rendering of a call of the request's
+    tools (never encoded in isolation), so they are the tokens that rendering holds.
+    """
+
+    trigger: list[int]
+    emit: list[int]
+    # "scaffold" (the call's opening), "name" (a tool's name and what follows it up to the
+    # arguments), or "close" (the end of a call whose one required argument is complete).
+    kind: str
+
+
+class FillPlan(Record):
+    """A request's token fast-forwarding: strict rows, the echo source, and their clamps."""
+
+    mode: str
+    rows: list[FillRow]
+    # End-of-sequence ids: a span is cut before the first one.
+    eos: list[int]
+    # Ids that may end an echo span (a closing quote after an argument value), never continue it.
+    delimiters: list[int] = msgspec.field(default_factory=list)
+    max_span: int = 32
+    # Echo spans: copied after a `echo_k`-token anchor matches earlier context (0: off).
+    echo_k: int = 0
+    echo_candidates: int = 24
+    echo_refused: str | None = None
+    # For the tool-call context that guards strict rows.
+    tools: list[dict] = msgspec.field(default_factory=list)
+    tool_markers: tuple[str, str] | None = None
+    think_markers: tuple[str, str] | None = None
+    starts_in_reasoning: bool = False
+    # Append one JSON line per span (proposed ids next to the model's own choices) here.
+    trace_path: str | None = None
 
 
 class ResumeState(Record):
@@ -56,6 +93,7 @@ class AdmitRequest(Record):
     grammar: GrammarSpec | None = None
     # Append grammar-forced tokens in one multi-token forward (jump-forward decoding).
     jump_forward: bool = False
+    fill: FillPlan | None = None
 
     @property
     def context_ids(self) -> list[int]:
@@ -112,6 +150,8 @@ class RowOutput(Record):
     finish_reason: Literal["stop", "length"] | None = None
     # The stop token that ended the request; it is not part of `token_ids`.
     stop_token_id: int | None = None
+    # The request's fast-forwarding figures so far, for rows that fast-forward.
+    fill: FillStats | None = None
 
 
 class PrefillReport(Record):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from protocols.api import FinishReason, TokenLogprob
+from protocols.api import FillStats, FinishReason, TokenLogprob
 from protocols.base import Message, Record
 
 
@@ -37,6 +37,7 @@ class RequestFinished(Message):
     stop_token_id: int | None = None
     cached_tokens: int = 0
     error: str | None = None
+    fill: FillStats | None = None
 
 
 class RequestRejected(Message):

@@ -58,6 +58,15 @@ class GenerationConfig(Section):
     default_max_tokens: int = 256
     # Jump-forward decoding for grammar requests that do not say (never with logprobs).
     jump_forward: bool = False
+    # Token fast-forwarding for requests that do not say: "off", "strict" (tool-call scaffolds
+    # from the chat template) or "echo" (strict, plus spans copied from the context, kept as
+    # far as the model's greedy choice agrees). Never with a grammar or logprobs.
+    fill: Literal["off", "strict", "echo"] = "off"
+    # Longest span appended at once, and the anchor an echo span needs (tokens).
+    fill_max_span: int = 32
+    fill_echo_k: int = 8
+    # Append one JSON line per fast-forwarded span to this file ("" = no trace).
+    fill_trace: str = ""
     # Seed of the generator that draws seeds for requests that do not set one.
     seed: int | None = None
 
@@ -194,6 +203,8 @@ class RuntimeConfig(Section):
                 raise ConfigError(f"{source}: `{key}` must be >= 1, got {value}")
         if server.handshake_timeout_s <= 0 or server.client_stall_timeout_s <= 0:
             raise ConfigError(f"{source}: server timeouts must be > 0")
+        if self.generation.fill_max_span < 2 or self.generation.fill_echo_k < 2:
+            raise ConfigError(f"{source}: `generation.fill_max_span` and `generation.fill_echo_k` must be >= 2")
         if self.checkpoints.every_tokens < 0 or self.checkpoints.max_age_s <= 0:
             raise ConfigError(f"{source}: `checkpoints.every_tokens` must be >= 0 and `checkpoints.max_age_s` > 0")
 

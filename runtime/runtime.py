@@ -9,6 +9,7 @@ actor, and streams that session's events; leaving the stream early cancels it.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 import uuid
@@ -25,12 +26,12 @@ from actors.scheduler import SchedulerActor
 from actors.scheduling import SchedulePolicy
 from actors.output_parser import OutputParser
 from actors.session import SessionActor
-from protocols.api import Event, Finished, GenerateRequest
+from protocols.api import Event, FillStats, Finished, GenerateRequest
 from protocols.kv import DrainFiles, GetKvStats, KvStats
 from protocols.model import AdmitRequest, ModelInfo, ResumeState
 from protocols.scheduler import AddRequest, CancelRequest, GetSchedulerStats, SchedulerStats
 from protocols.session import RequestRejected
-from runtime import blas, checkpoints, requests
+from runtime import blas, checkpoints, fill, requests
 from runtime.config import RuntimeConfig
 from runtime.detokenize import make_detokenizer
 from runtime.errors import InvalidRequestError, RequestTooLargeError, RuntimeClosedError, ServerBusyError, single_errors
@@ -139,8 +140,8 @@ class Runtime:
         """
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         async with self._claim(rid):
-            admit, checkpoint_every = await self._prepare(request, rid)
-            session, events = self._submit(request, admit, checkpoint_every)
+            admit, checkpoint_every, fill_stats = await self._prepare(request, rid)
+            session, events = self._submit(request, admit, checkpoint_every, fill_stats)
         async for event in self._stream(session, events):
             yield event
 
@@ -227,7 +228,7 @@ class Runtime:
         kv = await ask(self._kv.inbox, lambda reply: GetKvStats(reply=reply))
         return RuntimeStats(scheduler=scheduler, kv=kv, live_requests=len(self._sessions))
 
-    async def _prepare(self, request: GenerateRequest, rid: str) -> tuple[AdmitRequest, int]:
+    async def _prepare(self, request: GenerateRequest, rid: str) -> tuple[AdmitRequest, int, FillStats | None]:
         if self._closed:
             raise RuntimeClosedError("the runtime is shutting down")
         requests.validate(request, self.model_info)
@@ -235,26 +236,42 @@ class Runtime:
         grammar = grammar_spec(request, self._tool_markers)
         if grammar is not None:
             await anyio.to_thread.run_sync(self._grammars.compile, grammar)  # rejects bad grammars before any compute
+        fill_mode = fill.resolve_mode(request, self.config.generation.fill)
         prompt_ids = await anyio.to_thread.run_sync(requests.render_prompt, request, self._tokenizer)
         max_tokens = requests.effective_max_tokens(request, len(prompt_ids), self.model_info, self.config.generation.default_max_tokens)
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
+        stop_ids = sorted(set(() if request.ignore_eos else self._eos_ids) | set(request.stop_token_ids))
+        fill_plan, fill_stats = await self._fill_plan(request, fill_mode, grammar.kind if grammar else None, prompt_ids, stop_ids)
         admit = AdmitRequest(
             request_id=rid,
             prompt_ids=prompt_ids,
             max_tokens=max_tokens,
             sampling=request.sampling,
             seed=seed,
-            stop_token_ids=sorted(set(() if request.ignore_eos else self._eos_ids) | set(request.stop_token_ids)),
+            stop_token_ids=stop_ids,
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
             grammar=grammar,
-            jump_forward=grammar is not None and not (request.logprobs or request.top_logprobs) and (
+            jump_forward=grammar is not None and fill_plan is None and not (request.logprobs or request.top_logprobs) and (
                 request.jump_forward if request.jump_forward is not None else self.config.generation.jump_forward
             ),
             # The last prompt token is never prefilled; a snapshot there is the end-of-request entry.
             snapshot_at=request.snapshot_at if request.snapshot_at and request.snapshot_at < len(prompt_ids) - 1 else None,
+            fill=fill_plan,
         )
-        return admit, checkpoint_every
+        return admit, checkpoint_every, fill_stats
+
+    async def _fill_plan(self, request: GenerateRequest, mode: str, grammar_kind: str | None, prompt_ids: list[int], stop_ids: list[int]):
+        """The request's fast-forwarding plan and initial stats; (None, None) when it is off."""
+        if mode == "off":
+            return None, None
+        if reason := fill.refusal(request, grammar_kind):
+            return None, FillStats(mode=mode, refused=reason)
+        g = self.config.generation
+        compile_plan = functools.partial(
+            fill.compile_plan, max_span=g.fill_max_span, echo_k=g.fill_echo_k, trace_path=g.fill_trace or None
+        )
+        return await anyio.to_thread.run_sync(compile_plan, request, mode, self._tokenizer, prompt_ids, stop_ids)
 
     def _checkpoint_every(self, request: GenerateRequest) -> int:
         every = request.checkpoint_every if request.checkpoint_every is not None else self.config.checkpoints.every_tokens
@@ -269,7 +286,7 @@ class Runtime:
                 raise InvalidRequestError(str(exc), field="request_id") from None
         return every
 
-    def _submit(self, request: GenerateRequest, admit: AdmitRequest, checkpoint_every: int):
+    def _submit(self, request: GenerateRequest, admit: AdmitRequest, checkpoint_every: int, fill_stats: FillStats | None = None):
         """Start the request's session and hand the request to the scheduler; returns both ends."""
         rid = admit.request_id
         send, receive = anyio.create_memory_object_stream[Event | RequestRejected](EVENT_BUFFER)
@@ -281,6 +298,7 @@ class Runtime:
             scheduler=self._scheduler.inbox,
             events=send,
             parser=self._output_parser(request),
+            fill=fill_stats,
         )
         message = AddRequest(
             admit=admit,

@@ -38,7 +38,9 @@ from protocols.model import (
     StepOutcome,
     StepPlan,
 )
+from protocols.api import FillStats
 from runtime.engine.sampler import BatchSampler, RowSampling, SampleResult
+from runtime.fill import FillSession, Proposal, trace_record
 from runtime.grammar import GrammarCache
 from runtime.engine.slots import DecodeBatch, LayerGeometry
 
@@ -64,9 +66,14 @@ class Sequence:
     joined: bool = False
     # Its caller is not reading: kept out of the batch (KV in `cache`) until unparked.
     parked: bool = False
-    # Grammar state, and tokens it forced after the last sampled one (fed with it next step).
+    # Grammar state, and known tokens after the last sampled one (fed with it next step):
+    # grammar-forced or fast-forwarded ones, already emitted, or an echo span to verify.
     matcher: Any = None
     extra: list[int] = field(default_factory=list)
+    fill: FillSession | None = None
+    verify: Proposal | None = None
+    # A strict span whose model choices the trace wants from the next step.
+    trace: Proposal | None = None
     generated: list[int] = field(default_factory=list)
 
     def tokens_with_kv(self, length: int) -> list[int]:
@@ -101,14 +108,22 @@ class InFlight:
 
     rows: list[Sequence]
     result: SampleResult
+    # Rows that appended known tokens first, with each position's greedy choice, and the
+    # echo rows among them with how many of their span's tokens the model agreed with.
+    appended: list[Sequence] = field(default_factory=list)
+    choices: mx.array | None = None
+    verified: list[Sequence] = field(default_factory=list)
+    accepted: mx.array | None = None
 
 
 class Engine:
     """Runs plans against one model. Not thread-safe: the MLX thread only."""
 
-    def __init__(self, model, geometry: list[LayerGeometry], grammars: GrammarCache | None = None):
+    def __init__(self, model, geometry: list[LayerGeometry], grammars: GrammarCache | None = None, decode=None):
         self._model = model
         self._grammars = grammars
+        # Token ids to text, for fast-forwarding's tool-call context and trace.
+        self._to_text = decode
         self._geometry = geometry
         self._bytes_per_token = sum(g.bytes_per_token for g in geometry)
         self._thread = threading.current_thread()
@@ -197,6 +212,11 @@ class Engine:
             if self._grammars is None:
                 raise EngineInvariantError("a grammar request reached an engine without grammars")
             seq.matcher = self._grammars.matcher(admit.grammar)
+        if admit.fill is not None:
+            if self._to_text is None:
+                raise EngineInvariantError("a fast-forwarding request reached an engine without a tokenizer")
+            stats = FillStats(mode=admit.fill.mode, echo_refused=admit.fill.echo_refused)
+            seq.fill = FillSession(admit.fill, stats, admit.context_ids, self._to_text)
         if admit.resume is not None:
             seq.generated = list(admit.resume.generated)
             seq.num_generated = len(seq.generated)
@@ -271,6 +291,9 @@ class Engine:
         if seq is None:
             return
         seq.parked = True
+        if seq.verify is not None:  # an echo span not yet forwarded: offered again later, maybe
+            seq.fill.commit(seq.verify, 0)
+            seq.verify, seq.extra = None, []
         if seq.in_batch:
             seq.cache = self._batch.extract(request_id)
             seq.num_prefilled = seq.cache[0].offset
@@ -347,8 +370,11 @@ class Engine:
     def _decode(self, *, synchronous: bool) -> list[RowOutput]:
         self._retire_exhausted()
         self._join_ready()
-        # A grammar's next mask needs this step's token: no pipelining while one decodes.
-        synchronous = synchronous or any(self._sequences[rid].matcher is not None for rid in self._batch.row_ids)
+        # A grammar's next mask, or a fast-forward span, needs this step's token: no
+        # pipelining while such a row decodes.
+        synchronous = synchronous or any(
+            self._sequences[rid].matcher is not None or self._sequences[rid].fill is not None for rid in self._batch.row_ids
+        )
         dispatched = self._dispatch() if len(self._batch) else None
         outputs = self._collect(self._in_flight) if self._in_flight is not None else []
         self._in_flight = dispatched
@@ -393,29 +419,61 @@ class Engine:
         self._sequences[request_id].in_batch = False
 
     def _dispatch(self) -> InFlight:
+        """One decode step. Rows with known tokens to append (jump-forward, fast-forward, a
+        rejoin) first forward all of them but the last in one step over just those rows;
+        then the whole batch forwards one token each, so other rows never pay for padding."""
         batch = self._batch
         rows = [self._sequences[rid] for rid in batch.row_ids]
-        counts = [1 + len(seq.extra) for seq in rows]
-        if max(counts) == 1:
-            inputs = self._pending[:, None]
-        else:
-            # Some rows append known tokens (grammar jump-forward): one ragged forward.
-            width = max(counts)
-            firsts = self._pending.tolist()
-            inputs = mx.array([[first, *seq.extra] + [0] * (width - count) for first, seq, count in zip(firsts, rows, counts)], dtype=mx.uint32)
-        batch.begin_step(counts)
-        logits = self._model(inputs, cache=batch.layers)
-        logits = logits[:, -1, :] if max(counts) == 1 else logits[mx.arange(len(rows)), mx.array(counts) - 1]
-        result = self._sampler.sample(logits, mask=self._grammar_mask(rows))
+        appending = [i for i, seq in enumerate(rows) if seq.extra]
+        pending, sub_logits = self._pending, None
+        if appending:
+            firsts = pending.tolist()
+            width = max(len(rows[i].extra) for i in appending)
+            inputs = [[firsts[i], *rows[i].extra[:-1]] + [0] * (width - len(rows[i].extra)) for i in appending]
+            batch.begin_step([len(rows[i].extra) for i in appending], rows=appending)
+            sub_logits = self._model(mx.array(inputs, dtype=mx.uint32), cache=batch.layers)
+            batch.end_step()
+            for i in appending:
+                firsts[i] = rows[i].extra[-1]
+            pending = mx.array(firsts, dtype=mx.uint32)
+            # Penalties see appended tokens like sampled ones (an echo span's only once accepted).
+            self._sampler.advance({i: rows[i].extra for i in appending if rows[i].verify is None})
+        batch.begin_step([1] * len(rows))
+        logits = self._model(pending[:, None], cache=batch.layers)[:, -1, :]
         batch.end_step()
+        in_flight = InFlight(rows=rows, result=None)
+        if any(rows[i].verify is not None or rows[i].trace is not None for i in appending):
+            logits = self._verify(rows, appending, sub_logits, logits, in_flight)
+        result = self._sampler.sample(logits, mask=self._grammar_mask(rows))
         for seq in rows:
             seq.extra = []
         self._pending = result.tokens
-        mx.async_eval(result.arrays())
+        in_flight.result = result
+        mx.async_eval(result.arrays() + [a for a in (in_flight.choices, in_flight.accepted) if a is not None])
         self._num_steps += 1
         if self._num_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-        return InFlight(rows=rows, result=result)
+        return in_flight
+
+    def _verify(self, rows: list[Sequence], appending: list[int], sub_logits: mx.array, logits: mx.array, in_flight: InFlight) -> mx.array:
+        """Greedy choices along the appended spans; echo rows keep the prefix of their span the
+        model agrees with and sample from the logits just after it, all on device."""
+        choices = mx.argmax(sub_logits, axis=-1).astype(mx.int32)
+        in_flight.appended, in_flight.choices = [rows[i] for i in appending], choices
+        verify = [j for j, i in enumerate(appending) if rows[i].verify is not None]
+        if not verify:
+            return logits
+        width = sub_logits.shape[1]
+        spans = [rows[appending[j]].extra for j in verify]
+        targets = mx.array([span + [-1] * (width - len(span)) for span in spans], dtype=mx.int32)
+        sub_index = mx.array(verify, dtype=mx.int32)
+        accepted = mx.cumprod((choices[sub_index] == targets).astype(mx.int32), axis=1).sum(axis=1)
+        picked = sub_logits[sub_index, mx.minimum(accepted, width - 1)]
+        batch_index = mx.array([appending[j] for j in verify], dtype=mx.int32)
+        whole = (accepted == mx.array([len(span) for span in spans], dtype=mx.int32))[:, None]
+        logits[batch_index] = mx.where(whole, logits[batch_index], picked)
+        in_flight.verified, in_flight.accepted = [rows[appending[j]] for j in verify], accepted
+        return logits
 
     def _grammar_mask(self, rows: list[Sequence]) -> mx.array | None:
         """Allowed-token bitmask rows from each grammar's state (all allowed elsewhere)."""
@@ -432,37 +490,100 @@ class Engine:
         result = in_flight.result
         tokens = result.tokens.tolist()
         logprobs = _read_logprobs(result, tokens)
+        choices = dict(zip(map(id, in_flight.appended), in_flight.choices.tolist())) if in_flight.choices is not None else {}
+        accepted = dict(zip(map(id, in_flight.verified), in_flight.accepted.tolist())) if in_flight.accepted is not None else {}
         outputs = []
         for i, seq in enumerate(in_flight.rows):
             rid = seq.admit.request_id
             if self._sequences.get(rid) is not seq:
                 continue  # released since the dispatch (its id may even be reused by now)
-            outputs.append(self._account(rid, seq, tokens[i], logprobs[i] if logprobs else None))
+            agreed: list[int] = []
+            if seq.verify is not None and id(seq) in accepted:
+                proposal, seq.verify = seq.verify, None
+                n = accepted[id(seq)]
+                self._batch.rewind(rid, len(proposal.ids) - n)  # the rejected tail's KV
+                seq.fill.commit(proposal, n)
+                agreed = proposal.ids[:n]
+                self._trace(seq, proposal, n, choices.get(id(seq)))
+            elif seq.trace is not None and id(seq) in choices:
+                proposal, seq.trace = seq.trace, None
+                self._trace(seq, proposal, len(proposal.ids), choices[id(seq)])
+            outputs.append(self._account(rid, seq, tokens[i], logprobs[i] if logprobs else None, agreed))
         return outputs
 
-    def _account(self, rid: str, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RowOutput:
-        seq.num_generated += 1
+    def _account(self, rid: str, seq: Sequence, token: int, logprob: TokenLogprob | None, agreed: list[int] = ()) -> RowOutput:
+        """Record a sampled token (after the echo tokens the model agreed with, if any)."""
+        seq.generated += agreed
+        seq.num_generated += len(agreed) + 1
         seq.generated.append(token)
         admit = seq.admit
+        if seq.fill is not None and token not in seq.stop_ids:
+            seq.fill.observe(token)
+
+        def output(token_ids: list[int], **kw) -> RowOutput:
+            return RowOutput(request_id=rid, token_ids=token_ids, fill=seq.fill.snapshot() if seq.fill else None, **kw)
+
         if seq.matcher is not None and not seq.matcher.accept_token(token):
             log.error("grammar_rejected_token", request_id=rid, token=token)
             self._finish(rid, seq)
-            return RowOutput(request_id=rid, token_ids=[token], finish_reason="stop")
+            return output([token], finish_reason="stop")
         wanted = None
         if logprob is not None and (admit.logprobs or admit.top_logprobs):
             top = logprob.top[: admit.top_logprobs] if admit.top_logprobs and logprob.top else None
             wanted = [TokenLogprob(token_id=token, logprob=logprob.logprob, top=top)]
         if token in seq.stop_ids:
             self._finish(rid, seq)
-            return RowOutput(request_id=rid, token_ids=[], finish_reason="stop", stop_token_id=token)
+            return output(list(agreed), finish_reason="stop", stop_token_id=token)
         if seq.num_generated >= admit.max_tokens:
             self._finish(rid, seq)
-            return RowOutput(request_id=rid, token_ids=[token], logprobs=wanted, finish_reason="length")
-        forced = self._jump_forward(seq)
+            return output([*agreed, token], logprobs=wanted, finish_reason="length")
+        forced = self._fast_forward(seq) if seq.fill is not None else self._jump_forward(seq)
         if seq.num_generated >= admit.max_tokens:
             self._finish(rid, seq)
-            return RowOutput(request_id=rid, token_ids=[token, *forced], finish_reason="length")
-        return RowOutput(request_id=rid, token_ids=[token, *forced], logprobs=wanted)
+            return output([*agreed, token, *forced], finish_reason="length")
+        return output([*agreed, token, *forced], logprobs=wanted)
+
+    def _fast_forward(self, seq: Sequence) -> list[int]:
+        """A fast-forward span after `token`: a strict one is emitted now and its KV written with
+        the next step; an echo one is forwarded with the next step and emitted as far as the
+        model agrees. Room is kept for the token sampled after the span."""
+        fill = seq.fill
+        if fill is None:
+            return []
+        proposal = fill.propose(budget=seq.admit.max_tokens - seq.num_generated - 1)
+        if proposal is None:
+            return []
+        if seq.matcher is not None:
+            # A forced tool call's grammar guards the rows: a span ends where it would not accept.
+            # (A single accepted token is emitted too: the matcher has taken it.)
+            num_ok = next((i for i, t in enumerate(proposal.ids) if not seq.matcher.accept_token(t)), len(proposal.ids))
+            proposal = Proposal(proposal.ids[:num_ok], proposal.policy, proposal.origin)
+            if not num_ok:
+                fill.commit(proposal, 0)
+                return []
+        seq.extra = list(proposal.ids)
+        if proposal.policy == "verify":
+            seq.verify = proposal
+            return []
+        fill.commit(proposal, len(proposal.ids))
+        seq.generated += proposal.ids
+        seq.num_generated += len(proposal.ids)
+        if fill.plan.trace_path:
+            seq.trace = proposal
+        return list(proposal.ids)
+
+    def _trace(self, seq: Sequence, proposal: Proposal, accepted: int, choices: list[int] | None) -> None:
+        """Best effort: a trace that cannot be written must not fail the step."""
+        path = seq.fill.plan.trace_path
+        if not path:
+            return
+        actual = (choices or [])[: len(proposal.ids)]
+        generated = seq.num_generated - (len(proposal.ids) if proposal.policy == "assert" else 0)
+        try:
+            with open(path, "a") as handle:  # a diagnostic, opt-in: one short append per span
+                handle.write(trace_record(seq.admit.request_id, proposal, generated, accepted, actual, self._to_text) + "\n")
+        except OSError as exc:
+            log.warning("fill_trace_failed", path=path, error=str(exc))
 
     def _jump_forward(self, seq: Sequence) -> list[int]:
         """Tokens the grammar now forces: emitted at once, their KV written with the next step."""

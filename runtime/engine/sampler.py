@@ -98,6 +98,21 @@ class BatchSampler:
             if not any(r.has_penalty for r in self.rows):
                 self._window = None
 
+    def advance(self, appended: dict[int, list[int]]) -> None:
+        """Rows `i` appended tokens they did not sample (forced, fast-forwarded): penalties
+        count them, and draws stay keyed by the number of tokens generated."""
+        for i, tokens in appended.items():
+            self.rows[i].num_sampled += len(tokens)
+        if self._window is None or not any(self.rows[i].has_penalty for i in appended):
+            return
+        width = self._window.shape[1]
+        rows = []
+        for i in range(len(self.rows)):
+            tokens = appended.get(i, [])[-width:]
+            row = self._window[i]
+            rows.append(mx.concatenate([row[len(tokens) :], mx.array(tokens, dtype=mx.int32)]) if tokens else row)
+        self._window = mx.stack(rows)
+
     def process(self, logits: mx.array) -> mx.array:
         """Logits after each row's penalties (mlx-lm's logits processors)."""
         logits = logits.astype(mx.float32)

@@ -84,6 +84,8 @@ class DecodeBatch:
         self._write_index: mx.array | None = None
         self._uniform_start: int | None = None
         self._counts: list[int] = []
+        self._rows: list[int] | None = None
+        self._row_index: mx.array | None = None
         self._num_new = 0
         self._width = 0
 
@@ -170,29 +172,36 @@ class DecodeBatch:
         self._keys = [mx.contiguous(k[:new_rows, :, :new_capacity]) for k in self._keys]
         self._values = [mx.contiguous(v[:new_rows, :, :new_capacity]) for v in self._values]
 
-    def begin_step(self, counts: list[int]) -> None:
-        """Prepare positions, mask and write indices for `counts[r]` new tokens in row r.
+    def begin_step(self, counts: list[int], rows: list[int] | None = None) -> None:
+        """Prepare positions, mask and write indices for `counts[i]` new tokens in row `rows[i]`
+        (every row in order when `rows` is None).
 
-        Every row forwards max(counts) positions; a row's extra positions are padding
+        Every forwarded row takes max(counts) positions; a row's extra positions are padding
         whose KV lands past its length, is never attended to, and is overwritten later.
+        A step over some rows reads a gathered copy of their KV: it is for the few rows
+        that append several known tokens, while the whole batch decodes one token each.
         """
-        lengths = self.lengths
+        all_lengths = self.lengths
+        self._rows, self._row_index = rows, None
+        lengths = all_lengths if rows is None else [all_lengths[r] for r in rows]
         num_new = max(counts)
         self._counts = counts
-        self._reserve(len(lengths), max(lengths) + num_new)
+        self._reserve(len(all_lengths), max(lengths) + num_new)
         _, num_heads, capacity, _ = self._keys[0].shape
         self._num_new = num_new
         self._width = max(lengths) + num_new
         starts = mx.array(lengths, dtype=mx.int32)
         self.positions = starts
         steps = mx.arange(num_new, dtype=mx.int32)
-        # Rows at one position take a plain slice write (one op per layer, as in
+        # The whole batch at one position takes a plain slice write (one op per layer, as in
         # mlx-lm's KVCache); otherwise a scatter at per-row positions.
-        self._uniform_start = lengths[0] if min(lengths) == max(lengths) else None
+        self._uniform_start = lengths[0] if rows is None and min(lengths) == max(lengths) else None
         if self._uniform_start is None:
-            rows = mx.arange(len(lengths), dtype=mx.int32)[:, None, None]
+            index = mx.arange(len(lengths), dtype=mx.int32) if rows is None else mx.array(rows, dtype=mx.int32)
+            self._row_index = None if rows is None else index
+            index = index[:, None, None]
             heads = mx.arange(num_heads, dtype=mx.int32)[None, :, None]
-            self._write_index = ((rows * num_heads + heads) * capacity + (starts[:, None] + steps[None, :])[:, None, :]).reshape(-1)
+            self._write_index = ((index * num_heads + heads) * capacity + (starts[:, None] + steps[None, :])[:, None, :]).reshape(-1)
         if num_new == 1 and self._uniform_start is not None:
             self.mask = None
         else:
@@ -201,13 +210,28 @@ class DecodeBatch:
             self.mask = (key_pos <= query_pos)[:, None]
 
     def end_step(self) -> None:
-        self.lengths = [n + c for n, c in zip(self.lengths, self._counts)]
-        self.positions = self.mask = self._write_index = None
+        if self._rows is None:
+            self.lengths = [n + c for n, c in zip(self.lengths, self._counts)]
+        else:
+            for row, count in zip(self._rows, self._counts):
+                self.lengths[row] += count
+        self.positions = self.mask = self._write_index = self._row_index = None
+        self._rows = None
+
+    def rewind(self, request_id: str, num_tokens: int) -> None:
+        """Forget a row's last `num_tokens` positions (a rejected verify tail): they are
+        never attended to again and the next write overwrites them."""
+        row = self.index(request_id)
+        if not 0 <= num_tokens <= self.lengths[row]:
+            raise ValueError(f"cannot rewind {num_tokens} of {self.lengths[row]} positions")
+        self.lengths[row] -= num_tokens
 
     def write(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         num_rows, width = len(self.row_ids), self._width
         self._keys[layer] = self._write(self._keys[layer], keys)
         self._values[layer] = self._write(self._values[layer], values)
+        if self._row_index is not None:
+            return self._keys[layer][self._row_index, :, :width], self._values[layer][self._row_index, :, :width]
         return self._keys[layer][:num_rows, :, :width], self._values[layer][:num_rows, :, :width]
 
     def _write(self, buffer: mx.array, new: mx.array) -> mx.array:

@@ -223,3 +223,76 @@ def test_a_parked_row_resumes_exactly_where_it_stopped(engine, model_and_tokeniz
     driver.run()
     for rid, prompt in zip("ab", prompts):
         assert driver.tokens[rid] == greedy_tokens(*model_and_tokenizer, prompt, 20)
+
+
+def _slot_batch(model, geometry, prompts: list[list[int]]):
+    """A decode batch holding each prompt's KV but its last token (as the engine joins rows)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from runtime.engine.slots import DecodeBatch
+
+    batch = DecodeBatch(geometry)
+    for i, prompt in enumerate(prompts):
+        cache = make_prompt_cache(model)
+        model(mx.array(prompt[:-1])[None], cache=cache)
+        batch.add_row(f"r{i}", cache, len(prompt) - 1)
+    return batch
+
+
+def _step(model, batch, tokens: list[int]):
+    import mlx.core as mx
+
+    batch.begin_step([1] * len(tokens))
+    logits = model(mx.array(tokens, dtype=mx.uint32)[:, None], cache=batch.layers)[:, -1, :]
+    batch.end_step()
+    return logits
+
+
+def test_a_fill_append_leaves_the_cache_a_token_by_token_forward_builds(model_and_tokenizer):
+    """Known tokens appended in one forward over some rows of a batch (the fast-forward
+    path), then a whole-batch step, give the logits and greedy continuation of forwarding
+    them one at a time."""
+    import mlx.core as mx
+
+    model, tokenizer = model_and_tokenizer
+    geometry = probe_geometry(model)
+    prompt, bystander = tokenizer.encode("def f(x):\n    return"), tokenizer.encode("import os\nprint(os.sep)")
+    span = tokenizer.encode(' {"name": "get_weather", "arguments": {')
+
+    one_by_one = _slot_batch(model, geometry, [prompt])
+    for token in [prompt[-1], *span[:-1]]:
+        _step(model, one_by_one, [token])
+    expected = _step(model, one_by_one, [span[-1]])[0]
+
+    appended = _slot_batch(model, geometry, [prompt, bystander])
+    appended.begin_step([len(span)], rows=[0])
+    model(mx.array([[prompt[-1], *span[:-1]]], dtype=mx.uint32), cache=appended.layers)
+    appended.end_step()
+    fused = _step(model, appended, [span[-1], bystander[-1]])
+    assert appended.lengths[0] == one_by_one.lengths[0] == len(prompt) + len(span)
+    assert mx.allclose(fused[0], expected, atol=1e-4).item()
+    a, b = fused, expected[None]
+    for _ in range(8):
+        ta, tb = mx.argmax(a, axis=-1).tolist(), mx.argmax(b, axis=-1).tolist()
+        assert ta[0] == tb[0]
+        a, b = _step(model, appended, ta), _step(model, one_by_one, tb)
+
+
+def test_a_rewound_tail_is_forgotten(model_and_tokenizer):
+    """Rejected verify positions: after a rewind the row decodes as if they were never written."""
+    import mlx.core as mx
+
+    model, tokenizer = model_and_tokenizer
+    geometry = probe_geometry(model)
+    prompt = tokenizer.encode("class A:\n    pass")
+    clean = _slot_batch(model, geometry, [prompt])
+    expected = _step(model, clean, [prompt[-1]])
+    dirty = _slot_batch(model, geometry, [prompt])
+    dirty.begin_step([5], rows=[0])
+    model(mx.array([[prompt[-1], 11, 12, 13, 14]], dtype=mx.uint32), cache=dirty.layers)
+    dirty.end_step()
+    dirty.rewind("r0", 5)
+    assert mx.allclose(_step(model, dirty, [prompt[-1]]), expected, atol=1e-5).item()
+    with pytest.raises(ValueError):
+        dirty.rewind("r0", 10_000)
