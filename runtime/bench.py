@@ -139,12 +139,19 @@ class Baseline:
 # -- mlxrt side -------------------------------------------------------------------
 
 
-async def _mlxrt_run(rt, prompts: list[list[int]], new_tokens: int) -> Run:
+# The constrained-decoding workload's format: open-ended, so outputs run to max_tokens.
+CONSTRAINED_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "bench", "schema": {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}}}, "required": ["values"]}},
+}
+
+
+async def _mlxrt_run(rt, prompts: list[list[int]], new_tokens: int, response_format: dict | None = None) -> Run:
     run = Run(token_times=[[] for _ in prompts])
     start = time.perf_counter()
 
     async def one(i: int, prompt: list[int]) -> None:
-        request = GenerateRequest(prompt_ids=prompt, max_tokens=new_tokens, ignore_eos=True)
+        request = GenerateRequest(prompt_ids=prompt, max_tokens=new_tokens, ignore_eos=response_format is None, response_format=response_format, jump_forward=False)
         async for event in rt.generate(request):
             if isinstance(event, TokenDelta):
                 now = time.perf_counter() - start
@@ -230,6 +237,14 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
             ref = await thread.run(baseline.interference, long_prompt, short_prompt, ours.get("arrival_s", 0.05))
             results["mlxrt"]["interference"] = ours
             results["mlx_lm"]["interference"] = ref
+            constrained, free = [], []
+            for rep in range(options.repeats):
+                prompts = _prompts(8, options.prompt_tokens, info.vocab_size, options.seed + 500 + rep)
+                progress.step(f"constrained decoding ({rep + 1}/{options.repeats}): mlxrt, schema vs none")
+                constrained.append((await _mlxrt_run(rt, prompts, options.new_tokens, CONSTRAINED_FORMAT)).summary())
+                free.append((await _mlxrt_run(rt, [p[::-1] for p in prompts], options.new_tokens)).summary())
+            results["mlxrt"]["constrained_c8"] = _median(constrained)
+            results["mlxrt"]["unconstrained_c8"] = _median(free)
             progress.step("prefix reuse: mlxrt")
             prefix, *suffixes = _prompts(3, options.prefix_tokens, info.vocab_size, options.seed + 7)
             results["mlxrt"]["prefix_reuse"] = await _mlxrt_prefix_reuse(rt, prefix, [x[:32] for x in suffixes])
@@ -255,6 +270,11 @@ def _ratios(results: dict) -> dict:
             ratios[f"{key}_throughput"] = ours["throughput_tok_s"] / ref["throughput_tok_s"]
             if ref["decode_tok_s_per_stream"]:
                 ratios[f"{key}_decode_per_stream"] = ours["decode_tok_s_per_stream"] / ref["decode_tok_s_per_stream"]
+    constrained, free = results["mlxrt"].get("constrained_c8"), results["mlxrt"].get("unconstrained_c8")
+    if constrained and free and free["throughput_tok_s"]:
+        ratios["constrained_over_unconstrained_throughput"] = constrained["throughput_tok_s"] / free["throughput_tok_s"]
+        if free["decode_tok_s_per_stream"]:
+            ratios["constrained_over_unconstrained_decode"] = constrained["decode_tok_s_per_stream"] / free["decode_tok_s_per_stream"]
     reuse = results["mlxrt"].get("prefix_reuse", {})
     if reuse:
         ratios["prefix_warm_over_cold_ttft"] = reuse["warm_over_cold"]

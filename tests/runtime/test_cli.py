@@ -52,7 +52,7 @@ def test_bench_runs_and_reports_ratios(tmp_path):
     assert result.returncode == 0, result.stderr
     results = json.loads(out.read_text())
     assert results["mlxrt"]["prefix_reuse"]["warm_cached_tokens"] >= 40
-    for key in ("c1_throughput", "c2_throughput", "short_ttft_over_long_prefill", "prefix_warm_over_cold_ttft"):
+    for key in ("c1_throughput", "c2_throughput", "short_ttft_over_long_prefill", "prefix_warm_over_cold_ttft", "constrained_over_unconstrained_throughput"):
         assert results["ratios"][key] > 0
     assert results["mlxrt"]["c2"]["tokens"] == 8 and results["mlx_lm"]["c2"]["tokens"] == 8
     assert "throughput_tok_s" in result.stdout
