@@ -139,10 +139,14 @@ class Baseline:
 # -- mlxrt side -------------------------------------------------------------------
 
 
-# The constrained-decoding workload's format: open-ended, so outputs run to max_tokens.
+# The constrained-decoding workload's format: it cannot end before max_tokens, so constrained
+# and free streams have the same lengths and their throughputs compare.
 CONSTRAINED_FORMAT = {
     "type": "json_schema",
-    "json_schema": {"name": "bench", "schema": {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}}}, "required": ["values"]}},
+    "json_schema": {
+        "name": "bench",
+        "schema": {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 256}}, "required": ["values"]},
+    },
 }
 
 

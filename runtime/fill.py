@@ -40,6 +40,7 @@ from runtime.errors import InvalidRequestError
 MODES = ("off", "strict", "echo")
 MAX_CONTEXT_TOKENS = 65_536
 ECHO_INDEX_MAX = 131_072
+ECHO_FIRST_SPAN = 8
 # Placeholder argument values rendered into the template to find where a value ends.
 _PLACEHOLDERS = {"string": "qzxplaceholder", "integer": 7, "number": 7, "boolean": True}
 
@@ -422,14 +423,15 @@ class EchoSource:
                 if len(bucket) > self._max_candidates:
                     del bucket[0]
 
-    def propose(self) -> Proposal | None:
+    def propose(self, limit: int) -> Proposal | None:
+        """The continuation of the nearest earlier occurrence of the anchor, up to `limit` tokens
+        (one more when there is one: the clamp then knows the span was cut)."""
         history, n = self._history, len(self._history)
         if n < self._k or n >= ECHO_INDEX_MAX:
             return None
         for end in reversed(self._index.get(tuple(history[-self._k :]), ())):
             if end < n:
-                # One past the maximum: the clamp then knows the span was cut.
-                span = history[end : end + self._max_span + 1]
+                span = history[end : end + min(limit, self._max_span) + 1]
                 if len(span) >= 2:
                     return Proposal(span, "verify", "echo")
         return None
@@ -468,9 +470,17 @@ class FillSession:
         self._strict = StrictRows(plan.rows, ToolCallContext(plan, decode)) if plan.rows else None
         self._echo = EchoSource(plan.echo_k, plan.max_span, plan.echo_candidates, context_ids) if plan.echo_k else None
         self._window = self._strict.window if self._strict else 1
+        # Echo spans start short and double while the model takes them whole, halving when it
+        # does not: a rejected tail costs forward work (one row's, not the batch's).
+        self._echo_limit = min(ECHO_FIRST_SPAN, plan.max_span)
         # A row may be triggered by the prompt's own tail, so the history starts seeded.
         self._tail = list(context_ids[-self._window :])
         self.decode = decode
+
+    @property
+    def active(self) -> bool:
+        """Whether any source can ever propose (otherwise the row decodes as usual)."""
+        return self._strict is not None or self._echo is not None
 
     def observe(self, token: int) -> None:
         """A token the model sampled."""
@@ -479,10 +489,11 @@ class FillSession:
 
     def propose(self, budget: int) -> Proposal | None:
         """A span to append now, clamped to `budget` tokens, or None."""
-        for proposal in (self._strict.propose(self._tail) if self._strict else None, self._echo.propose() if self._echo else None):
+        for proposal in (self._strict.propose(self._tail) if self._strict else None, self._echo.propose(self._echo_limit) if self._echo else None):
             if proposal is None:
                 continue
-            ids = self._clamp(proposal.ids, budget, proposal.origin == "echo")
+            echo = proposal.origin == "echo"
+            ids = self._clamp(proposal.ids, min(budget, self._echo_limit) if echo else budget, echo)
             if ids is not None:
                 return Proposal(ids, proposal.policy, proposal.origin)
         return None
@@ -494,6 +505,8 @@ class FillSession:
             stats.verify_events += 1
             stats.verify_accepted += n
             stats.verify_rejected += len(proposal.ids) - n
+            whole = n == len(proposal.ids)
+            self._echo_limit = min(self.plan.max_span, self._echo_limit * 2) if whole else max(2, self._echo_limit // 2)
         if n == 0:
             return
         self._append(proposal.ids[:n])

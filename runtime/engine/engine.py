@@ -373,7 +373,8 @@ class Engine:
         # A grammar's next mask, or a fast-forward span, needs this step's token: no
         # pipelining while such a row decodes.
         synchronous = synchronous or any(
-            self._sequences[rid].matcher is not None or self._sequences[rid].fill is not None for rid in self._batch.row_ids
+            self._sequences[rid].matcher is not None or (self._sequences[rid].fill is not None and self._sequences[rid].fill.active)
+            for rid in self._batch.row_ids
         )
         dispatched = self._dispatch() if len(self._batch) else None
         outputs = self._collect(self._in_flight) if self._in_flight is not None else []
@@ -397,10 +398,11 @@ class Engine:
                 continue
             admit, context = seq.admit, seq.context
             self._batch.add_row(rid, seq.cache or [], seq.num_prefilled)
-            row = RowSampling(admit.sampling, admit.seed, admit.logprobs, admit.top_logprobs, num_sampled=len(seq.generated))
-            self._sampler.add_row(row, context=context)
-            # Everything the cache lacks is fed next: usually the last token, more after a park.
+            # Everything the cache lacks is fed next: usually the last token, more after a park
+            # (the sampler counts those when they are appended, like any appended token).
             seq.extra = context[seq.num_prefilled + 1 :]
+            row = RowSampling(admit.sampling, admit.seed, admit.logprobs, admit.top_logprobs, num_sampled=len(seq.generated) - len(seq.extra))
+            self._sampler.add_row(row, context=context[: seq.num_prefilled + 1])
             last = mx.array([context[seq.num_prefilled]], dtype=mx.uint32)
             self._pending = last if self._pending is None else mx.concatenate([self._pending, last])
             seq.cache = None

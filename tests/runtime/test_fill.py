@@ -50,8 +50,9 @@ def _session(rows=(), eos=(99,), delimiters=(), echo_k=0, prompt=(1, 2, 3), max_
 def test_echo_copies_the_nearest_earlier_continuation():
     source = EchoSource(k=2, max_span=4, max_candidates=8, history=[5, 6, 7, 8, 5, 6, 9, 10, 11])
     source.observe([5, 6])
-    assert source.propose().ids[:4] == [9, 10, 11, 5]
-    assert EchoSource(k=2, max_span=4, max_candidates=8, history=[1, 2, 3]).propose() is None
+    assert source.propose(limit=4).ids[:4] == [9, 10, 11, 5]
+    assert source.propose(limit=2).ids == [9, 10, 11]  # one past the limit: the clamp sees the cut
+    assert EchoSource(k=2, max_span=4, max_candidates=8, history=[1, 2, 3]).propose(limit=4) is None
 
 
 def test_clamps_cut_at_eos_delimiter_span_and_budget():
@@ -73,6 +74,21 @@ def test_commit_counts_what_was_emitted():
     session.commit(proposal, 2)
     stats = session.snapshot()
     assert (stats.events, stats.echo, stats.verify_accepted, stats.verify_rejected, stats.span_lens) == (1, 2, 2, len(proposal.ids) - 2, [2])
+
+
+def test_echo_spans_grow_while_taken_whole_and_shrink_when_not():
+    session = _session(echo_k=2, prompt=[1, 2] + list(range(10, 90)) + [1, 2], eos=[])
+    first = session.propose(budget=100)
+    assert first.ids == list(range(10, 18))
+    session.commit(first, len(first.ids))
+    for token in (18, 19):
+        session.observe(token)
+    second = session.propose(budget=100)
+    assert second.ids == list(range(20, 36))
+    session.commit(second, 3)
+    for token in (23, 24):
+        session.observe(token)
+    assert session.propose(budget=100).ids == list(range(25, 33))
 
 
 def test_strict_rows_need_their_trigger_and_the_tool_call_context(tokenizer):
