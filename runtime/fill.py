@@ -24,7 +24,6 @@ request's remaining budget, and a span shorter than 2 is dropped (it saves nothi
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -317,6 +316,7 @@ class ToolCallContext:
         self._decode = decode
         self._ids: list[int] = []
         self._overflow = False
+        self._dead = False
 
     def observe(self, ids: list[int]) -> None:
         if self._overflow:
@@ -327,51 +327,63 @@ class ToolCallContext:
         self._ids += ids
 
     def allows(self, row: FillRow) -> bool:
-        plan = self._plan
-        if self._overflow or plan.tool_markers is None:
+        if self._overflow or self._dead or self._plan.tool_markers is None:
             return False
+        allowed, self._dead = self._check(row)
+        return allowed
+
+    def _check(self, row: FillRow) -> tuple[bool, bool]:
+        """(whether the row may fire now, whether no row ever can in this output again: the
+        output only grows, so prose, a malformed call or unclosed reasoning stay)."""
+        plan = self._plan
         start, end = plan.tool_markers
         text = self._decode(self._ids)
         if plan.think_markers is not None:
             think_start, think_end = plan.think_markers
             if plan.starts_in_reasoning:
                 stop = text.find(think_end)
-                if stop < 0 or not _reasoning_closed(text[:stop], think_start):
-                    return False
+                if stop < 0:
+                    return False, False
+                if not _reasoning_closed(text[:stop], think_start):
+                    return False, True
                 text = text[stop + len(think_end) :]
             text = text.lstrip()
             if text.startswith(think_start):
                 stop = text.find(think_end, len(think_start))
-                if stop < 0 or not _reasoning_closed(text[len(think_start) : stop], think_start):
-                    return False
+                if stop < 0:
+                    return False, False
+                if not _reasoning_closed(text[len(think_start) : stop], think_start):
+                    return False, True
                 text = text[stop + len(think_end) :]
+            elif think_start.startswith(text):
+                return False, False
         text = text.lstrip()
         while True:  # earlier calls must be complete and valid before another opens
             if not text.startswith(start):
-                return False
+                return False, not start.startswith(text)
             stop = text.find(end, len(start))
             if stop < 0:
                 break
             if parse_strict_call(text[: stop + len(end)], plan.tools, plan.tool_markers) is None:
-                return False
+                return False, True
             text = text[stop + len(end) :].lstrip()
         if text.find(start, len(start)) != -1:
-            return False
+            return False, True
         if row.kind in ("scaffold", "name"):
             trigger = self._decode(row.trigger)
             at = trigger.find(start)
-            return at >= 0 and text == trigger[at:]
+            return at >= 0 and text == trigger[at:], False
         if row.kind != "close":
-            return False
+            return False, False
         call = parse_strict_call(text + self._decode(row.emit), plan.tools, plan.tool_markers)
         if call is None:
-            return False
+            return False, False
         tool = next(t for t in plan.tools if t["name"] == call["name"])
         single = _single_required(tool["parameters"])
         if single is None or set(call["arguments"]) != {single[0]}:
-            return False
+            return False, False
         value = call["arguments"][single[0]]
-        return not isinstance(value, str) or _literals_closed(value)
+        return not isinstance(value, str) or _literals_closed(value), False
 
 
 class StrictRows:
@@ -437,22 +449,6 @@ class EchoSource:
         return None
 
 
-@dataclass
-class _Counts:
-    """The running figures of `FillStats` (see there)."""
-
-    events: int = 0
-    injected: int = 0
-    strict: int = 0
-    echo: int = 0
-    span_lens: list[int] = dataclasses.field(default_factory=list)
-    truncated: int = 0
-    decode_steps: int = 0
-    verify_events: int = 0
-    verify_accepted: int = 0
-    verify_rejected: int = 0
-
-
 class FillSession:
     """One request's sources, running history and stats.
 
@@ -463,8 +459,9 @@ class FillSession:
 
     def __init__(self, plan: FillPlan, stats: FillStats, context_ids: list[int], decode: Callable[[list[int]], str]):
         self.plan = plan
-        self._initial = msgspec.structs.asdict(stats)
-        self.stats = _Counts()
+        # The running figures, by `FillStats` field.
+        self._stats = msgspec.structs.asdict(stats)
+        self._stats["span_lens"] = list(stats.span_lens)
         self._eos = frozenset(plan.eos)
         self._delimiters = frozenset(plan.delimiters)
         self._strict = StrictRows(plan.rows, ToolCallContext(plan, decode)) if plan.rows else None
@@ -484,7 +481,7 @@ class FillSession:
 
     def observe(self, token: int) -> None:
         """A token the model sampled."""
-        self.stats.decode_steps += 1
+        self._stats["decode_steps"] += 1
         self._append([token])
 
     def propose(self, budget: int) -> Proposal | None:
@@ -500,26 +497,23 @@ class FillSession:
 
     def commit(self, proposal: Proposal, accepted: int) -> None:
         n = max(0, min(accepted, len(proposal.ids)))
-        stats = self.stats
+        stats = self._stats
         if proposal.policy == "verify":
-            stats.verify_events += 1
-            stats.verify_accepted += n
-            stats.verify_rejected += len(proposal.ids) - n
+            stats["verify_events"] += 1
+            stats["verify_accepted"] += n
+            stats["verify_rejected"] += len(proposal.ids) - n
             whole = n == len(proposal.ids)
             self._echo_limit = min(self.plan.max_span, self._echo_limit * 2) if whole else max(2, self._echo_limit // 2)
         if n == 0:
             return
         self._append(proposal.ids[:n])
-        stats.events += 1
-        stats.injected += n
-        if proposal.origin == "echo":
-            stats.echo += n
-        else:
-            stats.strict += n
-        stats.span_lens.append(n)
+        stats["events"] += 1
+        stats["injected"] += n
+        stats["echo" if proposal.origin == "echo" else "strict"] += n
+        stats["span_lens"].append(n)
 
     def snapshot(self) -> FillStats:
-        return FillStats(**{**self._initial, **dataclasses.asdict(self.stats)})
+        return FillStats(**{**self._stats, "span_lens": list(self._stats["span_lens"])})
 
     def _append(self, ids: list[int]) -> None:
         if self._strict:
@@ -547,7 +541,7 @@ class FillSession:
             ids, truncated = ids[:cap], True
         if len(ids) < 2:
             return None
-        self.stats.truncated += int(truncated)
+        self._stats["truncated"] += int(truncated)
         return ids
 
 

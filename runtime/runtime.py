@@ -252,7 +252,8 @@ class Runtime:
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
             grammar=grammar,
-            jump_forward=grammar is not None and fill_plan is None and not (request.logprobs or request.top_logprobs) and (
+            # Strict fast-forward rows, where a forced tool call has some, take jump-forward's place.
+            jump_forward=grammar is not None and not (fill_plan and fill_plan.rows) and not (request.logprobs or request.top_logprobs) and (
                 request.jump_forward if request.jump_forward is not None else self.config.generation.jump_forward
             ),
             # The last prompt token is never prefilled; a snapshot there is the end-of-request entry.

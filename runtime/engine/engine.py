@@ -539,19 +539,17 @@ class Engine:
         if seq.num_generated >= admit.max_tokens:
             self._finish(rid, seq)
             return output([*agreed, token], logprobs=wanted, finish_reason="length")
-        forced = self._fast_forward(seq) if seq.fill is not None else self._jump_forward(seq)
+        forced = self._fast_forward(seq) if seq.fill is not None and seq.fill.active else self._jump_forward(seq)
         if seq.num_generated >= admit.max_tokens:
             self._finish(rid, seq)
             return output([*agreed, token, *forced], finish_reason="length")
         return output([*agreed, token, *forced], logprobs=wanted)
 
     def _fast_forward(self, seq: Sequence) -> list[int]:
-        """A fast-forward span after `token`: a strict one is emitted now and its KV written with
-        the next step; an echo one is forwarded with the next step and emitted as far as the
-        model agrees. Room is kept for the token sampled after the span."""
+        """A fast-forward span after the token just sampled: a strict one is emitted now and its
+        KV written with the next step; an echo one is forwarded with the next step and emitted as
+        far as the model agrees. Room is kept for the token sampled after the span."""
         fill = seq.fill
-        if fill is None:
-            return []
         proposal = fill.propose(budget=seq.admit.max_tokens - seq.num_generated - 1)
         if proposal is None:
             return []

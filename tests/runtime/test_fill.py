@@ -113,3 +113,24 @@ def test_refusals():
     assert "temperature" in echo_refusal(GenerateRequest(prompt="x", sampling=SamplingParams(temperature=0.5)))
     assert "penalties" in echo_refusal(GenerateRequest(prompt="x", sampling=SamplingParams(repetition_penalty=1.1)))
     assert echo_refusal(GenerateRequest(prompt="x")) is None
+
+
+def test_prose_disarms_the_rows_for_the_rest_of_the_output(tokenizer):
+    """Once the output is not a tool-only turn it never becomes one: no more decoding per trigger."""
+    plan = _plan(tokenizer, [WEATHER])
+    scaffold = next(r for r in plan.rows if r.kind == "scaffold")
+    decodes = []
+
+    def decode(ids):
+        decodes.append(len(ids))
+        return tokenizer.decode(ids)
+
+    session = FillSession(plan, FillStats(mode="strict"), [1, 2], decode)
+    for token in tokenizer.encode("Plain prose first. ") + scaffold.trigger:
+        session.observe(token)
+    assert session.propose(budget=100) is None
+    calls = len(decodes)
+    for token in scaffold.trigger * 3:
+        session.observe(token)
+        assert session.propose(budget=100) is None
+    assert len(decodes) == calls
