@@ -591,7 +591,8 @@ class Engine:
             return []
         forced = []
         for token in seq.matcher.find_jump_forward_tokens()[: seq.admit.max_tokens - seq.num_generated]:
-            if not seq.matcher.accept_token(token):
+            # Ending the output is the model's choice, never a forced one.
+            if token in seq.stop_ids or not seq.matcher.accept_token(token):
                 break
             forced.append(token)
         seq.generated += forced
