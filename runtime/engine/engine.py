@@ -42,7 +42,7 @@ from protocols.api import FillStats
 from runtime.engine.sampler import BatchSampler, RowSampling, SampleResult
 from runtime.fill import FillSession, Proposal, trace_record
 from runtime.grammar import GrammarCache
-from runtime.engine.slots import DecodeBatch, LayerGeometry
+from runtime.engine.slots import DecodeBatch, LayerGeometry, compile_decode_step
 
 CLEAR_CACHE_EVERY = 256
 
@@ -129,6 +129,7 @@ class Engine:
         self._thread = threading.current_thread()
         self._sequences: dict[str, Sequence] = {}
         self._batch = DecodeBatch(geometry)
+        self._decode_step = compile_decode_step(model, len(geometry))
         self._sampler = BatchSampler()
         self._pending: mx.array | None = None
         self._in_flight: InFlight | None = None
@@ -440,9 +441,15 @@ class Engine:
             pending = mx.array(firsts, dtype=mx.uint32)
             # Penalties see appended tokens like sampled ones (an echo span's only once accepted).
             self._sampler.advance({i: rows[i].extra for i in appending if rows[i].verify is None})
-        batch.begin_step([1] * len(rows))
-        logits = self._model(pending[:, None], cache=batch.layers)[:, -1, :]
-        batch.end_step()
+        if len(rows) == 1:
+            # A lone row: the compiled step (no per-step graph build) is ~6-10% faster per token
+            # on CPU. Batches build the graph: attending over the whole capacity costs them more
+            # KV reads than the build saves (c16 0.90x vs 1.01x of mlx-lm, measured).
+            logits = batch.forward_one(self._decode_step, pending)
+        else:
+            batch.begin_step([1] * len(rows))
+            logits = self._model(pending[:, None], cache=batch.layers)[:, -1, :]
+            batch.end_step()
         in_flight = InFlight(rows=rows, result=None)
         if any(rows[i].verify is not None or rows[i].trace is not None for i in appending):
             logits = self._verify(rows, appending, sub_logits, logits, in_flight)

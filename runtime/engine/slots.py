@@ -63,6 +63,60 @@ class SlotLayer:
         return self._batch.mask
 
 
+class _TracedSlot:
+    """A layer's cache inside the compiled one-token step (see `compile_decode_step`)."""
+
+    def __init__(self, keys: list[mx.array], values: list[mx.array], index: int, positions: mx.array, mask: mx.array):
+        self._keys, self._values, self._index = keys, values, index
+        self._positions, self._mask = positions, mask
+
+    @property
+    def offset(self) -> mx.array:
+        return self._positions
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        i, rows = self._index, keys.shape[0]
+        self._keys[i] = _scatter(self._keys[i], keys, self._positions)
+        self._values[i] = _scatter(self._values[i], values, self._positions)
+        return self._keys[i][:rows], self._values[i][:rows]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        if window_size is not None:
+            raise NotImplementedError("sliding-window attention is not supported in the decode batch")
+        return self._mask
+
+
+def _scatter(buffer: mx.array, new: mx.array, positions: mx.array) -> mx.array:
+    """`new` ([rows, heads, 1, dim]) written at each row's position of `buffer`."""
+    capacity_rows, heads, capacity, dim = buffer.shape
+    rows = new.shape[0]
+    index = ((mx.arange(rows)[:, None] * heads + mx.arange(heads)[None, :]) * capacity + positions[:, None]).reshape(-1)
+    flat = buffer.reshape(capacity_rows * heads * capacity, dim)
+    flat[index] = new.reshape(rows * heads, dim)
+    return flat.reshape(capacity_rows, heads, capacity, dim)
+
+
+def compile_decode_step(model, num_layers: int):
+    """The batch's one-token step as one compiled function of fixed-shape inputs.
+
+    Each row writes at its own position in the whole buffers and attends over their full
+    capacity under a mask, so the shapes change only when rows join or leave or the capacity
+    grows; MLX then traces the step once per such geometry instead of building the model's
+    graph op by op on every step (a few ms of Python per step, which the CPU backend cannot
+    overlap with compute).
+    """
+
+    def step(tokens: mx.array, positions: mx.array, *buffers: mx.array):
+        keys, values = list(buffers[:num_layers]), list(buffers[num_layers:])
+        capacity = keys[0].shape[2]
+        mask = (mx.arange(capacity)[None, :] <= positions[:, None])[:, None, None, :]
+        layers = [_TracedSlot(keys, values, i, positions, mask) for i in range(num_layers)]
+        logits = model(tokens[:, None], cache=layers)[:, -1, :]
+        return (logits, *keys, *values)
+
+    return mx.compile(step)
+
+
 class DecodeBatch:
     """Row-major KV slots for the requests being decoded together.
 
@@ -217,6 +271,17 @@ class DecodeBatch:
                 self.lengths[row] += count
         self.positions = self.mask = self._write_index = self._row_index = None
         self._rows = None
+
+    def forward_one(self, step, tokens: mx.array) -> mx.array:
+        """Every row forwards one token through `step` (from `compile_decode_step`); returns
+        the `[rows, vocab]` logits."""
+        lengths = self.lengths
+        self._reserve(len(lengths), max(lengths) + 1)
+        outputs = step(tokens, mx.array(lengths, dtype=mx.int32), *self._keys, *self._values)
+        self._keys = list(outputs[1 : 1 + self.num_layers])
+        self._values = list(outputs[1 + self.num_layers :])
+        self.lengths = [n + 1 for n in lengths]
+        return outputs[0]
 
     def rewind(self, request_id: str, num_tokens: int) -> None:
         """Forget a row's last `num_tokens` positions (a rejected verify tail): they are

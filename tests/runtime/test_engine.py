@@ -296,3 +296,24 @@ def test_a_rewound_tail_is_forgotten(model_and_tokenizer):
     assert mx.allclose(_step(model, dirty, [prompt[-1]]), expected, atol=1e-5).item()
     with pytest.raises(ValueError):
         dirty.rewind("r0", 10_000)
+
+
+def test_the_compiled_one_token_step_matches_the_op_by_op_step(model_and_tokenizer):
+    """Same logits and greedy tokens, rows at different positions, across a capacity growth."""
+    import mlx.core as mx
+
+    from runtime.engine.slots import LEN_STEP, compile_decode_step
+
+    model, tokenizer = model_and_tokenizer
+    geometry = probe_geometry(model)
+    prompts = [tokenizer.encode("x = 1\n" * 400)[: LEN_STEP - 6], tokenizer.encode("def g():\n    pass")]
+    compiled_step = compile_decode_step(model, len(geometry))
+    traced, built = _slot_batch(model, geometry, prompts), _slot_batch(model, geometry, prompts)
+    tokens = [p[-1] for p in prompts]
+    for _ in range(12):  # the first row crosses the first capacity boundary
+        a = traced.forward_one(compiled_step, mx.array(tokens, dtype=mx.uint32))
+        b = _step(model, built, tokens)
+        assert mx.allclose(a, b, atol=1e-4).item()
+        tokens = mx.argmax(a, axis=-1).tolist()
+        assert tokens == mx.argmax(b, axis=-1).tolist()
+    assert traced.lengths == built.lengths and traced.capacity[1] > LEN_STEP
