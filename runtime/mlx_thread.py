@@ -37,6 +37,7 @@ class MlxThread:
     def __init__(self, name: str = "mlx", max_pending: int = 8):
         self._jobs: queue.Queue = queue.Queue(maxsize=max_pending)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._stopped = threading.Event()
 
     @property
     def ident(self) -> int | None:
@@ -56,11 +57,11 @@ class MlxThread:
         return outcome[0]
 
     async def stop(self) -> None:
-        """Finish queued jobs, then end the thread."""
-        if not self._thread.is_alive():
+        """Finish queued jobs; the thread then parks for good (see `_loop`)."""
+        if self._stopped.is_set() or not self._thread.is_alive():
             return
         await self._put(_STOP)
-        await anyio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
+        await anyio.to_thread.run_sync(self._stopped.wait, abandon_on_cancel=True)
 
     async def _put(self, job) -> None:
         try:
@@ -69,6 +70,16 @@ class MlxThread:
             await anyio.to_thread.run_sync(self._jobs.put, job, abandon_on_cancel=True)
 
     def _loop(self) -> None:
+        self._serve_jobs()
+        self._stopped.set()
+        # Park instead of exiting: MLX keeps per-thread state (the compile cache of every
+        # `mx.compile`d function this thread ran, mlx.nn's activations included) whose
+        # destructors call into Python when the OS thread exits. An exit that overlaps the
+        # interpreter's finalization aborts the process ("terminate called without an active
+        # exception"); a parked daemon thread just ends with the process.
+        threading.Event().wait()
+
+    def _serve_jobs(self) -> None:
         while (job := self._jobs.get()) is not _STOP:
             call_soon, wake, outcome, fn, args = job
             try:
