@@ -155,8 +155,6 @@ class _Call:
     """One tool's call, rendered by the template: its tokens after the turn's common prefix."""
 
     tokens: list[int]
-    ends: list[int]  # character offset where each token ends, in `text`
-    text: str
     open_end: int  # tokens of the open marker end here (token index)
     open_start: int
     args_cut: int  # token index: the end of what the schema determines before a value
@@ -256,7 +254,7 @@ def _render_call(tokenizer: Any, messages: list[dict], raw_tools: list, tool: di
             close = (first, last)
     else:
         args_cut = before(value_start)
-    return _Call(tokens=tokens, ends=ends, text=turn, open_start=open_start, open_end=open_end, args_cut=args_cut, close=close)
+    return _Call(tokens=tokens, open_start=open_start, open_end=open_end, args_cut=args_cut, close=close)
 
 
 # --- the per-request session (engine side, MLX thread) --------------------------------
@@ -472,7 +470,6 @@ class FillSession:
         self._echo_limit = min(ECHO_FIRST_SPAN, plan.max_span)
         # A row may be triggered by the prompt's own tail, so the history starts seeded.
         self._tail = list(context_ids[-self._window :])
-        self.decode = decode
 
     @property
     def active(self) -> bool:
