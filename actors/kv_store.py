@@ -13,7 +13,6 @@ expired when old.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,9 @@ from protocols.kv import (
     SaveCheckpoint,
     UnpinPrefix,
 )
+from protocols.base import Reply
 from protocols.model import DropPrefixes, SavedPrefix
+from protocols.scheduler import CheckpointWritten
 from runtime import checkpoints
 from runtime.mailbox import Mailbox, answer
 
@@ -119,7 +120,7 @@ class KvLedger:
         self._live_tokens = dict(live_tokens)
         self._physical_bytes = physical_bytes
 
-    def stats(self) -> KvStats:
+    def stats(self, **checkpoint_figures) -> KvStats:
         live = sum(self._live_tokens.values())
         return KvStats(
             live_requests=len(self._live_tokens),
@@ -133,6 +134,7 @@ class KvLedger:
             prefix_bytes=self.prefixes.num_bytes,
             prefix_hits=self._hits,
             prefix_tokens_reused=self._tokens_reused,
+            **checkpoint_figures,
         )
 
     def _make_room(self, need: int) -> list[str]:
@@ -150,6 +152,24 @@ class CheckpointSettings:
     max_age_s: float
 
 
+@dataclass(frozen=True)
+class _Write:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Delete:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Sync:
+    reply: Reply[bool]
+
+
+_FileJob = _Write | _Delete | _Sync
+
+
 class KvStoreActor:
     def __init__(
         self, ledger: KvLedger, *, model: Mailbox | None = None, checkpoints: CheckpointSettings | None = None, capacity: int = 256
@@ -158,10 +178,12 @@ class KvStoreActor:
         self.inbox: Mailbox[KvInbox] = Mailbox(capacity)
         self._model = model
         self._checkpoints = checkpoints
-        # File work runs in order on one writer task. A job names a request; the latest
+        # File work runs in order on one writer task. A write names a request; the latest
         # pending checkpoint of that request is what gets written (older ones are dropped).
         self._pending: dict[str, SaveCheckpoint] = {}
-        self._jobs_send, self._jobs_receive = anyio.create_memory_object_stream[tuple[str, object]](CHECKPOINT_QUEUE)
+        self._jobs_send, self._jobs_receive = anyio.create_memory_object_stream[_FileJob](CHECKPOINT_QUEUE)
+        self._num_written = 0
+        self._num_failed = 0
 
     async def run(self, *, task_status) -> None:
         with self.inbox, self._jobs_send:
@@ -180,22 +202,42 @@ class KvStoreActor:
                     await self._expire()
                 with anyio.move_on_after(EXPIRE_EVERY_S):
                     try:
-                        kind, subject = await self._jobs_receive.receive()
+                        job = await self._jobs_receive.receive()
                     except anyio.EndOfStream:
                         return
-                    await self._run_job(kind, subject)
+                    await self._run_job(job)
 
-    async def _run_job(self, kind: str, subject) -> None:
+    async def _run_job(self, job: _FileJob) -> None:
         settings = self._checkpoints
+        match job:
+            case _Write(request_id=rid):
+                message = self._pending.pop(rid, None)
+                if message is not None:
+                    await self._write(settings, message)
+            case _Delete(request_id=rid):
+                try:
+                    await anyio.to_thread.run_sync(checkpoints.delete, settings.directory, rid)
+                except OSError as exc:
+                    log.error("checkpoint_delete_failed", request_id=rid, error=str(exc))
+            case _Sync(reply=reply):
+                answer(reply, True)
+            case _:
+                assert_never(job)
+
+    async def _write(self, settings: CheckpointSettings, message: SaveCheckpoint) -> None:
+        rid = message.data.request_id
         try:
-            if kind == "write" and (message := self._pending.pop(subject, None)) is not None:
-                await anyio.to_thread.run_sync(_write_checkpoint, settings, message, time.time())
-            elif kind == "delete":
-                await anyio.to_thread.run_sync(checkpoints.delete, settings.directory, subject)
-            elif kind == "sync":
-                answer(subject, True)
-        except OSError as exc:
-            log.error("checkpoint_io_failed", job=kind, error=str(exc))
+            await anyio.to_thread.run_sync(_write_checkpoint, settings, message, time.time())
+        except Exception as exc:  # a full or read-only disk: that request's checkpoint, nobody else's
+            self._num_failed += 1
+            error = f"{type(exc).__name__}: {exc.strerror}" if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+            log.error("checkpoint_write_failed", request_id=rid, error=error)
+            if message.report is not None:
+                answer(message.report, CheckpointWritten(request_id=rid, ok=False, error=error))
+            return
+        self._num_written += 1
+        if message.report is not None:
+            answer(message.report, CheckpointWritten(request_id=rid, ok=True))
 
     async def _expire(self) -> None:
         if self._checkpoints is None:
@@ -218,11 +260,11 @@ class KvStoreActor:
                 self.ledger.release(rid)
                 if delete and self._checkpoints is not None:
                     self._pending.pop(rid, None)
-                    await self._jobs_send.send(("delete", rid))
+                    await self._jobs_send.send(_Delete(rid))
             case SaveCheckpoint():
                 await self._save_checkpoint(message)
             case DrainFiles(reply=reply):
-                await self._jobs_send.send(("sync", reply))
+                await self._jobs_send.send(_Sync(reply))
             case UnpinPrefix(entry_id=entry_id):
                 self.ledger.unpin(entry_id)
             case PrefixesSaved(entries=entries):
@@ -230,18 +272,21 @@ class KvStoreActor:
             case ReportKvUsage(live_tokens=live, physical_bytes=physical):
                 self.ledger.record_usage(live, physical)
             case GetKvStats(reply=reply):
-                answer(reply, self.ledger.stats())
+                figures = {"checkpoints_written": self._num_written, "checkpoints_failed": self._num_failed}
+                answer(reply, self.ledger.stats(checkpoints_available=self._checkpoints is not None, **figures))
             case _:
                 assert_never(message)
 
     async def _save_checkpoint(self, message: SaveCheckpoint) -> None:
-        if self._checkpoints is None:
-            return
         rid = message.data.request_id
+        if self._checkpoints is None:
+            if message.report is not None:
+                answer(message.report, CheckpointWritten(request_id=rid, ok=False, error="checkpoints are unavailable"))
+            return
         queued = rid in self._pending
         self._pending[rid] = message
         if not queued:
-            await self._jobs_send.send(("write", rid))
+            await self._jobs_send.send(_Write(rid))
 
     async def _drop(self, entry_ids: list[str]) -> None:
         if entry_ids and self._model is not None:
@@ -252,7 +297,6 @@ class KvStoreActor:
 def _write_checkpoint(settings: CheckpointSettings, message: SaveCheckpoint, created_at: float) -> None:
     data = message.data
     header = checkpoints.CheckpointHeader(
-        format_version=checkpoints.FORMAT_VERSION,
         model_id=settings.model_id,
         tokenizer_id=settings.tokenizer_id,
         request=message.request,
@@ -263,6 +307,5 @@ def _write_checkpoint(settings: CheckpointSettings, message: SaveCheckpoint, cre
         generated=data.generated,
         num_kv_tokens=data.num_kv_tokens,
         created_at=created_at,
-        tensors_sha256=hashlib.sha256(data.kv_tensors).hexdigest(),
     )
     checkpoints.write_atomic(settings.directory, data.request_id, checkpoints.encode(header, data.kv_tensors))

@@ -7,6 +7,7 @@ there, then executes `RunStep` plans one at a time, answering each with a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, assert_never
@@ -16,7 +17,7 @@ import anyio.to_thread
 import structlog
 
 from protocols.model import DropPrefixes, ModelInbox, ModelInfo, RunStep, StepFailed
-from runtime.config import ModelConfig
+from runtime.config import LimitsConfig, ModelConfig
 from runtime.engine.engine import Engine
 from runtime.engine.loader import load_model
 from runtime.grammar import GrammarCache
@@ -38,8 +39,11 @@ class ModelReady:
 
 
 class ModelActor:
-    def __init__(self, config: ModelConfig, thread: MlxThread, *, progress: Callable[[str], None] | None = None):
+    def __init__(
+        self, config: ModelConfig, thread: MlxThread, *, limits: LimitsConfig = LimitsConfig(), progress: Callable[[str], None] | None = None
+    ):
         self._config = config
+        self._limits = limits
         self._thread = thread
         self._progress = progress
         self._engine: Engine | None = None
@@ -48,7 +52,15 @@ class ModelActor:
     async def run(self, *, task_status) -> None:
         loaded = await self._thread.run(load_model, self._config, self._progress)
         info = loaded.info
-        grammars = await anyio.to_thread.run_sync(GrammarCache, loaded.tokenizer, info.vocab_size, info.eos_token_ids)
+        make_grammars = functools.partial(
+            GrammarCache,
+            loaded.tokenizer,
+            info.vocab_size,
+            info.eos_token_ids,
+            max_bytes=self._limits.grammar_cache_bytes,
+            timeout_s=self._limits.grammar_compile_timeout_s,
+        )
+        grammars = await anyio.to_thread.run_sync(make_grammars)
         self._engine = await self._thread.run(Engine, loaded.model, loaded.geometry, grammars, loaded.tokenizer.decode)
         log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
         with self.inbox:

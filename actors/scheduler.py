@@ -21,6 +21,7 @@ from protocols.model import RunStep, StepFailed, StepOutcome
 from protocols.scheduler import (
     AddRequest,
     CancelRequest,
+    CheckpointWritten,
     FinishRequest,
     GetSchedulerStats,
     SchedulerInbox,
@@ -73,6 +74,10 @@ class SchedulerActor:
                 await self._end_early(rid, "stop")
             case SetPaused(request_id=rid, paused=paused):
                 self.policy.set_paused(rid, paused)
+            case CheckpointWritten(request_id=rid, ok=ok, error=error):
+                tracked = self.policy.get(rid)
+                if tracked is not None:
+                    tracked.record_checkpoint(ok, error)
             case GetSchedulerStats(reply=reply):
                 counts = self.policy.counts()
                 answer(reply, SchedulerStats(steps=self.policy.num_steps, num_finished=self.policy.num_finished, **counts))
@@ -82,7 +87,7 @@ class SchedulerActor:
     def _enqueue(self, message: AddRequest) -> None:
         rid = message.admit.request_id
         if self.policy.is_tracked(rid):
-            message.session.send_nowait(RequestRejected(request_id=rid, code="duplicate", message=f"request {rid!r} is still running"))
+            message.session.send_nowait(RequestRejected(request_id=rid, code="duplicate_request", message=f"request {rid!r} is still running", field="request_id"))
             return
         if not self.policy.can_enqueue():
             message.session.send_nowait(RequestRejected(request_id=rid, code="busy", message="admission queue is full"))
@@ -122,7 +127,7 @@ class SchedulerActor:
             elif reservation.reason == "never_fits":
                 self.policy.reject_waiting(tracked)
                 message = f"prompt + max_tokens ({need} tokens) can never fit the KV budget"
-                tracked.session.send_nowait(RequestRejected(request_id=rid, code="too_large", message=message))
+                tracked.session.send_nowait(RequestRejected(request_id=rid, code="too_large", message=message, field="max_tokens"))
             else:
                 return
 
@@ -184,6 +189,7 @@ class SchedulerActor:
                 max_tokens=admit.max_tokens,
                 stop_token_ids=admit.stop_token_ids,
                 data=data,
+                report=self.inbox,
             )
         )
 
@@ -208,6 +214,7 @@ class SchedulerActor:
                 cached_tokens=tracked.cached_tokens,
                 error=error,
                 fill=tracked.fill,
+                checkpoint=tracked.checkpoint_report(),
             )
         )
 

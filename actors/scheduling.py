@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from protocols.api import CheckpointReport
 from protocols.model import AdmitRequest, PrefillWork, StepOutcome, StepPlan
 from protocols.session import RequestTimeline
 
@@ -60,6 +61,10 @@ class Tracked:
     planned: bool = False
     # Steps completed since it was parked: after one, no token of it is in flight.
     parked_steps: int = 0
+    # Checkpoint writes the KV store confirmed or reported failed.
+    checkpoints_written: int = 0
+    checkpoints_failed: int = 0
+    checkpoint_error: str | None = None
 
     @property
     def is_idle(self) -> bool:
@@ -90,6 +95,18 @@ class Tracked:
         """Seed the request with `num_tokens` of a saved prefix: they need no prefill."""
         self.admit = msgspec.structs.replace(self.admit, prefix_entry=entry_id, prefix_tokens=num_tokens)
         self.num_prefilled = self.cached_tokens = num_tokens
+
+    def record_checkpoint(self, ok: bool, error: str | None) -> None:
+        if ok:
+            self.checkpoints_written += 1
+        else:
+            self.checkpoints_failed += 1
+            self.checkpoint_error = error
+
+    def checkpoint_report(self) -> CheckpointReport | None:
+        if not (self.checkpoint_every or self.checkpoints_written or self.checkpoints_failed):
+            return None
+        return CheckpointReport(written=self.checkpoints_written, failed=self.checkpoints_failed, error=self.checkpoint_error)
 
     def stamp(self, name: str, now: float) -> None:
         self.timeline.setdefault(name, now)

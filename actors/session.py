@@ -177,6 +177,7 @@ class SessionActor:
                 stop_sequence=self._stop_sequence,
                 error=message.error,
                 fill=message.fill or self._fill,
+                checkpoint=message.checkpoint,
             )
         )
 

@@ -5,6 +5,7 @@ are one inbox each (`model`, `kv`, `scheduler`, `session`).
 """
 
 from protocols.api import (
+    CheckpointReport,
     Event,
     FillStats,
     FinishReason,
@@ -21,6 +22,7 @@ from protocols.api import (
 )
 
 __all__ = [
+    "CheckpointReport",
     "Event",
     "FillStats",
     "FinishReason",

@@ -164,6 +164,15 @@ class FillStats(Record):
     verify_rejected: int = 0
 
 
+class CheckpointReport(Record):
+    """What became of a request's durable checkpoints (`Finished.checkpoint`), as known when
+    it ended: writes confirmed, writes that failed, and the last failure's reason."""
+
+    written: int = 0
+    failed: int = 0
+    error: str | None = None
+
+
 class Finished(Message):
     """The last event of every request."""
 
@@ -176,6 +185,8 @@ class Finished(Message):
     error: str | None = None
     # Token fast-forwarding figures, when the request asked for it.
     fill: FillStats | None = None
+    # Checkpoint writes, for requests that asked for checkpoints.
+    checkpoint: CheckpointReport | None = None
 
 
 Event = TokenDelta | ToolCall | PrefillProgress | Finished

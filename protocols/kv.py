@@ -11,6 +11,7 @@ import msgspec
 from protocols.base import Message, Record, Reply
 from protocols.api import GenerateRequest
 from protocols.model import CheckpointData, SavedPrefix
+from protocols.scheduler import CheckpointWritten
 
 
 class KvReservation(Record):
@@ -35,6 +36,10 @@ class KvStats(Record):
     prefix_bytes: int = 0
     prefix_hits: int = 0
     prefix_tokens_reused: int = 0
+    # Durable checkpoints: whether they can be written at all, and writes done and failed.
+    checkpoints_available: bool = True
+    checkpoints_written: int = 0
+    checkpoints_failed: int = 0
 
 
 class ReserveKv(Message):
@@ -77,6 +82,8 @@ class SaveCheckpoint(Message):
     max_tokens: int
     stop_token_ids: list[int]
     data: CheckpointData
+    # Told whether the write succeeded (a write superseded by a newer one is not reported).
+    report: Reply[CheckpointWritten] | None = None
 
 
 class ReportKvUsage(Message):

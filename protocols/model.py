@@ -194,6 +194,8 @@ class ModelInfo(Record):
     tokenizer_id: str = ""
     # Per layer: (kv heads, key dim, value dim).
     kv_shapes: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
+    # The most UTF-8 bytes one token's text can have (bounds prompt text by the context).
+    max_token_bytes: int = 0
 
 
 class StepFailed(Record):

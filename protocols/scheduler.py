@@ -43,6 +43,14 @@ class FinishRequest(Message):
     request_id: str
 
 
+class CheckpointWritten(Message):
+    """The KV store's answer to a `SaveCheckpoint`: written, or failed and why."""
+
+    request_id: str
+    ok: bool
+    error: str | None = None
+
+
 class SchedulerStats(Record):
     waiting: int
     prefilling: int
@@ -57,4 +65,4 @@ class GetSchedulerStats(Message):
     reply: Reply[SchedulerStats]
 
 
-SchedulerInbox = AddRequest | CancelRequest | FinishRequest | SetPaused | GetSchedulerStats
+SchedulerInbox = AddRequest | CancelRequest | FinishRequest | SetPaused | CheckpointWritten | GetSchedulerStats

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from protocols.api import FillStats, FinishReason, TokenLogprob
+from protocols.api import CheckpointReport, FillStats, FinishReason, TokenLogprob
 from protocols.base import Message, Record
+from protocols.errors import ErrorCode
 
 
 class RequestTimeline(Record):
@@ -38,14 +39,16 @@ class RequestFinished(Message):
     cached_tokens: int = 0
     error: str | None = None
     fill: FillStats | None = None
+    checkpoint: CheckpointReport | None = None
 
 
 class RequestRejected(Message):
     """The request was never admitted (queue full, can never fit)."""
 
     request_id: str
-    code: str
+    code: ErrorCode
     message: str
+    field: str | None = None
 
 
 SessionInbox = TokensGenerated | PrefillProgressed | RequestFinished | RequestRejected

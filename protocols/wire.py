@@ -7,30 +7,13 @@ events are the embedding API's own types (`protocols.api`). See README.md here.
 
 from __future__ import annotations
 
-from typing import Literal
-
 from protocols.api import Finished, GenerateRequest, PrefillProgress, TokenDelta, ToolCall
 from protocols.base import Message, Record
+from protocols.errors import ErrorCode
 from protocols.kv import KvStats
 from protocols.scheduler import SchedulerStats
 
 PROTOCOL_VERSION = 1
-
-ErrorCode = Literal[
-    "invalid_request",  # the request failed validation (message names the field)
-    "too_large",  # the request can never fit (context or KV budget)
-    "checkpoint_not_found",  # Resume: no checkpoint for that request id
-    "checkpoint_invalid",  # Resume: corrupt, truncated, foreign-model or other-version checkpoint
-    "busy",  # the admission queue is full; retry later
-    "duplicate_request",  # the request_id is already live on this server
-    "unknown_request",  # Cancel for an id this connection does not own
-    "invalid_message",  # the frame decoded but is not a valid client message
-    "frame_too_large",  # the length prefix exceeds the server's limit; the connection closes
-    "protocol_error",  # out-of-order message (e.g. anything before Hello)
-    "shutting_down",  # the server is stopping
-    "internal",  # a bug; the message says what
-]
-
 
 # -- client -> server --------------------------------------------------------------
 

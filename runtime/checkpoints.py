@@ -2,13 +2,16 @@
 
 A checkpoint file is
 
-    b"MLXRTCK1" | uint32 BE header length | header (JSON) | KV tensors (safetensors)
+    b"MLXRTCK" + format version digit | uint32 BE header length | sha256 of header + tensors
+    | header (JSON) | KV tensors (safetensors)
 
-The header (`CheckpointHeader`) names the format version, the model and tokenizer
-digests, the request as submitted, the resolved prompt ids and seed, the tokens
-generated so far, and the sha256 of the tensor bytes. Reads reject a wrong magic,
-a truncated or altered file, another format version, or another model, each with
-its own exception type. Blocking I/O: call from a worker thread.
+The header (`CheckpointHeader`) names the model and tokenizer digests, the request as
+submitted, the resolved prompt ids and seed, and the tokens generated so far. The digest
+covers the header too, so a damaged header is caught before it is parsed. Reads open
+without following links or blocking, accept only a regular file under a size cap, and
+reject a wrong magic, a truncated or altered file, another format version, or another
+model, each with its own exception type (`protocols.errors`). Files are 0600 in a 0700
+directory that no one else may write. Blocking I/O: call from a worker thread.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 import struct
 import time
 from pathlib import Path
@@ -25,37 +29,28 @@ import safetensors.numpy
 
 from protocols.api import GenerateRequest
 from protocols.base import Record
-from runtime.errors import MlxrtError
+from protocols.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    InvalidRequestError,
+    UnsupportedCheckpointError,
+)
 
-MAGIC = b"MLXRTCK1"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_MAGIC_PREFIX = b"MLXRTCK"
+MAGIC = _MAGIC_PREFIX + str(FORMAT_VERSION).encode()
 _LENGTH = struct.Struct(">I")
+_DIGEST = 32
+_PREFIX = len(MAGIC) + _LENGTH.size + _DIGEST
 _SUFFIX = ".ckpt"
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,200}$")
-
-
-class CheckpointError(MlxrtError):
-    """A checkpoint cannot be used to resume."""
-
-
-class CheckpointNotFoundError(CheckpointError):
-    pass
-
-
-class CorruptCheckpointError(CheckpointError):
-    """Truncated, altered, or not a checkpoint at all."""
-
-
-class UnsupportedCheckpointError(CheckpointError):
-    """Written by another format version."""
-
-
-class ForeignCheckpointError(CheckpointError):
-    """Written for another model or tokenizer."""
+# Header bytes beyond the token lists: the request as submitted (messages, tools, ...).
+HEADER_BYTES = 16 * 1024 * 1024
 
 
 class CheckpointHeader(Record):
-    format_version: int
     model_id: str
     tokenizer_id: str
     request: GenerateRequest
@@ -66,30 +61,77 @@ class CheckpointHeader(Record):
     generated: list[int]
     num_kv_tokens: int
     created_at: float
-    tensors_sha256: str
+
+
+class CheckpointDirError(CheckpointError):
+    """The checkpoint directory is unusable (not ours, open to others, not writable)."""
+
+
+def check_request_id(request_id: str) -> None:
+    """Raises `InvalidRequestError` for an id that cannot name a checkpoint file."""
+    if not isinstance(request_id, str) or not _SAFE_ID.match(request_id):
+        raise InvalidRequestError(
+            f"request_id {request_id!r} cannot name a checkpoint file (1-200 letters, digits, . _ : @ -)", field="request_id"
+        )
 
 
 def path_for(directory: Path, request_id: str) -> Path:
-    if not _SAFE_ID.match(request_id):
-        raise CheckpointError(f"request_id {request_id!r} cannot name a checkpoint file (letters, digits, . _ : @ - only)")
+    check_request_id(request_id)
     return directory / f"{request_id}{_SUFFIX}"
+
+
+def max_file_bytes(max_context: int, kv_bytes_per_token_f32: int) -> int:
+    """The largest checkpoint a model can have written: every position's KV, the ids, the request."""
+    return _PREFIX + HEADER_BYTES + 32 * max_context + max_context * kv_bytes_per_token_f32 + 1024 * 1024
 
 
 def encode(header: CheckpointHeader, tensors: bytes) -> bytes:
     body = msgspec.json.encode(header)
-    return MAGIC + _LENGTH.pack(len(body)) + body + tensors
+    digest = hashlib.sha256(body)
+    digest.update(tensors)
+    return MAGIC + _LENGTH.pack(len(body)) + digest.digest() + body + tensors
+
+
+def prepare_directory(directory: Path) -> None:
+    """Create the directory (0700) or check an existing one; then prove it is writable.
+
+    Raises `CheckpointDirError` for a directory that is not ours, that others can write,
+    or that cannot be written (read-only, full, not a directory).
+    """
+    try:
+        if not directory.exists():
+            directory.mkdir(parents=True, mode=0o700)
+        info = directory.stat()
+    except OSError as exc:
+        raise CheckpointDirError(f"{directory}: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise CheckpointDirError(f"{directory} is not a directory")
+    if info.st_uid != os.getuid():
+        raise CheckpointDirError(f"{directory} belongs to uid {info.st_uid}, not to this user")
+    if stat.S_IMODE(info.st_mode) & 0o022:
+        raise CheckpointDirError(f"{directory} can be written by others (mode {stat.S_IMODE(info.st_mode):o}); use a private directory (0700)")
+    probe = directory / f".probe-{os.getpid()}.tmp"
+    try:
+        _write_file(probe, b"probe")
+    except OSError as exc:
+        raise CheckpointDirError(f"{directory} is not writable: {exc.strerror or exc}") from None
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def write_atomic(directory: Path, request_id: str, data: bytes) -> Path:
-    """Write to a temporary file, fsync it, rename it over the old one, fsync the directory."""
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Write a temporary 0600 file, fsync it, rename it over the old one, fsync the directory.
+
+    On failure (a full disk, say) the temporary file is removed and the old checkpoint stays.
+    """
     final = path_for(directory, request_id)
     temporary = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, final)
+    try:
+        _write_file(temporary, data)
+        os.replace(temporary, final)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -98,14 +140,21 @@ def write_atomic(directory: Path, request_id: str, data: bytes) -> Path:
     return final
 
 
-def read(directory: Path, request_id: str, *, model_id: str, tokenizer_id: str) -> tuple[CheckpointHeader, bytes]:
+def _write_file(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read(directory: Path, request_id: str, *, model_id: str, tokenizer_id: str, max_bytes: int) -> tuple[CheckpointHeader, bytes]:
     """The header and tensor bytes of a checkpoint that this model can resume."""
     path = path_for(directory, request_id)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"no checkpoint for request {request_id!r} in {directory}") from None
-    header, tensors = decode(data, source=str(path))
+    header, tensors = decode(_read_regular(path, max_bytes, request_id), source=str(path))
     if header.model_id != model_id or header.tokenizer_id != tokenizer_id:
         raise ForeignCheckpointError(f"{path} was written for another model or tokenizer")
     if header.request.request_id != request_id:
@@ -113,27 +162,52 @@ def read(directory: Path, request_id: str, *, model_id: str, tokenizer_id: str) 
     return header, tensors
 
 
+def _read_regular(path: Path, max_bytes: int, request_id: str) -> bytes:
+    """The bytes of a regular file at `path` (no links, FIFOs, devices or directories)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no checkpoint for request {request_id!r}") from None
+    except OSError as exc:  # ELOOP for a link, EACCES, ...
+        raise CorruptCheckpointError(f"{path.name} cannot be opened as a checkpoint: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCheckpointError(f"{path.name} is not a regular file")
+        if info.st_size > max_bytes:
+            raise CorruptCheckpointError(f"{path.name} has {info.st_size} bytes, more than this model's checkpoints can ({max_bytes})")
+        chunks, remaining = [], info.st_size
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path.name} cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
 def decode(data: bytes, *, source: str = "<checkpoint>") -> tuple[CheckpointHeader, bytes]:
-    prefix = len(MAGIC) + _LENGTH.size
-    if len(data) < prefix or not data.startswith(MAGIC):
+    if len(data) < _PREFIX or not data.startswith(_MAGIC_PREFIX):
         raise CorruptCheckpointError(f"{source} is not an mlxrt checkpoint")
-    (length,) = _LENGTH.unpack_from(data, len(MAGIC))
-    if len(data) < prefix + length:
-        raise CorruptCheckpointError(f"{source} is truncated")
-    try:
-        version = msgspec.json.decode(data[prefix : prefix + length]).get("format_version")
-    except (msgspec.DecodeError, AttributeError):
-        raise CorruptCheckpointError(f"{source} has an unreadable header") from None
-    if version != FORMAT_VERSION:
+    if data[: len(MAGIC)] != MAGIC:
+        version = data[len(_MAGIC_PREFIX) : len(MAGIC)].decode(errors="replace")
         raise UnsupportedCheckpointError(f"{source} has format version {version!r}; this runtime reads {FORMAT_VERSION}")
+    (length,) = _LENGTH.unpack_from(data, len(MAGIC))
+    if len(data) < _PREFIX + length:
+        raise CorruptCheckpointError(f"{source} is truncated")
+    expected = data[len(MAGIC) + _LENGTH.size : _PREFIX]
+    digest = hashlib.sha256(memoryview(data)[_PREFIX:]).digest()
+    if digest != expected:
+        raise CorruptCheckpointError(f"{source} is truncated or altered (checksum mismatch)")
     try:
-        header = msgspec.json.decode(data[prefix : prefix + length], type=CheckpointHeader)
-    except msgspec.ValidationError as exc:
+        header = msgspec.json.decode(data[_PREFIX : _PREFIX + length], type=CheckpointHeader)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{source} has an invalid header: {exc}") from None
-    tensors = data[prefix + length :]
-    if hashlib.sha256(tensors).hexdigest() != header.tensors_sha256:
-        raise CorruptCheckpointError(f"{source} is truncated or altered (tensor checksum mismatch)")
-    return header, tensors
+    return header, data[_PREFIX + length :]
 
 
 def check_tensors(header: CheckpointHeader, tensors: bytes, kv_shapes: list[tuple[int, int, int]]) -> None:
@@ -144,7 +218,7 @@ def check_tensors(header: CheckpointHeader, tensors: bytes, kv_shapes: list[tupl
     try:
         arrays = safetensors.numpy.load(tensors)
     except Exception as exc:  # safetensors reports malformed data with several exception types
-        raise CorruptCheckpointError(f"unreadable checkpoint tensors: {exc}") from None
+        raise CorruptCheckpointError(f"unreadable checkpoint tensors: {type(exc).__name__}") from None
     if len(arrays) != 2 * len(kv_shapes):
         raise CorruptCheckpointError(f"checkpoint has {len(arrays)} tensors, the model needs {2 * len(kv_shapes)}")
     for layer, (heads, key_dim, value_dim) in enumerate(kv_shapes):
@@ -155,9 +229,12 @@ def check_tensors(header: CheckpointHeader, tensors: bytes, kv_shapes: list[tupl
 
 
 def delete(directory: Path, request_id: str) -> None:
+    """Remove a request's checkpoint; anything there that is not a regular file is left alone."""
     try:
-        path_for(directory, request_id).unlink()
-    except (FileNotFoundError, CheckpointError):
+        path = path_for(directory, request_id)
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            path.unlink()
+    except (OSError, InvalidRequestError):
         pass
 
 
@@ -165,12 +242,20 @@ def expire(directory: Path, max_age_s: float, now: float | None = None) -> list[
     """Remove checkpoints (and leftover temporary files) older than `max_age_s`."""
     now = time.time() if now is None else now
     removed = []
-    if not directory.is_dir():
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
         return removed
-    for path in directory.iterdir():
-        if (path.suffix == _SUFFIX or path.name.endswith(".tmp")) and now - path.stat().st_mtime > max_age_s:
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
+    for path in entries:
+        if not (path.suffix == _SUFFIX or path.name.endswith(".tmp")):
+            continue
+        try:
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode) and now - info.st_mtime > max_age_s:
+                path.unlink()
+                removed.append(path.name)
+        except OSError:
+            continue
     return removed
 
 

@@ -22,25 +22,12 @@ from anyio.abc import SocketStream
 
 from protocols.api import Event, Finished, GenerateRequest, TokenDelta
 from protocols.wire import PROTOCOL_VERSION, Cancel, Error, Generate, GetStats, Hello, Resume, ServerMessage, Stats, Welcome
-from runtime.checkpoints import CheckpointError, CheckpointNotFoundError
-from runtime.errors import InvalidRequestError, MlxrtError, RequestTooLargeError, RuntimeClosedError, ServerBusyError, single_errors
+from protocols.errors import ConnectionLostError, ServerError, error_for
+from runtime.errors import DuplicateRequestError, RequestTooLargeError, single_errors
 from runtime.framing import FrameReader, encode_frame
 from runtime.mailbox import CoalescingInbox, join_optional
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024
-
-
-class ServerError(MlxrtError):
-    """An error frame not tied to a request, or a broken connection."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{code}: {message}")
-        self.code = code
-
-
-class ConnectionLostError(ServerError):
-    def __init__(self, message: str = "the server closed the connection"):
-        super().__init__("connection_lost", message)
 
 
 class Client:
@@ -99,7 +86,7 @@ class Client:
 
     async def _request(self, rid: str, start: msgspec.Struct) -> AsyncIterator[Event]:
         if rid in self._streams:
-            raise InvalidRequestError(f"request_id {rid!r} is already in use", field="request_id")
+            raise DuplicateRequestError(f"request_id {rid!r} is already in use")
         frame = encode_frame(start)
         if len(frame) > self.welcome.limits.max_frame_bytes:
             raise RequestTooLargeError(
@@ -205,18 +192,4 @@ def _merge_events(last, new):
 
 
 def _error_for(error: Error) -> Exception:
-    match error.code:
-        case "invalid_request" | "duplicate_request":
-            return InvalidRequestError(error.message, field=error.field)
-        case "too_large":
-            return RequestTooLargeError(error.message, field=error.field)
-        case "busy":
-            return ServerBusyError(error.message)
-        case "shutting_down":
-            return RuntimeClosedError(error.message)
-        case "checkpoint_not_found":
-            return CheckpointNotFoundError(error.message)
-        case "checkpoint_invalid":
-            return CheckpointError(error.message)
-        case _:
-            return ServerError(error.code, error.message)
+    return error_for(error.code, error.message, error.field)

@@ -15,7 +15,7 @@ import msgspec
 from runtime import env
 from runtime.errors import ConfigError
 
-SECTIONS = ("model", "scheduler", "kv", "generation", "logging", "server", "checkpoints")
+SECTIONS = ("model", "scheduler", "kv", "generation", "limits", "logging", "server", "checkpoints")
 
 
 class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -42,6 +42,9 @@ class SchedulerConfig(Section):
     prefill_chunk_size: int = 256
     # Tokens (decode rows + prefill chunks) one step may process; 0 = 4 chunks + batch size.
     step_token_budget: int = 0
+    # A request whose caller has not read for this long is cancelled (it was paused, holding
+    # its KV but no batch slot, since its caller fell behind); its stream ends `cancelled`.
+    max_pause_s: float = 300.0
 
 
 class KvConfig(Section):
@@ -71,6 +74,24 @@ class GenerationConfig(Section):
     seed: int | None = None
 
 
+class LimitsConfig(Section):
+    """What one request may ask for; beyond these it is refused before any compute."""
+
+    # Prompt text (or rendered chat) bytes; 0 = derived from the context: max_context times the
+    # longest token's bytes, so nothing refused could have fitted. Checked before tokenizing.
+    max_prompt_bytes: int = 0
+    # Stop strings per request, and their total bytes.
+    max_stop_strings: int = 64
+    max_stop_bytes: int = 8192
+    # Source bytes of a response_format or of a request's tools, and their nesting depth.
+    max_grammar_bytes: int = 65536
+    max_grammar_depth: int = 64
+    # Bytes of compiled grammars kept for reuse; a grammar whose compiled form alone exceeds
+    # this is refused. Compiling one may take at most `grammar_compile_timeout_s`.
+    grammar_cache_bytes: int = 512 * 1024 * 1024
+    grammar_compile_timeout_s: float = 10.0
+
+
 class ServerConfig(Section):
     # Unix socket path; "" = $XDG_RUNTIME_DIR/mlxrt/mlxrt.sock, else /tmp/mlxrt-<uid>/mlxrt.sock.
     socket: str = ""
@@ -85,6 +106,10 @@ class ServerConfig(Section):
     handshake_timeout_s: float = 10.0
     # Seconds a client may leave a frame unread before the server drops the connection.
     client_stall_timeout_s: float = 60.0
+    # A connection with no live request that sends no complete frame for this long is closed.
+    idle_timeout_s: float = 300.0
+    # Once a frame has begun, the rest of it must arrive within this many seconds.
+    frame_timeout_s: float = 10.0
     # Frames queued per connection before its requests wait for the client.
     send_buffer_frames: int = 64
 
@@ -115,6 +140,7 @@ class RuntimeConfig(Section):
     scheduler: SchedulerConfig = SchedulerConfig()
     kv: KvConfig = KvConfig()
     generation: GenerationConfig = GenerationConfig()
+    limits: LimitsConfig = LimitsConfig()
     logging: LoggingConfig = LoggingConfig()
     server: ServerConfig = ServerConfig()
     checkpoints: CheckpointConfig = CheckpointConfig()
@@ -201,8 +227,17 @@ class RuntimeConfig(Section):
         for key, value in {"server.max_frame_bytes": server.max_frame_bytes, "server.max_connections": server.max_connections, "server.send_buffer_frames": server.send_buffer_frames}.items():
             if value < 1:
                 raise ConfigError(f"{source}: `{key}` must be >= 1, got {value}")
-        if server.handshake_timeout_s <= 0 or server.client_stall_timeout_s <= 0:
-            raise ConfigError(f"{source}: server timeouts must be > 0")
+        timeouts = ("handshake_timeout_s", "client_stall_timeout_s", "idle_timeout_s", "frame_timeout_s")
+        if any(getattr(server, key) <= 0 for key in timeouts):
+            raise ConfigError(f"{source}: server timeouts ({', '.join(timeouts)}) must be > 0")
+        if self.scheduler.max_pause_s <= 0:
+            raise ConfigError(f"{source}: `scheduler.max_pause_s` must be > 0")
+        limits = self.limits
+        for key in ("max_stop_strings", "max_stop_bytes", "max_grammar_bytes", "max_grammar_depth", "grammar_cache_bytes"):
+            if getattr(limits, key) < 1:
+                raise ConfigError(f"{source}: `limits.{key}` must be >= 1, got {getattr(limits, key)}")
+        if limits.max_prompt_bytes < 0 or limits.grammar_compile_timeout_s <= 0:
+            raise ConfigError(f"{source}: `limits.max_prompt_bytes` must be >= 0 and `limits.grammar_compile_timeout_s` > 0")
         if self.generation.fill_max_span < 2 or self.generation.fill_echo_k < 2:
             raise ConfigError(f"{source}: `generation.fill_max_span` and `generation.fill_echo_k` must be >= 2")
         if self.checkpoints.every_tokens < 0 or self.checkpoints.max_age_s <= 0:

@@ -38,6 +38,16 @@ class FrameReader(Generic[T]):
         self._max_bytes = max_bytes
         self._buffer = bytearray()
 
+    async def wait_frame(self) -> bool:
+        """Wait until a frame has begun to arrive (False: the stream ended cleanly first)."""
+        if self._buffer:
+            return True
+        try:
+            self._buffer += await self._stream.receive(65536)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionResetError):
+            return False
+        return True
+
     async def read_frame(self) -> bytes | None:
         """The next frame's body, or None at a clean end of stream (between frames).
 

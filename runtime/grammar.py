@@ -1,29 +1,40 @@
 """Structured output: requests' formats as xgrammar grammars, compiled once each.
 
 `grammar_spec` turns a request's `response_format` (or its tools with a forcing
-`tool_choice`) into a plain-data `GrammarSpec`, rejecting malformed or oversize
-ones with `InvalidRequestError`. `GrammarCache` compiles specs with xgrammar's
-compiler (call `compile` from a worker thread: never the event loop, never the
-MLX thread) and hands the engine a fresh `GrammarMatcher` per request.
+`tool_choice`) into a plain-data `GrammarSpec`, rejecting malformed ones with
+`InvalidRequestError`. `GrammarCache` compiles specs with xgrammar on a small pool of
+worker threads (never the event loop, never the MLX thread), each within a time limit,
+and keeps compiled grammars under a byte budget: the grammars of live requests are
+pinned (`acquire`/`release`), so the engine's `matcher` only ever finds them.
 JSON grammars are compact (no free whitespace): a model cannot wander in
 whitespace forever, and the output is still valid JSON.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import re
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
+import anyio
+import anyio.lowlevel
+import structlog
 import xgrammar as xgr
 
 from protocols.api import GenerateRequest
 from protocols.model import GrammarSpec
-from runtime.errors import InvalidRequestError
+from runtime.errors import InvalidRequestError, ServerBusyError
+from runtime.mlx_thread import loop_caller
 
-MAX_GRAMMAR_BYTES = 64 * 1024
-MAX_COMPILED = 256
+log = structlog.get_logger(actor="grammar")
+
+TOOL_CHOICES = ("auto", "none", "required")
+# xgrammar prefixes its messages with "[hh:mm:ss] /its/source/file.cc:line: ".
+_SOURCE_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\]\s*\S+:\d+:\s*")
 
 
 def grammar_spec(request: GenerateRequest, tool_markers: tuple[str, str] | None) -> GrammarSpec | None:
@@ -35,7 +46,7 @@ def grammar_spec(request: GenerateRequest, tool_markers: tuple[str, str] | None)
         if tool_markers is None:
             raise InvalidRequestError("this model's chat template has no tool-call format", field="tools")
         source = json.dumps({"tools": forced, "markers": list(tool_markers)}, sort_keys=True)
-        return _sized(GrammarSpec(kind="tool_call", source=source))
+        return GrammarSpec(kind="tool_call", source=source)
     fmt = request.response_format
     if fmt is None:
         return None
@@ -51,15 +62,15 @@ def grammar_spec(request: GenerateRequest, tool_markers: tuple[str, str] | None)
         if not isinstance(schema, dict):
             raise InvalidRequestError('json_schema needs {"json_schema": {"schema": {...}}}', field="response_format")
         # Key order is kept: it is the order the output follows.
-        return _sized(GrammarSpec(kind="json_schema", source=json.dumps(_strict_strings(schema))))
+        return GrammarSpec(kind="json_schema", source=json.dumps(_strict_strings(schema, "response_format")))
     if kind == "regex" and isinstance(fmt.get("pattern"), str):
-        return _sized(GrammarSpec(kind="regex", source=fmt["pattern"]))
+        return GrammarSpec(kind="regex", source=fmt["pattern"])
     if kind == "grammar" and isinstance(fmt.get("ebnf"), str):
-        return _sized(GrammarSpec(kind="ebnf", source=fmt["ebnf"]))
+        return GrammarSpec(kind="ebnf", source=fmt["ebnf"])
     raise InvalidRequestError(f"unsupported response_format {kind!r} (json_schema, json_object, regex, grammar, text)", field="response_format")
 
 
-def _strict_strings(node: Any) -> Any:
+def _strict_strings(node: Any, field: str) -> Any:
     """Length-bounded strings as an equivalent pattern without control characters.
 
     xgrammar compiles `maxLength` strings to "any character but quote, backslash,
@@ -67,10 +78,14 @@ def _strict_strings(node: Any) -> Any:
     parsers reject; the pattern keeps the bounds and excludes them (and escapes).
     """
     if isinstance(node, list):
-        return [_strict_strings(item) for item in node]
+        return [_strict_strings(item, field) for item in node]
     if not isinstance(node, dict):
         return node
-    node = {key: _strict_strings(value) for key, value in node.items()}
+    node = {key: _strict_strings(value, field) for key, value in node.items()}
+    for key in ("minLength", "maxLength"):
+        value = node.get(key)
+        if key in node and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise InvalidRequestError(f"{key} must be a non-negative integer, got {value!r}", field=field)
     bounded = "minLength" in node or "maxLength" in node
     if node.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & node.keys():
         low, high = node.pop("minLength", 0), node.pop("maxLength", "")
@@ -81,6 +96,8 @@ def _strict_strings(node: Any) -> Any:
 def _forced_tools(request: GenerateRequest) -> list[dict] | None:
     """The tools a `tool_choice` forces a call of (None when the model may answer freely)."""
     tools, choice = request.tools, request.tool_choice
+    if isinstance(choice, str) and choice not in TOOL_CHOICES:
+        raise InvalidRequestError(f"tool_choice must be one of {', '.join(TOOL_CHOICES)} or a function, got {choice!r}", field="tool_choice")
     if choice is None or choice in ("auto", "none"):
         return None
     if not tools:
@@ -88,7 +105,10 @@ def _forced_tools(request: GenerateRequest) -> list[dict] | None:
     functions = [_function(tool) for tool in tools]
     if choice == "required":
         return functions
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or choice.get("type", "function") != "function":
+        raise InvalidRequestError('tool_choice must be {"type": "function", "function": {"name": ...}}', field="tool_choice")
     chosen = [f for f in functions if f["name"] == name]
     if not chosen:
         raise InvalidRequestError(f"tool_choice names no known tool: {choice!r}", field="tool_choice")
@@ -100,44 +120,178 @@ def _function(tool: Any) -> dict:
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise InvalidRequestError('tools must be [{"type": "function", "function": {"name": ..., "parameters": {...}}}]', field="tools")
     parameters = function.get("parameters") or {"type": "object"}
-    return {"name": function["name"], "parameters": _strict_strings(parameters)}
+    if not isinstance(parameters, dict):
+        raise InvalidRequestError(f"tool {function['name']!r}: parameters must be a JSON schema object", field="tools")
+    return {"name": function["name"], "parameters": _strict_strings(parameters, "tools")}
 
 
-def _sized(spec: GrammarSpec) -> GrammarSpec:
-    if len(spec.source.encode()) > MAX_GRAMMAR_BYTES:
-        raise InvalidRequestError(f"the grammar exceeds {MAX_GRAMMAR_BYTES} bytes", field="response_format")
-    return spec
+def spec_field(spec: GrammarSpec) -> str:
+    """The request field a grammar comes from (for errors)."""
+    return "tools" if spec.kind == "tool_call" else "response_format"
+
+
+def _clean(exc: BaseException) -> str:
+    """xgrammar's message without its source paths and timestamps (last non-empty line)."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    text = _SOURCE_PREFIX.sub("", lines[-1]) if lines else type(exc).__name__
+    return text[:500]
+
+
+@dataclass
+class _Compiled:
+    grammar: xgr.CompiledGrammar
+    num_bytes: int
+    pins: int = 0
 
 
 class GrammarCache:
-    """Compiled grammars by spec, for one tokenizer. Thread-safe."""
+    """Compiled grammars by spec, for one tokenizer, within `max_bytes`. Thread-safe."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        *,
+        max_bytes: int = 512 * 1024 * 1024,
+        timeout_s: float = 10.0,
+        workers: int = 2,
+    ):
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
         self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(self.info)
-        self._compiled: OrderedDict[GrammarSpec, xgr.CompiledGrammar] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        # Our own cache is the one that counts: xgrammar's would keep a second copy.
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=workers, cache_enabled=False)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
+        self._compiled: OrderedDict[GrammarSpec, _Compiled] = OrderedDict()
+        self._compiling: dict[GrammarSpec, concurrent.futures.Future] = {}
+        self._waiters: dict[GrammarSpec, int] = {}
         self._lock = threading.Lock()
 
-    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
-        """Compile (or find) a grammar; raises `InvalidRequestError` for one xgrammar rejects."""
+    @property
+    def num_bytes(self) -> int:
         with self._lock:
-            if spec in self._compiled:
-                self._compiled.move_to_end(spec)
-                return self._compiled[spec]
+            return sum(c.num_bytes for c in self._compiled.values())
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    async def acquire(self, spec: GrammarSpec) -> None:
+        """Compile (or find) a grammar and pin it until `release`.
+
+        Raises `InvalidRequestError` for a grammar xgrammar rejects, one that is not compiled
+        within `timeout_s` (waiting for a worker included) or is larger than the whole cache
+        compiled; `ServerBusyError` when live requests' grammars fill the cache.
+        """
+        future = self._pinned_or_future(spec)
+        if future is None:
+            return
+        done = anyio.Event()
+        call_soon = loop_caller(anyio.lowlevel.current_token())
+        future.add_done_callback(lambda _: _wake(call_soon, done.set))
         try:
-            compiled = self._build(spec)
-        except (RuntimeError, ValueError, TypeError, json.JSONDecodeError) as exc:
-            raise InvalidRequestError(f"invalid {spec.kind} grammar: {str(exc).strip().splitlines()[-1]}", field="response_format") from None
+            with anyio.move_on_after(self.timeout_s):
+                await done.wait()
+        finally:
+            with self._lock:
+                self._waiters[spec] -= 1
+                if self._waiters[spec] == 0:
+                    del self._waiters[spec]
+                    future.cancel()  # nobody waits any more: drop it unless it already runs
+        if future.cancelled() or not future.done():
+            raise InvalidRequestError(f"the grammar did not compile within {self.timeout_s:g} s (limits.grammar_compile_timeout_s)", field=spec_field(spec))
         with self._lock:
-            self._compiled[spec] = compiled
-            while len(self._compiled) > MAX_COMPILED:
-                self._compiled.popitem(last=False)
+            self._insert(spec, future.result(), pin=True)
+
+    def release(self, spec: GrammarSpec) -> None:
+        with self._lock:
+            entry = self._compiled.get(spec)
+            if entry is not None and entry.pins > 0:
+                entry.pins -= 1
+            self._evict(0)
+
+    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """Compile (or find) a grammar now, blocking; not pinned (tests and tools)."""
+        with self._lock:
+            entry = self._compiled.get(spec)
+        if entry is not None:
+            return entry.grammar
+        compiled = self._build_checked(spec)
+        with self._lock:
+            self._insert(spec, compiled, pin=False)
         return compiled
 
     def matcher(self, spec: GrammarSpec) -> xgr.GrammarMatcher:
-        return xgr.GrammarMatcher(self.compile(spec))
+        """A fresh matcher for a pinned grammar (the engine's call: it never compiles)."""
+        with self._lock:
+            entry = self._compiled.get(spec)
+        if entry is None:
+            raise KeyError(f"grammar {spec.kind} is not compiled (it must be acquired first)")
+        return xgr.GrammarMatcher(entry.grammar)
+
+    def _pinned_or_future(self, spec: GrammarSpec) -> concurrent.futures.Future | None:
+        """Pin a compiled grammar (None), or the compile to wait for (counted as a waiter).
+
+        Queued compiles are bounded by the requests being admitted (`Admission`)."""
+        with self._lock:
+            entry = self._compiled.get(spec)
+            if entry is not None:
+                entry.pins += 1
+                self._compiled.move_to_end(spec)
+                return None
+            future = self._compiling.get(spec)
+            if future is None or future.cancelled():
+                future = self._pool.submit(self._build_checked, spec)
+                self._compiling[spec] = future
+                future.add_done_callback(lambda f: self._compiled_in_background(spec, f))
+            self._waiters[spec] = self._waiters.get(spec, 0) + 1
+            return future
+
+    def _compiled_in_background(self, spec: GrammarSpec, future: concurrent.futures.Future) -> None:
+        """Keep a finished compile even if nobody waits for it any more (a timed-out request)."""
+        with self._lock:
+            if self._compiling.get(spec) is future:
+                del self._compiling[spec]
+            if not future.cancelled() and future.exception() is None and spec not in self._compiled:
+                try:
+                    self._insert(spec, future.result(), pin=False)
+                except (InvalidRequestError, ServerBusyError):
+                    pass
+
+    def _insert(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar, *, pin: bool) -> None:
+        """Add (or pin) an entry, evicting unpinned ones as needed. Call with the lock held."""
+        entry = self._compiled.get(spec)
+        if entry is None:
+            size = int(compiled.memory_size_bytes)
+            if size > self.max_bytes:
+                raise InvalidRequestError(
+                    f"the compiled grammar needs {size} bytes, more than limits.grammar_cache_bytes ({self.max_bytes})",
+                    field=spec_field(spec),
+                )
+            if not self._evict(size):
+                raise ServerBusyError("compiled grammars of running requests fill limits.grammar_cache_bytes; retry later")
+            entry = self._compiled[spec] = _Compiled(compiled, size)
+        entry.pins += pin
+        self._compiled.move_to_end(spec)
+
+    def _evict(self, room: int) -> bool:
+        """Drop least recently used unpinned grammars until `room` more bytes fit."""
+        total = sum(c.num_bytes for c in self._compiled.values())
+        for spec in [s for s, c in self._compiled.items() if c.pins == 0]:
+            if total + room <= self.max_bytes:
+                break
+            total -= self._compiled.pop(spec).num_bytes
+        return total + room <= self.max_bytes
+
+    def _build_checked(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        try:
+            return self._build(spec)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # xgrammar reports bad grammars with several exception types
+            raise InvalidRequestError(f"invalid {spec.kind} grammar: {_clean(exc)}", field=spec_field(spec)) from None
 
     def _build(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         compiler = self._compiler
@@ -153,6 +307,16 @@ class GrammarCache:
             case "tool_call":
                 return compiler.compile_grammar(_tool_call_grammar(json.loads(spec.source)))
         raise ValueError(f"unknown grammar kind {spec.kind!r}")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _wake(call_soon, callback) -> None:
+    try:
+        call_soon(callback)
+    except RuntimeError:  # the event loop is gone; nobody waits
+        pass
 
 
 def _tool_call_grammar(source: dict) -> xgr.Grammar:

@@ -62,10 +62,10 @@ async def ask(mailbox: Mailbox, make: Callable[[Reply[R]], Message]) -> R:
 
 
 def answer(reply: Reply[R], value: R) -> None:
-    """Deliver a reply; the asker may have gone away, which is not an error."""
+    """Deliver a reply; the asker may have gone away (or be full), which is not an error."""
     try:
         reply.send_nowait(value)
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.WouldBlock):
         pass
 
 

@@ -23,7 +23,7 @@ T = TypeVar("T")
 _STOP = object()
 
 
-def _call_soon(token: anyio.lowlevel.EventLoopToken) -> Callable[[Callable[[], None]], None]:
+def loop_caller(token: anyio.lowlevel.EventLoopToken) -> Callable[[Callable[[], None]], None]:
     """A non-blocking way to run a callback on the event loop from another thread."""
     native = token.native_token
     if hasattr(native, "call_soon_threadsafe"):  # asyncio loop
@@ -50,7 +50,7 @@ class MlxThread:
         """Run `fn(*args)` on the MLX thread; cancelling the caller abandons the result."""
         done = anyio.Event()
         outcome: list = []
-        await self._put((_call_soon(anyio.lowlevel.current_token()), done.set, outcome, fn, args))
+        await self._put((loop_caller(anyio.lowlevel.current_token()), done.set, outcome, fn, args))
         await done.wait()
         if len(outcome) == 2:
             raise outcome[1]

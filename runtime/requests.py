@@ -1,24 +1,30 @@
-"""Turning a `GenerateRequest` into an engine admission: validation and prompts.
+"""Checks and prompts for a `GenerateRequest`: what `runtime.admission` calls.
 
-`validate` raises `InvalidRequestError` naming the field; `render_prompt` turns
-text or chat messages into token ids with the model's own tokenizer and chat
-template (call it off the event loop: templates and long prompts take time).
+`validate` raises `InvalidRequestError` naming the field, before any compute and
+before anything large is built from the request (its limits come from `[limits]`);
+`render_prompt` turns text or chat messages into token ids with the model's own
+tokenizer and chat template, refusing a prompt too large for the context by its
+size before tokenizing it (call it off the event loop).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 from protocols.api import GenerateRequest, SamplingParams
 from protocols.model import ModelInfo
+from runtime.config import LimitsConfig
 from runtime.errors import InvalidRequestError, RequestTooLargeError
 
 MAX_TOP_LOGPROBS = 20
 MAX_PENALTY_CONTEXT = 4096
+MAX_MESSAGE_DEPTH = 32
+MAX_SEED = (1 << 64) - 1
 
 
-def validate(request: GenerateRequest, info: ModelInfo) -> None:
+def validate(request: GenerateRequest, info: ModelInfo, limits: LimitsConfig = LimitsConfig()) -> None:
     """Checks that need no tokenizer."""
     given = [name for name in ("prompt", "prompt_ids", "messages") if getattr(request, name) is not None]
     if len(given) != 1:
@@ -29,13 +35,25 @@ def validate(request: GenerateRequest, info: ModelInfo) -> None:
         raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", field="top_logprobs")
     if any(not isinstance(s, str) or not s for s in request.stop):
         raise InvalidRequestError("stop strings must be non-empty strings", field="stop")
-    _check_ids(request.stop_token_ids, info.vocab_size, "stop_token_ids")
+    if len(request.stop) > limits.max_stop_strings:
+        raise InvalidRequestError(f"at most {limits.max_stop_strings} stop strings (limits.max_stop_strings)", field="stop")
+    if sum(len(s.encode()) for s in request.stop) > limits.max_stop_bytes:
+        raise InvalidRequestError(f"stop strings exceed {limits.max_stop_bytes} bytes in all (limits.max_stop_bytes)", field="stop")
+    check_ids(request.stop_token_ids, info.vocab_size, "stop_token_ids")
     if request.prompt_ids is not None:
-        _check_ids(request.prompt_ids, info.vocab_size, "prompt_ids")
+        check_ids(request.prompt_ids, info.vocab_size, "prompt_ids")
     if request.tools is not None and (not isinstance(request.tools, list) or not all(isinstance(t, dict) for t in request.tools)):
         raise InvalidRequestError("tools must be a list of objects", field="tools")
-    if request.response_format is not None and request.ignore_eos:
-        raise InvalidRequestError("ignore_eos cannot be combined with response_format: a finished grammar only allows end of sequence", field="ignore_eos")
+    for field in ("response_format", "tools", "tool_choice"):
+        _check_structure(getattr(request, field), field, limits)
+    if request.messages is not None and _depth_exceeds(request.messages, MAX_MESSAGE_DEPTH):
+        raise InvalidRequestError(f"messages are nested deeper than {MAX_MESSAGE_DEPTH} levels", field="messages")
+    forced_call = request.tool_choice not in (None, "auto", "none")
+    if (request.response_format is not None or forced_call) and request.ignore_eos:
+        what = "response_format" if request.response_format is not None else "a forced tool_choice"
+        raise InvalidRequestError(f"ignore_eos cannot be combined with {what}: a finished grammar only allows end of sequence", field="ignore_eos")
+    if request.checkpoint_every is not None and (not isinstance(request.checkpoint_every, int) or request.checkpoint_every < 0):
+        raise InvalidRequestError("checkpoint_every must be an integer >= 0", field="checkpoint_every")
     if request.snapshot_at is not None and (not isinstance(request.snapshot_at, int) or request.snapshot_at < 1):
         raise InvalidRequestError("snapshot_at must be a positive number of prompt tokens", field="snapshot_at")
     if request.messages is not None and (not request.messages or not all(isinstance(m, dict) for m in request.messages)):
@@ -45,6 +63,7 @@ def validate(request: GenerateRequest, info: ModelInfo) -> None:
 
 def validate_sampling(s: SamplingParams) -> None:
     checks = [
+        ("seed", s.seed is None or (isinstance(s.seed, int) and 0 <= s.seed <= MAX_SEED), "an integer in [0, 2**64)"),
         ("temperature", s.temperature >= 0 and math.isfinite(s.temperature), "a finite number >= 0"),
         ("top_p", 0 < s.top_p <= 1, "in (0, 1]"),
         ("top_k", isinstance(s.top_k, int) and s.top_k >= 0, "an integer >= 0"),
@@ -59,23 +78,73 @@ def validate_sampling(s: SamplingParams) -> None:
             raise InvalidRequestError(f"sampling.{name} must be {expected}, got {getattr(s, name)!r}", field=f"sampling.{name}")
 
 
-def _check_ids(ids: Any, vocab_size: int, field: str) -> None:
+def check_ids(ids: Any, vocab_size: int, field: str) -> None:
     if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
         raise InvalidRequestError(f"{field} must be token ids in [0, {vocab_size})", field=field)
 
 
-def render_prompt(request: GenerateRequest, tokenizer: Any) -> list[int]:
-    """Token ids of the request's prompt (blocking; run in a worker thread)."""
+def _check_structure(value: Any, field: str, limits: LimitsConfig) -> None:
+    """A response format or tool list small and shallow enough to compile (checked before use)."""
+    if value is None or isinstance(value, str):
+        return
+    if _depth_exceeds(value, limits.max_grammar_depth):
+        raise InvalidRequestError(f"{field} is nested deeper than {limits.max_grammar_depth} levels (limits.max_grammar_depth)", field=field)
+    try:
+        size = len(json.dumps(value))
+    except (TypeError, ValueError):
+        raise InvalidRequestError(f"{field} must be plain JSON", field=field) from None
+    if size > limits.max_grammar_bytes:
+        raise InvalidRequestError(f"{field} exceeds {limits.max_grammar_bytes} bytes (limits.max_grammar_bytes)", field=field)
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether containers nest deeper than `limit` (iterative: deep input cannot blow the stack)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def max_prompt_bytes(info: ModelInfo, limits: LimitsConfig) -> int:
+    """Prompt text longer than this cannot fit the context: each token covers at most
+    `max_token_bytes` bytes (doubled for normalizers that shorten text)."""
+    return limits.max_prompt_bytes or info.max_context * max(1, info.max_token_bytes) * 2
+
+
+def _check_text_size(text: str, limit: int, field: str) -> None:
+    # Up to 4 bytes per character: count only when the characters alone might exceed it.
+    if len(text) * 4 > limit and len(text.encode()) > limit:
+        raise RequestTooLargeError(f"the prompt has more than {limit} bytes, more than the context can hold", field=field)
+
+
+def render_prompt(request: GenerateRequest, tokenizer: Any, max_bytes: int) -> list[int]:
+    """Token ids of the request's prompt (blocking; run in a worker thread).
+
+    Text that could not fit the context is refused by its size before it is tokenized.
+    """
     if request.prompt_ids is not None:
         ids = list(request.prompt_ids)
     elif request.prompt is not None:
+        _check_text_size(request.prompt, max_bytes, "prompt")
         bos = getattr(tokenizer, "bos_token", None)
         ids = tokenizer.encode(request.prompt, add_special_tokens=bos is None or not request.prompt.startswith(bos))
     else:
         try:
             text = tokenizer.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja and template errors come in many types
-            raise InvalidRequestError(f"messages could not be rendered with the chat template: {exc}", field="messages") from exc
+            raise InvalidRequestError(f"messages could not be rendered with the chat template: {_first_line(exc)}", field="messages") from None
+        if not isinstance(text, str):
+            raise InvalidRequestError("the chat template did not render text", field="messages")
+        _check_text_size(text, max_bytes, "messages")
         ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise InvalidRequestError("the prompt is empty", field="prompt")
@@ -90,3 +159,8 @@ def effective_max_tokens(request: GenerateRequest, num_prompt: int, info: ModelI
             f"prompt of {num_prompt} tokens leaves no room in the model's context of {info.max_context}", field="prompt"
         )
     return min(request.max_tokens or default, room)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__

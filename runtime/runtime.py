@@ -9,8 +9,6 @@ actor, and streams that session's events; leaving the stream early cancels it.
 
 from __future__ import annotations
 
-import functools
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,16 +24,17 @@ from actors.scheduler import SchedulerActor
 from actors.scheduling import SchedulePolicy
 from actors.output_parser import OutputParser
 from actors.session import SessionActor
-from protocols.api import Event, FillStats, Finished, GenerateRequest
+from protocols.api import Event, Finished, GenerateRequest
 from protocols.kv import DrainFiles, GetKvStats, KvStats
-from protocols.model import AdmitRequest, ModelInfo, ResumeState
+from protocols.model import ModelInfo
 from protocols.scheduler import AddRequest, CancelRequest, GetSchedulerStats, SchedulerStats
 from protocols.session import RequestRejected
-from runtime import blas, checkpoints, fill, requests
+from runtime import blas
+from runtime.admission import Admission, Prepared, checkpoint_directory_problem
 from runtime.config import RuntimeConfig
 from runtime.detokenize import make_detokenizer
-from runtime.errors import InvalidRequestError, RequestTooLargeError, RuntimeClosedError, ServerBusyError, single_errors
-from runtime.grammar import grammar_spec
+from protocols.errors import error_for
+from runtime.errors import ConfigError, DuplicateRequestError, RuntimeClosedError, ServerBusyError, single_errors
 from runtime.logging import configure_logging
 from runtime.mailbox import ask
 from runtime.mlx_thread import MlxThread
@@ -57,19 +56,17 @@ class RuntimeStats:
 class Runtime:
     """A model served to many concurrent callers. Create with `Runtime.open`."""
 
-    def __init__(self, config: RuntimeConfig, ready: ModelReady, scheduler: SchedulerActor, kv: KvStoreActor, task_group):
+    def __init__(self, config: RuntimeConfig, ready: ModelReady, scheduler: SchedulerActor, kv: KvStoreActor, task_group, admission: Admission):
         self.config = config
         self.model_info: ModelInfo = ready.info
         self._tokenizer = ready.tokenizer
-        self._grammars = ready.grammars
         tokenizer = ready.tokenizer
         self._tool_markers = (tokenizer.tool_call_start, tokenizer.tool_call_end) if getattr(tokenizer, "has_tool_calling", False) else None
-        self._eos_ids = list(ready.info.eos_token_ids)
+        self._admission = admission
         self._scheduler = scheduler
         self._kv = kv
         self._task_group = task_group
         self._sessions: dict[str, SessionActor] = {}
-        self._seeds = random.Random(config.generation.seed)
         self._closed = False
         # Requests still being tokenized, and cancels that arrived for them meanwhile.
         self._preparing: set[str] = set()
@@ -98,8 +95,14 @@ class Runtime:
 
     @classmethod
     async def _start_actors(cls, config: RuntimeConfig, thread: MlxThread, tg) -> Runtime:
+        directory = config.checkpoints.directory()
+        problem = await anyio.to_thread.run_sync(checkpoint_directory_problem, directory)
+        if problem is not None:
+            if config.checkpoints.every_tokens:
+                raise ConfigError(f"`checkpoints.every_tokens` is set but {problem}")
+            log.warning("checkpoints_unavailable", reason=problem)
         progress = Progress("model")
-        model = ModelActor(config.model, thread, progress=progress)
+        model = ModelActor(config.model, thread, limits=config.limits, progress=progress)
         ready: ModelReady = await tg.start(model.run)
         progress.done(f"{ready.info.model_type} {ready.info.num_parameters / 1e6:.1f}M params, {ready.info.dtype} on {ready.info.device}")
         ledger = KvLedger(
@@ -109,8 +112,8 @@ class Runtime:
             prefix_min_tokens=config.kv.prefix_min_tokens,
         )
         info = ready.info
-        settings = CheckpointSettings(
-            directory=config.checkpoints.directory(),
+        settings = None if problem is not None else CheckpointSettings(
+            directory=directory,
             model_id=info.model_id,
             tokenizer_id=info.tokenizer_id,
             max_age_s=config.checkpoints.max_age_s,
@@ -126,7 +129,8 @@ class Runtime:
         )
         scheduler = SchedulerActor(policy, model=model.inbox, kv=kv.inbox, capacity=s.max_queued_requests + 2 * s.max_batch_size + 16)
         await tg.start(scheduler.run)
-        return cls(config, ready, scheduler, kv, tg)
+        admission = Admission(config, info, ready.tokenizer, ready.grammars, checkpoints_unavailable=problem)
+        return cls(config, ready, scheduler, kv, tg, admission)
 
     @property
     def tokenizer(self):
@@ -140,8 +144,9 @@ class Runtime:
         """
         rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
         async with self._claim(rid):
-            admit, checkpoint_every, fill_stats = await self._prepare(request, rid)
-            session, events = self._submit(request, admit, checkpoint_every, fill_stats)
+            self._check_open()
+            prepared = await self._admission.prepare(request, rid)
+            session, events = self._submit(prepared)
         async for event in self._stream(session, events):
             yield event
 
@@ -152,37 +157,21 @@ class Runtime:
         Raises a `CheckpointError` subclass when there is no usable checkpoint.
         """
         async with self._claim(request_id):
-            if self._closed:
-                raise RuntimeClosedError("the runtime is shutting down")
-            header, tensors = await anyio.to_thread.run_sync(self._read_checkpoint, request_id)
-            request = header.request
-            admit = AdmitRequest(
-                request_id=request_id,
-                prompt_ids=header.prompt_ids,
-                max_tokens=header.max_tokens,
-                sampling=request.sampling,
-                seed=header.seed,
-                stop_token_ids=header.stop_token_ids,
-                logprobs=request.logprobs,
-                top_logprobs=request.top_logprobs,
-                resume=ResumeState(generated=header.generated, num_kv_tokens=header.num_kv_tokens, kv_tensors=tensors),
-            )
-            session, events = self._submit(request, admit, self._checkpoint_every(request))
+            self._check_open()
+            prepared = await self._admission.prepare_resume(request_id)
+            session, events = self._submit(prepared)
         async for event in self._stream(session, events):
             yield event
 
-    def _read_checkpoint(self, request_id: str):
-        """A checkpoint this model can resume, its tensors checked against the model (blocking)."""
-        info = self.model_info
-        header, tensors = checkpoints.read(self.config.checkpoints.directory(), request_id, model_id=info.model_id, tokenizer_id=info.tokenizer_id)
-        checkpoints.check_tensors(header, tensors, info.kv_shapes)
-        return header, tensors
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeClosedError("the runtime is shutting down")
 
     @asynccontextmanager
     async def _claim(self, request_id: str):
         """Hold `request_id` while a request is prepared; a cancel meanwhile applies once it starts."""
         if request_id in self._sessions or request_id in self._preparing:
-            raise InvalidRequestError(f"request_id {request_id!r} is already in use", field="request_id")
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in use")
         self._preparing.add(request_id)
         try:
             yield
@@ -224,71 +213,16 @@ class Runtime:
             await self._scheduler.inbox.send(CancelRequest(request_id=session.request_id))
 
     async def stats(self) -> RuntimeStats:
-        scheduler = await ask(self._scheduler.inbox, lambda reply: GetSchedulerStats(reply=reply))
-        kv = await ask(self._kv.inbox, lambda reply: GetKvStats(reply=reply))
+        try:
+            scheduler = await ask(self._scheduler.inbox, lambda reply: GetSchedulerStats(reply=reply))
+            kv = await ask(self._kv.inbox, lambda reply: GetKvStats(reply=reply))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
+            raise RuntimeClosedError("the runtime is closed") from None
         return RuntimeStats(scheduler=scheduler, kv=kv, live_requests=len(self._sessions))
 
-    async def _prepare(self, request: GenerateRequest, rid: str) -> tuple[AdmitRequest, int, FillStats | None]:
-        if self._closed:
-            raise RuntimeClosedError("the runtime is shutting down")
-        requests.validate(request, self.model_info)
-        checkpoint_every = self._checkpoint_every(request)
-        grammar = grammar_spec(request, self._tool_markers)
-        if grammar is not None:
-            await anyio.to_thread.run_sync(self._grammars.compile, grammar)  # rejects bad grammars before any compute
-        fill_mode = fill.resolve_mode(request, self.config.generation.fill)
-        prompt_ids = await anyio.to_thread.run_sync(requests.render_prompt, request, self._tokenizer)
-        max_tokens = requests.effective_max_tokens(request, len(prompt_ids), self.model_info, self.config.generation.default_max_tokens)
-        seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
-        stop_ids = sorted(set(() if request.ignore_eos else self._eos_ids) | set(request.stop_token_ids))
-        fill_plan, fill_stats = await self._fill_plan(request, fill_mode, grammar.kind if grammar else None, prompt_ids, stop_ids)
-        admit = AdmitRequest(
-            request_id=rid,
-            prompt_ids=prompt_ids,
-            max_tokens=max_tokens,
-            sampling=request.sampling,
-            seed=seed,
-            stop_token_ids=stop_ids,
-            logprobs=request.logprobs,
-            top_logprobs=request.top_logprobs,
-            grammar=grammar,
-            # Strict fast-forward rows, where a forced tool call has some, take jump-forward's place.
-            jump_forward=grammar is not None and not (fill_plan and fill_plan.rows) and not (request.logprobs or request.top_logprobs) and (
-                request.jump_forward if request.jump_forward is not None else self.config.generation.jump_forward
-            ),
-            # The last prompt token is never prefilled; a snapshot there is the end-of-request entry.
-            snapshot_at=request.snapshot_at if request.snapshot_at and request.snapshot_at < len(prompt_ids) - 1 else None,
-            fill=fill_plan,
-        )
-        return admit, checkpoint_every, fill_stats
-
-    async def _fill_plan(self, request: GenerateRequest, mode: str, grammar_kind: str | None, prompt_ids: list[int], stop_ids: list[int]):
-        """The request's fast-forwarding plan and initial stats; (None, None) when it is off."""
-        if mode == "off":
-            return None, None
-        if reason := fill.refusal(request, grammar_kind):
-            return None, FillStats(mode=mode, refused=reason)
-        g = self.config.generation
-        compile_plan = functools.partial(
-            fill.compile_plan, max_span=g.fill_max_span, echo_k=g.fill_echo_k, trace_path=g.fill_trace or None
-        )
-        return await anyio.to_thread.run_sync(compile_plan, request, mode, self._tokenizer, prompt_ids, stop_ids)
-
-    def _checkpoint_every(self, request: GenerateRequest) -> int:
-        every = request.checkpoint_every if request.checkpoint_every is not None else self.config.checkpoints.every_tokens
-        if every < 0:
-            raise InvalidRequestError("checkpoint_every must be >= 0", field="checkpoint_every")
-        if every and request.request_id is None:
-            raise InvalidRequestError("checkpoints need a request_id to resume by", field="request_id")
-        if every:
-            try:
-                checkpoints.path_for(self.config.checkpoints.directory(), request.request_id)
-            except checkpoints.CheckpointError as exc:
-                raise InvalidRequestError(str(exc), field="request_id") from None
-        return every
-
-    def _submit(self, request: GenerateRequest, admit: AdmitRequest, checkpoint_every: int, fill_stats: FillStats | None = None):
+    def _submit(self, prepared: Prepared):
         """Start the request's session and hand the request to the scheduler; returns both ends."""
+        admit, request = prepared.admit, prepared.request
         rid = admit.request_id
         send, receive = anyio.create_memory_object_stream[Event | RequestRejected](EVENT_BUFFER)
         session = SessionActor(
@@ -299,7 +233,7 @@ class Runtime:
             scheduler=self._scheduler.inbox,
             events=send,
             parser=self._output_parser(request),
-            fill=fill_stats,
+            fill=prepared.fill_stats,
         )
         message = AddRequest(
             admit=admit,
@@ -308,16 +242,17 @@ class Runtime:
             request=request,
             priority=request.priority,
             report_progress=request.report_progress,
-            checkpoint_every=checkpoint_every,
+            checkpoint_every=prepared.checkpoint_every,
         )
         try:
             self._scheduler.inbox.send_nowait(message)
         except anyio.WouldBlock:
             send.close()
             receive.close()
+            self._admission.release(prepared)
             raise ServerBusyError("the scheduler's inbox is full") from None
         self._sessions[rid] = session
-        self._task_group.start_soon(self._run_session, session, name=f"session-{rid}")
+        self._task_group.start_soon(self._run_session, session, prepared, name=f"session-{rid}")
         return session, receive
 
     def _output_parser(self, request: GenerateRequest) -> OutputParser | None:
@@ -330,12 +265,13 @@ class Runtime:
         parser = tokenizer.tool_parser if tools is not None else None
         return OutputParser(think=think, tool_markers=tools, parse_call=(lambda body: parser(body, request.tools)) if parser else None)
 
-    async def _run_session(self, session: SessionActor) -> None:
+    async def _run_session(self, session: SessionActor, prepared: Prepared) -> None:
         with structlog.contextvars.bound_contextvars(request_id=session.request_id):
             try:
                 await session.run()
             finally:
                 self._sessions.pop(session.request_id, None)
+                self._admission.release(prepared)
 
     async def shutdown(self) -> None:
         """Refuse new requests, cancel live ones and give their sessions a moment to report it."""
@@ -358,8 +294,4 @@ def _report_blas() -> None:
 
 
 def _rejection_error(event: RequestRejected) -> Exception:
-    if event.code == "busy":
-        return ServerBusyError(event.message)
-    if event.code == "too_large":
-        return RequestTooLargeError(event.message, field="max_tokens")
-    return InvalidRequestError(event.message, field="request_id" if event.code == "duplicate" else None)
+    return error_for(event.code, event.message, event.field)

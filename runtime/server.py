@@ -35,10 +35,9 @@ from protocols.wire import (
     Stats,
     Welcome,
 )
+from protocols.errors import MlxrtError, error_code
 from runtime import socket_path
-from runtime.checkpoints import CheckpointError, CheckpointNotFoundError
 from runtime.config import ServerConfig
-from runtime.errors import InvalidRequestError, RequestTooLargeError, RuntimeClosedError, ServerBusyError
 from runtime.framing import FrameReader, FrameTooLarge, encode_frame
 
 log = structlog.get_logger(actor="server")
@@ -109,6 +108,9 @@ class Server:
             self.connections.add(connection)
             try:
                 await connection.run()
+            except Exception:
+                # A bug in one connection ends that connection, never the server.
+                log.exception("connection_failed")
             finally:
                 self.connections.discard(connection)
 
@@ -161,7 +163,10 @@ class Connection:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._write_loop)
             with self._reading:
-                await self._read_loop(tg)
+                try:
+                    await self._read_loop(tg)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass  # the writer is gone: the client left or stopped reading
             # The client left, broke the protocol, or the server is stopping:
             # nobody will send for these requests again.
             with anyio.CancelScope(shield=True), anyio.move_on_after(FLUSH_GRACE_S):
@@ -197,10 +202,17 @@ class Connection:
         if not await self._handshake(reader):
             return
         while True:
+            if not await self._wait_frame(reader):
+                return
             try:
-                body = await reader.read_frame()
+                with anyio.fail_after(config.frame_timeout_s):
+                    body = await reader.read_frame()
             except FrameTooLarge as exc:
                 await self.send(Error(code="frame_too_large", message=str(exc)))
+                return
+            except TimeoutError:
+                log.warning("frame_timeout", seconds=config.frame_timeout_s)
+                await self.send(Error(code="protocol_error", message=f"a frame took longer than {config.frame_timeout_s:g} s to arrive"))
                 return
             except anyio.IncompleteRead:
                 return
@@ -212,6 +224,18 @@ class Connection:
                 await self.send(Error(code="invalid_message", message=str(exc)))
                 continue
             await self._dispatch(message, tg)
+
+    async def _wait_frame(self, reader: FrameReader) -> bool:
+        """Wait for the next frame to begin; False when the client left or stayed idle too long
+        (no frame for `idle_timeout_s` while none of its requests is live)."""
+        idle = self._server.config.idle_timeout_s
+        while True:
+            with anyio.move_on_after(idle):
+                return await reader.wait_frame()
+            if not self._requests:
+                log.info("idle_connection_closed", seconds=idle)
+                await self.send(Error(code="protocol_error", message=f"closed after {idle:g} s without a request"))
+                return False
 
     async def _handshake(self, reader: FrameReader) -> bool:
         with anyio.move_on_after(self._server.config.handshake_timeout_s):
@@ -267,8 +291,13 @@ class Connection:
                     await self.send(event)
                     if isinstance(event, Finished):
                         break
-            except (InvalidRequestError, ServerBusyError, RuntimeClosedError, CheckpointError) as exc:
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                raise
+            except MlxrtError as exc:
                 refusal = _refusal(rid, exc)
+            except Exception as exc:
+                log.exception("request_failed", request_id=rid)
+                refusal = Error(code="internal", message=f"the request failed ({type(exc).__name__}); the server log has the details", request_id=rid)
             if refusal is not None:
                 await self.send(refusal)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -278,22 +307,9 @@ class Connection:
             self._cancelled.discard(rid)
 
 
-def _refusal(rid: str, exc: Exception) -> Error:
+def _refusal(rid: str, exc: MlxrtError) -> Error:
     """The Error frame for a request the runtime refused."""
-    match exc:
-        case RequestTooLargeError():
-            return Error(code="too_large", message=str(exc), request_id=rid, field=exc.field)
-        case InvalidRequestError():
-            code = "duplicate_request" if exc.field == "request_id" else "invalid_request"
-            return Error(code=code, message=str(exc), request_id=rid, field=exc.field)
-        case ServerBusyError():
-            return Error(code="busy", message=str(exc), request_id=rid)
-        case RuntimeClosedError():
-            return Error(code="shutting_down", message=str(exc), request_id=rid)
-        case CheckpointNotFoundError():
-            return Error(code="checkpoint_not_found", message=str(exc), request_id=rid)
-        case _:
-            return Error(code="checkpoint_invalid", message=f"{type(exc).__name__}: {exc}", request_id=rid)
+    return Error(code=error_code(exc), message=str(exc), request_id=rid, field=getattr(exc, "field", None))
 
 
 def peer_uid(stream: SocketStream) -> int | None:

@@ -83,8 +83,17 @@ def load_model(config: ModelConfig, progress: Callable[[str], None] | None = Non
         model_id=model_digest(directory),
         tokenizer_id=tokenizer_digest(directory),
         kv_shapes=[(g.num_heads, g.key_dim, g.value_dim) for g in geometry],
+        max_token_bytes=max_token_bytes(tokenizer),
     )
     return LoadedModel(model=model, tokenizer=tokenizer, geometry=geometry, info=info)
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of one token's text: the longest vocabulary entry
+    as spelled in the vocabulary (byte-level and byte-fallback spellings are never shorter)."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    vocab = hf.get_vocab()
+    return max((len(piece.encode()) for piece in vocab), default=1)
 
 
 def _target_dtype(name: str) -> mx.Dtype | None:

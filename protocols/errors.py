@@ -1,0 +1,150 @@
+"""The typed errors callers catch, and the one table between them and wire error codes.
+
+Every error the runtime raises on purpose is an `MlxrtError` with a `code`; the socket
+server sends that code (`Error.code`) and the client raises the same class again from
+it (`error_for`). Pure data: no mlx, no anyio.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+ErrorCode = Literal[
+    "invalid_request",  # the request failed validation (message names the field)
+    "too_large",  # the request can never fit (context, prompt size or KV budget)
+    "checkpoint_not_found",  # Resume: no checkpoint for that request id
+    "checkpoint_invalid",  # Resume: corrupt, truncated, foreign-model or other-version checkpoint
+    "busy",  # the admission queue is full; retry later
+    "duplicate_request",  # the request_id is already live
+    "unknown_request",  # Cancel for an id this connection does not own
+    "invalid_message",  # the frame decoded but is not a valid client message
+    "frame_too_large",  # the length prefix exceeds the server's limit; the connection closes
+    "protocol_error",  # out-of-order message (e.g. anything before Hello), or a refused peer
+    "shutting_down",  # the server is stopping
+    "internal",  # a bug; the message says what, the server's log has the details
+    "connection_lost",  # client side only: the connection ended before the answer
+]
+
+
+class MlxrtError(Exception):
+    """Base of every error the runtime raises on purpose."""
+
+    code: ClassVar[ErrorCode] = "internal"
+
+
+class ConfigError(MlxrtError, ValueError):
+    """A config file or value is invalid; the message names the file and key."""
+
+
+class InvalidRequestError(MlxrtError, ValueError):
+    """A request was rejected before any compute; `field` names the culprit."""
+
+    code: ClassVar[ErrorCode] = "invalid_request"
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request can never fit (context length, prompt size or KV budget)."""
+
+    code: ClassVar[ErrorCode] = "too_large"
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """The request id belongs to a request that is still live."""
+
+    code: ClassVar[ErrorCode] = "duplicate_request"
+
+    def __init__(self, message: str, *, field: str | None = "request_id"):
+        super().__init__(message, field=field)
+
+
+class ServerBusyError(MlxrtError):
+    """The admission queue is full; retry later."""
+
+    code: ClassVar[ErrorCode] = "busy"
+
+
+class ModelLoadError(MlxrtError):
+    """The model could not be loaded (missing directory, unsupported architecture)."""
+
+
+class RuntimeClosedError(MlxrtError):
+    """The runtime is shutting down or has failed; no new requests are taken."""
+
+    code: ClassVar[ErrorCode] = "shutting_down"
+
+
+class InternalError(MlxrtError):
+    """Something failed that is not the caller's fault; details are in the log."""
+
+    code: ClassVar[ErrorCode] = "internal"
+
+
+class CheckpointError(MlxrtError):
+    """A checkpoint cannot be used to resume."""
+
+    code: ClassVar[ErrorCode] = "checkpoint_invalid"
+
+
+class CheckpointNotFoundError(CheckpointError):
+    code: ClassVar[ErrorCode] = "checkpoint_not_found"
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Truncated, altered, not a regular file, or not a checkpoint at all."""
+
+
+class UnsupportedCheckpointError(CheckpointError):
+    """Written by another format version."""
+
+
+class ForeignCheckpointError(CheckpointError):
+    """Written for another model or tokenizer."""
+
+
+class ServerError(MlxrtError):
+    """An error frame with a connection-level code (protocol, frame, unknown request)."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code  # type: ignore[misc]  (per instance: several codes share this class)
+
+
+class ConnectionLostError(ServerError):
+    """The connection to the server ended before the answer."""
+
+    def __init__(self, message: str = "the server closed the connection"):
+        super().__init__("connection_lost", message)
+
+
+_BY_CODE: dict[str, type[MlxrtError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidRequestError,
+        RequestTooLargeError,
+        DuplicateRequestError,
+        ServerBusyError,
+        RuntimeClosedError,
+        InternalError,
+        CheckpointError,
+        CheckpointNotFoundError,
+    )
+}
+
+
+def error_code(exc: BaseException) -> ErrorCode:
+    """The wire code for an exception (`internal` for anything not raised on purpose)."""
+    return exc.code if isinstance(exc, MlxrtError) else "internal"
+
+
+def error_for(code: str, message: str, field: str | None = None) -> MlxrtError:
+    """The exception a client raises for an error frame."""
+    cls = _BY_CODE.get(code)
+    if cls is None:
+        return ServerError(code, message)  # type: ignore[arg-type]
+    if issubclass(cls, InvalidRequestError):
+        return cls(message, field=field)
+    return cls(message)

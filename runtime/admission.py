@@ -1,0 +1,210 @@
+"""Admission: every request is prepared here, once, before it reaches the scheduler.
+
+`Admission.prepare` turns a `GenerateRequest` into what the engine runs (`AdmitRequest`):
+validation against the model and `[limits]`, the prompt rendered and tokenized (refused
+by size first), max_tokens fitted to the context, the seed, stop ids, the grammar
+(compiled and pinned), jump-forward, the fast-forward plan and the checkpoint cadence.
+`prepare_resume` does the same from a checkpoint file, re-validating everything it holds.
+
+Any failure is that request's typed error (`InvalidRequestError` naming the field when the
+caller is at fault, `InternalError` otherwise, logged); nothing escapes to the runtime's
+task group. Blocking work runs in worker threads, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from protocols.api import FillStats, GenerateRequest
+from protocols.model import AdmitRequest, GrammarSpec, ModelInfo, ResumeState
+from runtime import checkpoints, fill, requests
+from runtime.config import RuntimeConfig
+from runtime.errors import CorruptCheckpointError, InternalError, InvalidRequestError, MlxrtError, ServerBusyError
+from runtime.grammar import GrammarCache, grammar_spec
+
+log = structlog.get_logger(actor="admission")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for the scheduler, and what its session needs."""
+
+    admit: AdmitRequest
+    request: GenerateRequest
+    checkpoint_every: int
+    fill_stats: FillStats | None = None
+    # Pinned in the grammar cache until the request ends (`Admission.release`).
+    grammar: GrammarSpec | None = None
+
+
+class Admission:
+    def __init__(self, config: RuntimeConfig, info: ModelInfo, tokenizer, grammars: GrammarCache, *, checkpoints_unavailable: str | None = None):
+        self._config = config
+        self._info = info
+        self._tokenizer = tokenizer
+        self._grammars = grammars
+        self._checkpoint_dir = config.checkpoints.directory()
+        self._checkpoints_unavailable = checkpoints_unavailable
+        self._seeds = random.Random(config.generation.seed)
+        self._eos_ids = list(info.eos_token_ids)
+        self._tool_markers = (tokenizer.tool_call_start, tokenizer.tool_call_end) if getattr(tokenizer, "has_tool_calling", False) else None
+        self._max_prompt_bytes = requests.max_prompt_bytes(info, config.limits)
+        f32_bytes_per_token = sum(heads * (k + v) * 4 for heads, k, v in info.kv_shapes)
+        self._max_checkpoint_bytes = checkpoints.max_file_bytes(info.max_context, f32_bytes_per_token)
+        # Requests being prepared at once (tokenizing, compiling): beyond this, busy.
+        self._preparing = anyio.Semaphore(config.scheduler.max_queued_requests)
+
+    async def prepare(self, request: GenerateRequest, request_id: str) -> Prepared:
+        """Raises `MlxrtError`s only."""
+        return await self._contained(self._prepare(request, request_id), request_id)
+
+    async def prepare_resume(self, request_id: str) -> Prepared:
+        """A checkpointed request, checked as thoroughly as a new one. Raises `MlxrtError`s only."""
+        return await self._contained(self._prepare_resume(request_id), request_id)
+
+    def release(self, prepared: Prepared) -> None:
+        """The request has ended: its grammar may be evicted."""
+        if prepared.grammar is not None:
+            self._grammars.release(prepared.grammar)
+
+    async def _contained(self, preparing, request_id: str) -> Prepared:
+        try:
+            self._preparing.acquire_nowait()
+        except anyio.WouldBlock:
+            preparing.close()
+            raise ServerBusyError("too many requests are being prepared; retry later") from None
+        try:
+            return await preparing
+        except MlxrtError:
+            raise
+        except Exception as exc:
+            log.exception("prepare_failed", request_id=request_id)
+            raise InternalError(f"the request could not be prepared ({type(exc).__name__}); the server log has the details") from None
+        finally:
+            self._preparing.release()
+
+    async def _prepare(self, request: GenerateRequest, request_id: str) -> Prepared:
+        config, info = self._config, self._info
+        requests.validate(request, info, config.limits)
+        checkpoint_every = self.checkpoint_every(request)
+        grammar = grammar_spec(request, self._tool_markers)
+        fill_mode = fill.resolve_mode(request, config.generation.fill)
+        render = functools.partial(requests.render_prompt, request, self._tokenizer, self._max_prompt_bytes)
+        prompt_ids = await anyio.to_thread.run_sync(render)
+        max_tokens = requests.effective_max_tokens(request, len(prompt_ids), info, config.generation.default_max_tokens)
+        if grammar is not None:
+            await self._grammars.acquire(grammar)  # rejects bad grammars before any compute
+        try:
+            stop_ids = sorted(set(() if request.ignore_eos else self._eos_ids) | set(request.stop_token_ids))
+            fill_plan, fill_stats = await self._fill_plan(request, fill_mode, grammar, prompt_ids, stop_ids)
+        except BaseException:
+            if grammar is not None:
+                self._grammars.release(grammar)
+            raise
+        seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
+        admit = AdmitRequest(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            sampling=request.sampling,
+            seed=seed,
+            stop_token_ids=stop_ids,
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
+            grammar=grammar,
+            jump_forward=self._jump_forward(request, grammar, fill_plan),
+            # The last prompt token is never prefilled; a snapshot there is the end-of-request entry.
+            snapshot_at=request.snapshot_at if request.snapshot_at and request.snapshot_at < len(prompt_ids) - 1 else None,
+            fill=fill_plan,
+        )
+        return Prepared(admit=admit, request=request, checkpoint_every=checkpoint_every, fill_stats=fill_stats, grammar=grammar)
+
+    def _jump_forward(self, request: GenerateRequest, grammar: GrammarSpec | None, fill_plan) -> bool:
+        # Strict fast-forward rows, where a forced tool call has some, take jump-forward's place.
+        if grammar is None or (fill_plan and fill_plan.rows) or request.logprobs or request.top_logprobs:
+            return False
+        return request.jump_forward if request.jump_forward is not None else self._config.generation.jump_forward
+
+    async def _fill_plan(self, request: GenerateRequest, mode: str, grammar: GrammarSpec | None, prompt_ids: list[int], stop_ids: list[int]):
+        """The request's fast-forwarding plan and initial stats; (None, None) when it is off."""
+        if mode == "off":
+            return None, None
+        if reason := fill.refusal(request, grammar.kind if grammar else None):
+            return None, FillStats(mode=mode, refused=reason)
+        g = self._config.generation
+        compile_plan = functools.partial(
+            fill.compile_plan, request, mode, self._tokenizer, prompt_ids, stop_ids, max_span=g.fill_max_span, echo_k=g.fill_echo_k, trace_path=g.fill_trace or None
+        )
+        return await anyio.to_thread.run_sync(compile_plan)
+
+    def checkpoint_every(self, request: GenerateRequest) -> int:
+        every = request.checkpoint_every if request.checkpoint_every is not None else self._config.checkpoints.every_tokens
+        if every and request.request_id is None:
+            raise InvalidRequestError("checkpoints need a request_id to resume by", field="request_id")
+        if every:
+            checkpoints.check_request_id(request.request_id)
+            if self._checkpoints_unavailable is not None:
+                raise InvalidRequestError(f"checkpoints are unavailable: {self._checkpoints_unavailable}", field="checkpoint_every")
+        return every
+
+    async def _prepare_resume(self, request_id: str) -> Prepared:
+        checkpoints.check_request_id(request_id)
+        header, tensors = await anyio.to_thread.run_sync(self._read_checkpoint, request_id)
+        request = header.request
+        try:
+            self._check_header(header)
+        except InvalidRequestError as exc:
+            raise CorruptCheckpointError(f"checkpoint of {request_id!r} holds an invalid request: {exc}") from None
+        admit = AdmitRequest(
+            request_id=request_id,
+            prompt_ids=header.prompt_ids,
+            max_tokens=header.max_tokens,
+            sampling=request.sampling,
+            seed=header.seed,
+            stop_token_ids=header.stop_token_ids,
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
+            resume=ResumeState(generated=header.generated, num_kv_tokens=header.num_kv_tokens, kv_tensors=tensors),
+        )
+        return Prepared(admit=admit, request=request, checkpoint_every=self.checkpoint_every(request))
+
+    def _read_checkpoint(self, request_id: str):
+        """A checkpoint this model can resume, its tensors checked against the model (blocking)."""
+        info = self._info
+        try:
+            header, tensors = checkpoints.read(
+                self._checkpoint_dir, request_id, model_id=info.model_id, tokenizer_id=info.tokenizer_id, max_bytes=self._max_checkpoint_bytes
+            )
+        except (OSError, RecursionError, ValueError) as exc:
+            raise CorruptCheckpointError(f"checkpoint of {request_id!r} cannot be read: {type(exc).__name__}") from None
+        checkpoints.check_tensors(header, tensors, info.kv_shapes)
+        return header, tensors
+
+    def _check_header(self, header: checkpoints.CheckpointHeader) -> None:
+        """Every value a checkpoint holds, checked as a new request's would be."""
+        info = self._info
+        requests.validate(header.request, info, self._config.limits)
+        for field in ("prompt_ids", "generated", "stop_token_ids"):
+            requests.check_ids(getattr(header, field), info.vocab_size, field)
+        if not header.prompt_ids or not 1 <= len(header.generated) < header.max_tokens:
+            raise InvalidRequestError("generated tokens must be at least one and fewer than max_tokens", field="max_tokens")
+        if len(header.prompt_ids) + header.max_tokens > info.max_context:
+            raise InvalidRequestError(f"prompt + max_tokens exceeds the context of {info.max_context}", field="max_tokens")
+        if not 0 <= header.seed <= requests.MAX_SEED:
+            raise InvalidRequestError("seed out of range", field="seed")
+
+
+def checkpoint_directory_problem(directory: Path) -> str | None:
+    """Why checkpoints cannot be written to `directory` (blocking), or None when they can."""
+    try:
+        checkpoints.prepare_directory(directory)
+    except checkpoints.CheckpointDirError as exc:
+        return str(exc)
+    return None
