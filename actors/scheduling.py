@@ -54,7 +54,8 @@ class Tracked:
     keep_checkpoint: bool = False
     num_generated: int = 0
     next_checkpoint: int = 0
-    # The caller is not reading: decoding stops (KV kept) until it catches up.
+    # The caller is not reading: decoding stops (KV kept) until it catches up. A parked
+    # row holds no batch slot; once its caller reads again it rejoins when a slot is free.
     paused: bool = False
     parked: bool = False
     # Whether a plan has carried its admission to the engine.
@@ -154,10 +155,16 @@ class SchedulePolicy:
         self._waiting.insert(index, tracked)
 
     def admission_candidate(self) -> Tracked | None:
-        """The next waiting request, if the batch has room for it."""
-        if not self._waiting or len(self._active) + len(self._to_admit) >= self.max_batch_size:
+        """The next waiting request, if the batch has room for it (parked rows that want to
+        rejoin come first)."""
+        rejoining = sum(t.parked and not t.paused for t in self._active.values())
+        if not self._waiting or self._num_slots_used() + rejoining >= self.max_batch_size:
             return None
         return self._waiting[0]
+
+    def _num_slots_used(self) -> int:
+        """Batch slots: every admitted request but the parked ones (they keep only their KV)."""
+        return sum(not t.parked for t in self._active.values()) + len(self._to_admit)
 
     def admit(self, tracked: Tracked, now: float) -> None:
         assert self._waiting and self._waiting[0] is tracked
@@ -213,11 +220,7 @@ class SchedulePolicy:
             self._active[tracked.request_id] = tracked
             admit.append(tracked.admit)
         self._to_admit.clear()
-        park = [t.request_id for t in self._active.values() if t.paused and not t.parked and t.phase is not Phase.RELEASING]
-        unpark = [t.request_id for t in self._active.values() if t.parked and not t.paused]
-        for tracked in self._active.values():
-            tracked.parked = tracked.paused and tracked.phase is not Phase.RELEASING
-            tracked.parked_steps = tracked.parked_steps if tracked.parked else 0
+        park, unpark = self._plan_parking()
         decoding = [t for t in self._active.values() if t.phase is Phase.DECODING]
         prefill = self._plan_prefill(self.token_budget - len(decoding), now)
         # A parked row may still have a token in flight: decode runs until it is read.
@@ -225,6 +228,23 @@ class SchedulePolicy:
         self.num_steps += 1
         checkpoint = self._plan_checkpoints()
         return StepPlan(release=release, admit=admit, prefill=prefill, decode=decode, checkpoint=checkpoint, park=park, unpark=unpark)
+
+    def _plan_parking(self) -> tuple[list[str], list[str]]:
+        """Rows whose callers fell behind leave the batch; caught-up ones rejoin while there is room."""
+        park = []
+        for tracked in self._active.values():
+            if tracked.paused and not tracked.parked and tracked.phase is not Phase.RELEASING:
+                tracked.parked, tracked.parked_steps = True, 0
+                park.append(tracked.request_id)
+        unpark, slots = [], self._num_slots_used()
+        for tracked in self._active.values():
+            if slots >= self.max_batch_size:
+                break
+            if tracked.parked and not tracked.paused:
+                tracked.parked, tracked.parked_steps = False, 0
+                unpark.append(tracked.request_id)
+                slots += 1
+        return park, unpark
 
     def _plan_checkpoints(self) -> list[str]:
         due = []

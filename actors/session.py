@@ -14,7 +14,6 @@ from typing import assert_never
 
 import anyio
 import structlog
-from anyio.streams.memory import MemoryObjectSendStream
 
 from actors.stops import StopMatcher
 from actors.output_parser import OutputParser, Parsed
@@ -28,11 +27,9 @@ from protocols.session import (
     TokensGenerated,
 )
 from runtime.detokenize import Detokenizer
-from runtime.mailbox import Mailbox, SessionMailbox
+from runtime.mailbox import EventChannel, Mailbox, SessionMailbox
 
 log = structlog.get_logger(actor="session")
-
-RESUME_POLL_S = 0.005
 
 
 class SessionActor:
@@ -44,9 +41,10 @@ class SessionActor:
         detokenizer: Detokenizer,
         stop: list[str],
         scheduler: Mailbox,
-        events: MemoryObjectSendStream,
+        events: EventChannel,
         parser: OutputParser | None = None,
         fill: FillStats | None = None,
+        max_pause_s: float = 300.0,
     ):
         self.request_id = request_id
         self.inbox = SessionMailbox()
@@ -63,9 +61,19 @@ class SessionActor:
         self._stop_sequence: str | None = None
         # The scheduler is done with the request (it sent RequestFinished or RequestRejected).
         self._ended = False
+        # A caller that reads nothing for this long has its request cancelled (it keeps what
+        # was generated, and learns why in `Finished.error` once it reads again).
+        self._max_pause_s = max_pause_s
+        self._stalled = False
+        self._scope = anyio.CancelScope()
+
+    def abandon(self) -> None:
+        """Stop now (the runtime is shutting down and the caller is not reading): the caller
+        gets what is queued, then the end of the stream without `Finished`."""
+        self._scope.cancel()
 
     async def run(self) -> None:
-        with self._events:
+        with self._events, self._scope:
             try:
                 await self._serve()
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -144,19 +152,25 @@ class SessionActor:
 
         It restarts only once the caller has drained half of its buffer, so a reader
         slightly slower than decoding does not park and rejoin the row at every token.
+        A caller that reads nothing for `max_pause_s` has its request cancelled.
         """
+        events = self._events
         try:
-            self._events.send_nowait(event)
+            events.send_nowait(event)
             return
         except anyio.WouldBlock:
             pass
         await self._scheduler.send(SetPaused(request_id=self.request_id, paused=True))
-        await self._events.send(event)
-        stats = self._events.statistics()
-        while stats.current_buffer_used > stats.max_buffer_size // 2 and stats.open_receive_streams:
-            await anyio.sleep(RESUME_POLL_S)
-            stats = self._events.statistics()
-        await self._scheduler.send(SetPaused(request_id=self.request_id, paused=False))
+        with anyio.move_on_after(self._max_pause_s):
+            await events.wait_room(events.capacity // 2)
+        if len(events) > events.capacity // 2:
+            log.warning("caller_stalled", seconds=self._max_pause_s)
+            self._stalled = True
+            await self._scheduler.send(CancelRequest(request_id=self.request_id))
+            await events.wait_room()
+        events.send_nowait(event)
+        if not self._stalled:
+            await self._scheduler.send(SetPaused(request_id=self.request_id, paused=False))
 
     async def _on_finished(self, message: RequestFinished) -> None:
         if self._stop_sequence is None:
@@ -168,6 +182,9 @@ class SessionActor:
             await self._deliver("", [], final=True)
         num_completion = self._num_tokens + (message.stop_token_id is not None)
         reason = "stop" if self._stop_sequence is not None and message.finish_reason != "error" else message.finish_reason
+        error = message.error
+        if self._stalled and reason == "cancelled":
+            error = f"the caller read nothing for {self._max_pause_s:g} s (scheduler.max_pause_s)"
         await self._events.send(
             Finished(
                 request_id=self.request_id,
@@ -175,7 +192,7 @@ class SessionActor:
                 usage=Usage(prompt_tokens=self._num_prompt_tokens, completion_tokens=num_completion, cached_tokens=message.cached_tokens),
                 timings=_timings(message.timeline, self._num_prompt_tokens, num_completion),
                 stop_sequence=self._stop_sequence,
-                error=message.error,
+                error=error,
                 fill=message.fill or self._fill,
                 checkpoint=message.checkpoint,
             )

@@ -214,8 +214,9 @@ async def _serve_until_signal(config: RuntimeConfig) -> None:
                     async for signum in signals:
                         print(f"mlxrt: {signal.Signals(signum).name}: finishing", flush=True)
                         break
-                await rt.shutdown()
+                # Connections stop reading and the runtime cancels, together: both are bounded.
                 server.stop()
+                await rt.shutdown()
 
 
 def _demo(args) -> int:

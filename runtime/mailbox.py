@@ -126,3 +126,121 @@ class SessionMailbox(CoalescingInbox[SessionInbox]):
 def join_optional(a: list | None, b: list | None) -> list | None:
     """Concatenate two optional lists; None only when both are."""
     return (a or []) + (b or []) if a is not None or b is not None else None
+
+
+class EventChannel(Generic[T]):
+    """A bounded stream of one request's events, from its session to its caller.
+
+    Unlike a memory object stream, the producer can wait for room with a deadline without
+    ever half-sending (`wait_room`), so a session can pause its request while its caller
+    lags, resume it once the caller has drained part of the buffer, and give up on a
+    caller that reads nothing at all. One producer, one consumer.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._items: deque[T] = deque()
+        self._arrived = anyio.Event()
+        self._drained = anyio.Event()
+        self._writer_closed = False
+        self._reader_closed = False
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    # -- producer ----------------------------------------------------------------
+
+    def send_nowait(self, item: T) -> None:
+        """Raises `anyio.WouldBlock` when full, `anyio.BrokenResourceError` once the reader left."""
+        if self._reader_closed:
+            raise anyio.BrokenResourceError
+        if len(self._items) >= self.capacity:
+            raise anyio.WouldBlock
+        self._items.append(item)
+        self._arrived.set()
+
+    async def wait_room(self, level: int | None = None) -> None:
+        """Until at most `level` items are queued (default: one below capacity) or the reader left."""
+        level = self.capacity - 1 if level is None else level
+        while len(self._items) > level and not self._reader_closed:
+            self._drained = anyio.Event()
+            await self._drained.wait()
+
+    async def send(self, item: T) -> None:
+        await self.wait_room()
+        self.send_nowait(item)
+
+    def close(self) -> None:
+        """No more items; the reader gets the queued ones, then the end of the stream."""
+        self._writer_closed = True
+        self._arrived.set()
+
+    def __enter__(self) -> EventChannel[T]:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- consumer ----------------------------------------------------------------
+
+    async def receive(self) -> T:
+        while not self._items:
+            if self._writer_closed or self._reader_closed:
+                raise anyio.EndOfStream
+            self._arrived = anyio.Event()
+            await self._arrived.wait()
+        item = self._items.popleft()
+        self._drained.set()
+        return item
+
+    def close_reader(self) -> None:
+        self._reader_closed = True
+        self._items.clear()
+        self._drained.set()
+
+    def __aiter__(self) -> EventChannel[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def __aenter__(self) -> EventChannel[T]:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self.close_reader()
+
+
+class LiveSet(Generic[T]):
+    """The live members of something (connections, requests) and a way to wait until
+    none are left, without polling."""
+
+    def __init__(self) -> None:
+        self._members: set[T] = set()
+        self._empty = anyio.Event()
+        self._empty.set()
+
+    def add(self, member: T) -> None:
+        if not self._members:
+            self._empty = anyio.Event()
+        self._members.add(member)
+
+    def discard(self, member: T) -> None:
+        self._members.discard(member)
+        if not self._members:
+            self._empty.set()
+
+    def __contains__(self, member: object) -> bool:
+        return member in self._members
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __iter__(self):
+        return iter(list(self._members))
+
+    async def wait_empty(self) -> None:
+        await self._empty.wait()

@@ -36,14 +36,15 @@ from runtime.detokenize import make_detokenizer
 from protocols.errors import error_for
 from runtime.errors import ConfigError, DuplicateRequestError, RuntimeClosedError, ServerBusyError, single_errors
 from runtime.logging import configure_logging
-from runtime.mailbox import ask
+from runtime.mailbox import EventChannel, ask
 from runtime.mlx_thread import MlxThread
 from runtime.progress import Progress
 
 log = structlog.get_logger(actor="runtime")
 
 EVENT_BUFFER = 16
-SHUTDOWN_GRACE_S = 10.0
+# Time live requests' callers get to receive their `Finished(cancelled)` at shutdown.
+SHUTDOWN_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class Runtime:
         self._kv = kv
         self._task_group = task_group
         self._sessions: dict[str, SessionActor] = {}
+        self._no_sessions = anyio.Event()
+        self._no_sessions.set()
         self._closed = False
         # Requests still being tokenized, and cancels that arrived for them meanwhile.
         self._preparing: set[str] = set()
@@ -195,6 +198,8 @@ class Runtime:
                     yield event
                     if finished:
                         return
+            finished = True  # the session was abandoned at shutdown: nothing left to cancel
+            raise RuntimeClosedError("the runtime shut down before the request finished")
         finally:
             if not finished:
                 with anyio.CancelScope(shield=True):
@@ -224,7 +229,7 @@ class Runtime:
         """Start the request's session and hand the request to the scheduler; returns both ends."""
         admit, request = prepared.admit, prepared.request
         rid = admit.request_id
-        send, receive = anyio.create_memory_object_stream[Event | RequestRejected](EVENT_BUFFER)
+        send = receive = EventChannel[Event | RequestRejected](EVENT_BUFFER)
         session = SessionActor(
             request_id=rid,
             num_prompt_tokens=len(admit.prompt_ids),
@@ -234,6 +239,7 @@ class Runtime:
             events=send,
             parser=self._output_parser(request),
             fill=prepared.fill_stats,
+            max_pause_s=self.config.scheduler.max_pause_s,
         )
         message = AddRequest(
             admit=admit,
@@ -247,11 +253,10 @@ class Runtime:
         try:
             self._scheduler.inbox.send_nowait(message)
         except anyio.WouldBlock:
-            send.close()
-            receive.close()
             self._admission.release(prepared)
             raise ServerBusyError("the scheduler's inbox is full") from None
         self._sessions[rid] = session
+        self._no_sessions = anyio.Event()
         self._task_group.start_soon(self._run_session, session, prepared, name=f"session-{rid}")
         return session, receive
 
@@ -270,17 +275,27 @@ class Runtime:
             try:
                 await session.run()
             finally:
-                self._sessions.pop(session.request_id, None)
+                if self._sessions.get(session.request_id) is session:
+                    del self._sessions[session.request_id]
+                if not self._sessions:
+                    self._no_sessions.set()
                 self._admission.release(prepared)
 
     async def shutdown(self) -> None:
-        """Refuse new requests, cancel live ones and give their sessions a moment to report it."""
+        """Refuse new requests, cancel live ones and give their callers a moment to hear it.
+
+        A caller that does not read its `Finished(cancelled)` within `SHUTDOWN_GRACE_S` gets
+        the end of its stream instead (`RuntimeClosedError`); the runtime never waits longer.
+        """
         self._closed = True
         for rid in list(self._sessions):
             await self._scheduler.inbox.send(CancelRequest(request_id=rid, keep_checkpoint=True))
         with anyio.move_on_after(SHUTDOWN_GRACE_S):
-            while self._sessions:
-                await anyio.sleep(0.01)
+            await self._no_sessions.wait()
+        for session in list(self._sessions.values()):
+            session.abandon()
+        with anyio.move_on_after(SHUTDOWN_GRACE_S):
+            await self._no_sessions.wait()
             # Pending checkpoint writes and deletes reach the disk before the actors stop.
             await ask(self._kv.inbox, lambda reply: DrainFiles(reply=reply))
 

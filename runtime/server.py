@@ -39,6 +39,7 @@ from protocols.errors import MlxrtError, error_code
 from runtime import socket_path
 from runtime.config import ServerConfig
 from runtime.framing import FrameReader, FrameTooLarge, encode_frame
+from runtime.mailbox import LiveSet
 
 log = structlog.get_logger(actor="server")
 
@@ -53,7 +54,7 @@ class Server:
         self.runtime = runtime
         self.config = config
         self.path = path
-        self.connections: set[Connection] = set()
+        self.connections: LiveSet[Connection] = LiveSet()
         self._mode = int(config.socket_mode, 8)
         self._stopping = anyio.Event()
         self._inode: int | None = None
@@ -70,11 +71,10 @@ class Server:
                 task_status.started(self.path)
                 await self._stopping.wait()
                 await listener.aclose()
-                for connection in list(self.connections):
+                for connection in self.connections:
                     connection.stop_reading()
                 with anyio.move_on_after(2 * FLUSH_GRACE_S):
-                    while self.connections:
-                        await anyio.sleep(0.02)
+                    await self.connections.wait_empty()
                 tg.cancel_scope.cancel()
         finally:
             self._remove_socket()
@@ -148,7 +148,7 @@ class Connection:
         self._server = server
         self._runtime = server.runtime
         self._stream = stream
-        self._requests: set[str] = set()
+        self._requests: LiveSet[str] = LiveSet()
         # Cancels received for this connection's requests; re-sent once a request is running.
         self._cancelled: set[str] = set()
         self._outbox_send, self._outbox_receive = anyio.create_memory_object_stream[bytes](server.config.send_buffer_frames)
@@ -170,10 +170,9 @@ class Connection:
             # The client left, broke the protocol, or the server is stopping:
             # nobody will send for these requests again.
             with anyio.CancelScope(shield=True), anyio.move_on_after(FLUSH_GRACE_S):
-                for request_id in list(self._requests):
+                for request_id in self._requests:
                     await self._runtime.cancel(request_id)
-                while self._requests:
-                    await anyio.sleep(0.01)
+                await self._requests.wait_empty()
                 self._outbox_send.close()
                 await self._writer_done.wait()
             tg.cancel_scope.cancel()
