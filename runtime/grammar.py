@@ -168,7 +168,8 @@ class GrammarCache:
         self._compiled: OrderedDict[GrammarSpec, _Compiled] = OrderedDict()
         self._compiling: dict[GrammarSpec, concurrent.futures.Future] = {}
         self._waiters: dict[GrammarSpec, int] = {}
-        self._lock = threading.Lock()
+        # Reentrant: a compile that is already done runs its callbacks in the submitting thread.
+        self._lock = threading.RLock()
 
     @property
     def num_bytes(self) -> int:

@@ -33,13 +33,18 @@ READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 5.0
 
 
-def write_config(directory: Path, *, scheduler: dict | None = None, server: dict | None = None, name: str = "server.toml") -> Path:
-    """A config for the tiny built-in model, matching `tests.conftest.make_config` unless overridden."""
+def write_config(
+    directory: Path, *, scheduler: dict | None = None, server: dict | None = None, name: str = "server.toml", **sections: dict
+) -> Path:
+    """A config for the tiny built-in model, matching `tests.conftest.make_config` unless overridden
+    (other sections, e.g. `checkpoints={...}`, by keyword)."""
     tree = {
         "model": {"path": "builtin:tiny"},
         "scheduler": {"max_batch_size": 8, "prefill_chunk_size": CHUNK, **(scheduler or {})},
         "generation": {"seed": 0},
         "logging": {"level": "warning", "format": "json"},
+        "checkpoints": {"dir": str(directory / "checkpoints")},
+        **sections,
     }
     if server:
         tree["server"] = server
@@ -100,9 +105,24 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def rss_kib(self) -> int:
+        """The server's resident memory now."""
+        with open(f"/proc/{self.proc.pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+    def num_fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
     def stderr(self) -> str:
+        """The tail of the server's log (for assertion messages)."""
+        return self.log_text()[-6000:]
+
+    def log_text(self) -> str:
         self._stderr.flush()
-        return self._stderr_path.read_text(errors="replace")[-6000:]
+        return self._stderr_path.read_text(errors="replace")
 
     def wait_exit(self, timeout: float) -> int | None:
         """The exit code, or None if it is still running after `timeout` seconds."""
@@ -129,13 +149,13 @@ class ServerProcess:
         return self.returncode
 
 
-def start_server(directory: Path, *, scheduler: dict | None = None, server: dict | None = None) -> ServerProcess:
+def start_server(directory: Path, *, scheduler: dict | None = None, server: dict | None = None, **sections: dict) -> ServerProcess:
     """A server starting on `directory/run/s.sock` (the run directory is left for the server to create).
 
     Returns at once: call `wait_ready()` before use, and `stop()` in the end. Starting
     several before waiting for any lets their (CPU-bound) start-ups overlap.
     """
-    config = write_config(directory, scheduler=scheduler, server=server)
+    config = write_config(directory, scheduler=scheduler, server=server, **sections)
     return ServerProcess(config, directory / "run" / "s.sock", directory)
 
 
@@ -149,9 +169,9 @@ def stop_all(processes) -> None:
 
 
 @contextlib.contextmanager
-def running_server(directory: Path, *, scheduler: dict | None = None, server: dict | None = None) -> Iterator[ServerProcess]:
+def running_server(directory: Path, *, scheduler: dict | None = None, server: dict | None = None, **sections: dict) -> Iterator[ServerProcess]:
     """A ready server, stopped on exit."""
-    process = start_server(directory, scheduler=scheduler, server=server)
+    process = start_server(directory, scheduler=scheduler, server=server, **sections)
     try:
         process.wait_ready()
         yield process
