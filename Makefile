@@ -13,16 +13,16 @@ $(STAMP): pyproject.toml .ci/bootstrap.sh
 
 # Main job: serve the built-in default model on a Unix socket (Ctrl-C stops it).
 serve: setup
-	$(PY) -m runtime.cli serve --config configs/default.toml
+	$(PY) -m tools.cli serve --config configs/default.toml
 
 demo: setup
-	$(PY) -m runtime.cli demo --config configs/default.toml
+	$(PY) -m tools.cli demo --config configs/default.toml
 
 test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) -m runtime.cli bench --config configs/bench.toml
+	$(PY) -m tools.cli bench --config configs/bench.toml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

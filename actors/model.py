@@ -7,22 +7,21 @@ there, then executes `RunStep` plans one at a time, answering each with a
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, assert_never
 
 import anyio
 import anyio.to_thread
 import structlog
 
+from actors.mailbox import Mailbox, answer
+from actors.mlx_thread import MlxThread
+from engine.engine import Engine, Grammars
+from engine.loader import load_model
+from protocols.config import ModelConfig
 from protocols.model import DropPrefixes, ModelInbox, ModelInfo, RunStep, StepFailed
-from runtime.config import LimitsConfig, ModelConfig
-from runtime.engine.engine import Engine
-from runtime.engine.loader import load_model
-from runtime.grammar import GrammarCache
-from runtime.mailbox import Mailbox, answer
-from runtime.mlx_thread import MlxThread
 
 log = structlog.get_logger(actor="model")
 
@@ -35,32 +34,34 @@ class ModelReady:
     # A transformers/mlx-lm tokenizer: plain Python, safe to use off the MLX thread.
     tokenizer: Any
     # Compiles response formats; shared with the engine, which only asks for matchers.
-    grammars: GrammarCache
+    grammars: Grammars
+
+
+# Builds the grammar compiler for a loaded tokenizer (the runtime's GrammarCache).
+MakeGrammars = Callable[[Any, ModelInfo], Grammars]
 
 
 class ModelActor:
     def __init__(
-        self, config: ModelConfig, thread: MlxThread, *, limits: LimitsConfig = LimitsConfig(), progress: Callable[[str], None] | None = None
+        self,
+        config: ModelConfig,
+        thread: MlxThread,
+        *,
+        builtin_root: Path,
+        make_grammars: MakeGrammars,
+        progress: Callable[[str], None] | None = None,
     ):
         self._config = config
-        self._limits = limits
+        self._builtin_root = builtin_root
+        self._make_grammars = make_grammars
         self._thread = thread
         self._progress = progress
         self._engine: Engine | None = None
         self.inbox: Mailbox[ModelInbox] = Mailbox(16)
 
     async def run(self, *, task_status) -> None:
-        loaded = await self._thread.run(load_model, self._config, self._progress)
-        info = loaded.info
-        make_grammars = functools.partial(
-            GrammarCache,
-            loaded.tokenizer,
-            info.vocab_size,
-            info.eos_token_ids,
-            max_bytes=self._limits.grammar_cache_bytes,
-            timeout_s=self._limits.grammar_compile_timeout_s,
-        )
-        grammars = await anyio.to_thread.run_sync(make_grammars)
+        loaded = await self._thread.run(load_model, self._config, self._builtin_root, self._progress)
+        grammars = await anyio.to_thread.run_sync(self._make_grammars, loaded.tokenizer, loaded.info)
         self._engine = await self._thread.run(Engine, loaded.model, loaded.geometry, grammars, loaded.tokenizer.decode)
         log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
         with self.inbox:
@@ -80,5 +81,5 @@ class ModelActor:
             return await self._thread.run(self._engine.step, plan)
         except Exception as exc:
             log.exception("step_failed")
-            dropped = await self._thread.run(self._engine.reset)
-            return StepFailed(error=f"{type(exc).__name__}: {exc}", dropped=dropped)
+            await self._thread.run(self._engine.reset)
+            return StepFailed(error=f"{type(exc).__name__}: {exc}")

@@ -15,7 +15,7 @@ import anyio
 import msgspec
 import structlog
 
-from actors.scheduling import Ended, SchedulePolicy, Tracked
+from policies.scheduling import Ended, SchedulePolicy, Tracked
 from protocols.kv import PrefixesSaved, ReleaseKv, ReportKvUsage, ReserveKv, SaveCheckpoint, UnpinPrefix
 from protocols.model import RunStep, StepFailed, StepOutcome
 from protocols.scheduler import (
@@ -29,7 +29,7 @@ from protocols.scheduler import (
     SchedulerStats,
 )
 from protocols.session import PrefillProgressed, RequestFinished, RequestRejected, TokensGenerated
-from runtime.mailbox import Mailbox, answer, ask
+from actors.mailbox import Mailbox, answer, ask
 
 log = structlog.get_logger(actor="scheduler")
 

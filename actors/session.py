@@ -15,8 +15,8 @@ from typing import assert_never
 import anyio
 import structlog
 
-from actors.stops import StopMatcher
-from actors.output_parser import OutputParser, Parsed
+from policies.stops import StopMatcher
+from policies.output_parser import OutputParser, Parsed
 from protocols.api import FillStats, Finished, PrefillProgress, Timings, TokenDelta, ToolCall, Usage
 from protocols.scheduler import CancelRequest, FinishRequest, SetPaused
 from protocols.session import (
@@ -26,8 +26,8 @@ from protocols.session import (
     RequestTimeline,
     TokensGenerated,
 )
-from runtime.detokenize import Detokenizer
-from runtime.mailbox import EventChannel, Mailbox, SessionMailbox
+from policies.detokenize import Detokenizer
+from actors.mailbox import EventChannel, Mailbox, SessionMailbox
 
 log = structlog.get_logger(actor="session")
 

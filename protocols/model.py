@@ -202,7 +202,6 @@ class StepFailed(Record):
     """The step raised; the engine dropped every request it held."""
 
     error: str
-    dropped: list[str]
 
 
 class RunStep(Message):

@@ -1,6 +1,7 @@
 """mlxrt's public face: the embedding API, config, and errors.
 
-Importing this package first gives MLX a fast BLAS on Linux (see `runtime.blas`).
+Importing this package first gives MLX a fast BLAS on Linux (see `runtime.blas`): it
+must run before anything imports `mlx.core`, so it comes before the imports below.
 """
 
 from runtime import blas as _blas
@@ -18,6 +19,7 @@ from runtime.errors import (  # noqa: E402
     RuntimeClosedError,
     ServerBusyError,
 )
+from runtime.runtime import Runtime, RuntimeStats  # noqa: E402
 
 __all__ = [
     "ConfigError",
@@ -31,12 +33,3 @@ __all__ = [
     "RuntimeStats",
     "ServerBusyError",
 ]
-
-
-def __getattr__(name: str):
-    # Lazy: actor modules import runtime.mailbox, and runtime.runtime imports the actors.
-    if name in ("Runtime", "RuntimeStats"):
-        from runtime import runtime as _runtime
-
-        return getattr(_runtime, name)
-    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -24,7 +24,8 @@ import structlog
 
 from protocols.api import FillStats, GenerateRequest
 from protocols.model import AdmitRequest, GrammarSpec, ModelInfo, ResumeState
-from runtime import checkpoints, fill, requests
+from runtime import checkpoints
+from policies import fill, validation as requests
 from runtime.config import RuntimeConfig
 from runtime.errors import CorruptCheckpointError, InternalError, InvalidRequestError, MlxrtError, ServerBusyError
 from runtime.grammar import GrammarCache, grammar_spec
@@ -50,7 +51,7 @@ class Admission:
         self._info = info
         self._tokenizer = tokenizer
         self._grammars = grammars
-        self._checkpoint_dir = config.checkpoints.directory()
+        self._checkpoint_dir = config.checkpoint_directory()
         self._checkpoints_unavailable = checkpoints_unavailable
         self._seeds = random.Random(config.generation.seed)
         self._eos_ids = list(info.eos_token_ids)

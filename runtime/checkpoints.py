@@ -259,27 +259,35 @@ def expire(directory: Path, max_age_s: float, now: float | None = None) -> list[
     return removed
 
 
-def digest_files(paths: list[Path]) -> str:
-    """sha256 over the given files' names and contents (missing files count as absent)."""
-    h = hashlib.sha256()
-    for path in sorted(paths):
-        if path.is_file():
-            h.update(path.name.encode() + b"\0")
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-    return h.hexdigest()
+class CheckpointStore:
+    """One runtime's checkpoints: where they go and which model they belong to.
 
+    The KV store actor calls these from worker threads (they block on the disk).
+    """
 
-def model_digest(directory: Path) -> str:
-    """Identity of a model directory: its config and the names and sizes of its weight files
-    (hashing gigabytes of weights at every start would be too slow)."""
-    h = hashlib.sha256((directory / "config.json").read_bytes())
-    for weights in sorted(directory.glob("*.safetensors")):
-        h.update(f"{weights.name}:{weights.stat().st_size}".encode())
-    return h.hexdigest()
+    def __init__(self, directory: Path, *, model_id: str, tokenizer_id: str):
+        self.directory = directory
+        self.model_id = model_id
+        self.tokenizer_id = tokenizer_id
 
+    def write(self, request: GenerateRequest, prompt_ids: list[int], seed: int, max_tokens: int, stop_token_ids: list[int], data) -> None:
+        """Write a request's captured state (`protocols.model.CheckpointData`) atomically."""
+        header = CheckpointHeader(
+            model_id=self.model_id,
+            tokenizer_id=self.tokenizer_id,
+            request=request,
+            prompt_ids=prompt_ids,
+            seed=seed,
+            max_tokens=max_tokens,
+            stop_token_ids=stop_token_ids,
+            generated=data.generated,
+            num_kv_tokens=data.num_kv_tokens,
+            created_at=time.time(),
+        )
+        write_atomic(self.directory, data.request_id, encode(header, data.kv_tensors))
 
-def tokenizer_digest(directory: Path) -> str:
-    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
-    return digest_files([directory / name for name in names])
+    def delete(self, request_id: str) -> None:
+        delete(self.directory, request_id)
+
+    def expire(self, max_age_s: float) -> list[str]:
+        return expire(self.directory, max_age_s)

@@ -8,6 +8,7 @@ built-in models are cached), and config overrides `MLXRT_<SECTION>_<KEY>`
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 PREFIX = "MLXRT_"
 
@@ -24,3 +25,9 @@ def environment() -> dict[str, str]:
 def runtime_dir() -> str | None:
     """$XDG_RUNTIME_DIR: the per-user directory for sockets, when the system provides one."""
     return os.environ.get("XDG_RUNTIME_DIR")
+
+
+def home() -> Path:
+    """$MLXRT_HOME, else ~/.cache/mlxrt: where built-in models and checkpoints are kept."""
+    value = get("HOME")
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "mlxrt"

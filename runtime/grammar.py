@@ -28,7 +28,7 @@ import xgrammar as xgr
 from protocols.api import GenerateRequest
 from protocols.model import GrammarSpec
 from runtime.errors import InvalidRequestError, ServerBusyError
-from runtime.mlx_thread import loop_caller
+from actors.mlx_thread import loop_caller
 
 log = structlog.get_logger(actor="grammar")
 

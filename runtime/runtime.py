@@ -18,26 +18,29 @@ from dataclasses import dataclass
 import anyio
 import structlog
 
-from actors.kv_store import CheckpointSettings, KvLedger, KvStoreActor
+from actors.kv_store import KvStoreActor
+from actors.mailbox import EventChannel, ask
+from actors.mlx_thread import MlxThread
 from actors.model import ModelActor, ModelReady
 from actors.scheduler import SchedulerActor
-from actors.scheduling import SchedulePolicy
-from actors.output_parser import OutputParser
 from actors.session import SessionActor
+from policies.detokenize import make_detokenizer
+from policies.ledger import KvLedger
+from policies.output_parser import OutputParser
+from policies.scheduling import SchedulePolicy
 from protocols.api import Event, Finished, GenerateRequest
+from protocols.errors import error_for
 from protocols.kv import DrainFiles, GetKvStats, KvStats
 from protocols.model import ModelInfo
 from protocols.scheduler import AddRequest, CancelRequest, GetSchedulerStats, SchedulerStats
 from protocols.session import RequestRejected
-from runtime import blas
+from runtime import blas, env
 from runtime.admission import Admission, Prepared, checkpoint_directory_problem
+from runtime.checkpoints import CheckpointStore
 from runtime.config import RuntimeConfig
-from runtime.detokenize import make_detokenizer
-from protocols.errors import error_for
 from runtime.errors import ConfigError, DuplicateRequestError, RuntimeClosedError, ServerBusyError, single_errors
+from runtime.grammar import GrammarCache
 from runtime.logging import configure_logging
-from runtime.mailbox import EventChannel, ask
-from runtime.mlx_thread import MlxThread
 from runtime.progress import Progress
 
 log = structlog.get_logger(actor="runtime")
@@ -98,14 +101,21 @@ class Runtime:
 
     @classmethod
     async def _start_actors(cls, config: RuntimeConfig, thread: MlxThread, tg) -> Runtime:
-        directory = config.checkpoints.directory()
+        directory = config.checkpoint_directory()
         problem = await anyio.to_thread.run_sync(checkpoint_directory_problem, directory)
         if problem is not None:
             if config.checkpoints.every_tokens:
                 raise ConfigError(f"`checkpoints.every_tokens` is set but {problem}")
             log.warning("checkpoints_unavailable", reason=problem)
         progress = Progress("model")
-        model = ModelActor(config.model, thread, limits=config.limits, progress=progress)
+        limits = config.limits
+
+        def make_grammars(tokenizer, info: ModelInfo) -> GrammarCache:
+            return GrammarCache(
+                tokenizer, info.vocab_size, info.eos_token_ids, max_bytes=limits.grammar_cache_bytes, timeout_s=limits.grammar_compile_timeout_s
+            )
+
+        model = ModelActor(config.model, thread, builtin_root=env.home(), make_grammars=make_grammars, progress=progress)
         ready: ModelReady = await tg.start(model.run)
         progress.done(f"{ready.info.model_type} {ready.info.num_parameters / 1e6:.1f}M params, {ready.info.dtype} on {ready.info.device}")
         ledger = KvLedger(
@@ -115,13 +125,8 @@ class Runtime:
             prefix_min_tokens=config.kv.prefix_min_tokens,
         )
         info = ready.info
-        settings = None if problem is not None else CheckpointSettings(
-            directory=directory,
-            model_id=info.model_id,
-            tokenizer_id=info.tokenizer_id,
-            max_age_s=config.checkpoints.max_age_s,
-        )
-        kv = KvStoreActor(ledger, model=model.inbox, checkpoints=settings)
+        store = None if problem is not None else CheckpointStore(directory, model_id=info.model_id, tokenizer_id=info.tokenizer_id)
+        kv = KvStoreActor(ledger, model=model.inbox, checkpoints=store, max_age_s=config.checkpoints.max_age_s)
         await tg.start(kv.run)
         s = config.scheduler
         policy = SchedulePolicy(

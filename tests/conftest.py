@@ -30,3 +30,11 @@ def make_config(model: str = "builtin:tiny", **scheduler) -> RuntimeConfig:
 @pytest.fixture
 def tiny_config() -> RuntimeConfig:
     return make_config()
+
+
+def builtin_dir(name: str):
+    """A built-in model's directory under the tests' MLXRT_HOME (built on first use)."""
+    from engine.builtin import ensure_builtin
+    from runtime import env
+
+    return ensure_builtin(name, root=env.home())

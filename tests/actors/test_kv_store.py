@@ -13,9 +13,10 @@ import pytest
 # Imported first on purpose: importing actors.kv_store before the runtime package
 # fails with a circular import (see test_actor_module_imports_on_its_own).
 import runtime  # noqa: F401, I001
-from actors.kv_store import KvLedger, KvStoreActor
+from actors.kv_store import KvStoreActor
+from policies.ledger import KvLedger
 from protocols.kv import GetKvStats, KvReservation, KvStats, ReleaseKv, ReportKvUsage, ReserveKv
-from runtime.mailbox import ask
+from actors.mailbox import ask
 
 # -- KvLedger ------------------------------------------------------------------------
 
@@ -177,14 +178,14 @@ async def test_ending_deletes_a_checkpoint_written_by_an_earlier_process(tmp_pat
     """A resumed request may end before writing a checkpoint of its own; its old file goes too."""
     import anyio
 
-    from actors.kv_store import CheckpointSettings, KvStoreActor
+    from actors.kv_store import KvStoreActor
+    from actors.mailbox import ask
     from protocols.kv import DrainFiles, ReleaseKv
     from runtime import checkpoints
-    from runtime.mailbox import ask
 
     checkpoints.write_atomic(tmp_path, "old", b"bytes from a previous run")
-    settings = CheckpointSettings(directory=tmp_path, model_id="m", tokenizer_id="t", max_age_s=3600)
-    actor = KvStoreActor(KvLedger(bytes_per_token=1), checkpoints=settings)
+    store = checkpoints.CheckpointStore(tmp_path, model_id="m", tokenizer_id="t")
+    actor = KvStoreActor(KvLedger(bytes_per_token=1), checkpoints=store, max_age_s=3600)
     async with anyio.create_task_group() as tg:
         await tg.start(actor.run)
         await actor.inbox.send(ReleaseKv(request_id="kept", delete_checkpoint=False))

@@ -6,11 +6,12 @@ import mlx.core as mx
 from mlx_lm.generate import stream_generate
 from mlx_lm.utils import load
 
-from runtime.builtin import builtin_name, ensure_builtin
+from engine.builtin import builtin_name
+from tests.conftest import builtin_dir
 
 
 def load_reference(model: str):
-    model_obj, tokenizer = load(str(ensure_builtin(builtin_name(model))))
+    model_obj, tokenizer = load(str(builtin_dir(builtin_name(model))))
     model_obj.set_dtype(mx.float32)
     return model_obj, tokenizer
 

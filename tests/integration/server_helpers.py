@@ -1,6 +1,6 @@
 """Shared helpers for the `mlxrt serve` integration tests.
 
-`running_server` starts `python -m runtime.cli serve` as a subprocess on a fresh
+`running_server` starts `python -m tools.cli serve` as a subprocess on a fresh
 socket directory and stops it afterwards (SIGTERM, then SIGKILL). `RawConnection`
 speaks the wire protocol over a plain blocking socket, for tests that must send
 frames no `Client` would. The async helpers collect event streams and wait for a
@@ -26,7 +26,7 @@ import msgspec
 
 from protocols.api import Finished, PrefillProgress, TokenDelta
 from protocols.wire import PROTOCOL_VERSION, Hello, ServerMessage, Stats, Welcome
-from runtime.framing import HEADER, encode_frame
+from net.framing import HEADER, encode_frame
 from tests.conftest import CHUNK, REPO
 
 READY_TIMEOUT_S = 60.0
@@ -64,7 +64,7 @@ class ServerProcess:
         self._stderr_path = log_dir / f"{socket_path.stem}-{time.monotonic_ns()}.stderr"
         self._stderr = open(self._stderr_path, "wb")  # noqa: SIM115  (closed in stop())
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.cli", "serve", "--config", str(config), "--socket", str(socket_path)],
+            [sys.executable, "-m", "tools.cli", "serve", "--config", str(config), "--socket", str(socket_path)],
             cwd=REPO,
             env=dict(os.environ),
             stdin=subprocess.DEVNULL,

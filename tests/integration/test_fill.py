@@ -14,7 +14,7 @@ import safetensors.numpy
 
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta, ToolCall
 from runtime import InvalidRequestError, Runtime
-from runtime.builtin.models import ensure_builtin
+from tests.conftest import builtin_dir
 from tests.conftest import make_config
 from tests.integration.test_structured import CLOCK, WEATHER
 
@@ -63,7 +63,7 @@ def copying_model(tmp_path_factory) -> str:
     """The tiny model with its attention outputs zeroed: each token's logits then depend on
     that token alone, so greedy decoding repeats text it has seen, as a model asked to
     repeat earlier text does (a random model never copies anything)."""
-    source = ensure_builtin("tiny")
+    source = builtin_dir("tiny")
     target = tmp_path_factory.mktemp("copying")
     for path in source.iterdir():
         if path.suffix != ".safetensors":

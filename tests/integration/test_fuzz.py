@@ -18,8 +18,8 @@ import pytest
 
 from protocols.api import Finished, GenerateRequest
 from protocols.wire import PROTOCOL_VERSION, Error, GetStats, Hello
-from runtime.client import Client
-from runtime.framing import HEADER, encode_frame
+from net.client import Client
+from net.framing import HEADER, encode_frame
 from tests.integration.reference import greedy_tokens, load_reference
 from tests.integration.server_helpers import RawConnection, collect, running_server, wait_idle
 

@@ -18,10 +18,11 @@ import pytest
 
 from protocols.api import Finished, GenerateRequest, SamplingParams, TokenDelta
 from protocols.wire import Error, Generate, GetStats, Hello, Resume, Stats
+from engine.loader import model_digest, tokenizer_digest
 from runtime import checkpoints as ck
-from runtime.builtin import ensure_builtin
-from runtime.client import Client
-from runtime.framing import encode_frame
+from tests.conftest import builtin_dir
+from net.client import Client
+from net.framing import encode_frame
 from tests.conftest import CHUNK
 from tests.integration.reference import greedy_tokens, load_reference
 from tests.integration.server_helpers import RawConnection, collect, running_server, start_server, wait_idle
@@ -146,8 +147,8 @@ async def test_after_bad_grammars_the_server_serves_exactly(server, reference):
 
 
 def _ids() -> tuple[str, str]:
-    directory = ensure_builtin("tiny")
-    return ck.model_digest(directory), ck.tokenizer_digest(directory)
+    directory = builtin_dir("tiny")
+    return model_digest(directory), tokenizer_digest(directory)
 
 
 def _header(**changes) -> ck.CheckpointHeader:

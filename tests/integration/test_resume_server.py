@@ -16,7 +16,7 @@ import pytest
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
 from runtime import Runtime, RuntimeConfig
 from runtime.checkpoints import path_for
-from runtime.client import Client, ConnectionLostError
+from net.client import Client, ConnectionLostError
 from tests.integration.server_helpers import ServerProcess
 
 MAX_TOKENS = 64

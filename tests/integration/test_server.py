@@ -20,8 +20,8 @@ from protocols.kv import KvStats
 from protocols.scheduler import SchedulerStats
 from protocols.wire import PROTOCOL_VERSION, Cancel, Error, Generate, GetStats, Hello, Limits, ModelSummary, Stats, Welcome
 from runtime import InvalidRequestError, RequestTooLargeError, Runtime, ServerBusyError
-from runtime.client import Client
-from runtime.framing import FrameReader, encode_frame
+from net.client import Client
+from net.framing import FrameReader, encode_frame
 from tests.conftest import CHUNK, REPO, make_config
 from tests.integration.reference import greedy_tokens, load_reference
 from tests.integration.server_helpers import Outcome, RawConnection, collect, start_server, stop_all, wait_idle
@@ -262,7 +262,7 @@ CHILD = """
 import sys
 import anyio
 from protocols.api import GenerateRequest, TokenDelta
-from runtime.client import Client
+from net.client import Client
 
 async def main(path):
     async with Client.connect(path) as client:
@@ -451,8 +451,8 @@ async def test_refusing_a_request_of_a_departed_client_does_not_crash_the_server
 
 async def test_a_server_killed_mid_stream_surfaces_as_connection_lost(busy_server):
     """SIGKILL: no Finished can come; the client must say so with ConnectionLostError, not hang."""
-    from runtime import socket_path
-    from runtime.client import ConnectionLostError
+    from net import socket_path
+    from net.client import ConnectionLostError
 
     # Last user of busy_server: it does not survive this test.
     process = busy_server
@@ -545,7 +545,7 @@ async def test_client_survives_a_cancelled_stats_call(tmp_path):
     """
     from protocols.api import Usage
     from protocols.wire import ClientMessage
-    from runtime.client import MAX_FRAME_BYTES
+    from net.client import MAX_FRAME_BYTES
 
     path = tmp_path / "fake.sock"
 
@@ -617,7 +617,7 @@ async def test_client_survives_a_cancelled_stats_call(tmp_path):
 async def test_calls_on_a_lost_connection_raise_connection_lost(tmp_path):
     """After the server has gone, generate() and stats() say ConnectionLostError (a ServerError)."""
     from protocols.wire import ClientMessage
-    from runtime.client import MAX_FRAME_BYTES, ConnectionLostError
+    from net.client import MAX_FRAME_BYTES, ConnectionLostError
 
     path = tmp_path / "fake.sock"
     welcome = Welcome(

@@ -12,8 +12,8 @@ import pytest
 
 from protocols.api import Finished, GenerateRequest, TokenDelta
 from protocols.wire import Cancel, Error, Generate, GetStats, Hello, Stats
-from runtime.client import Client
-from runtime.framing import HEADER
+from net.client import Client
+from net.framing import HEADER
 from tests.conftest import CHUNK
 from tests.integration.reference import greedy_tokens, load_reference
 from tests.integration.server_helpers import RawConnection, collect, running_server, wait_idle

@@ -20,10 +20,10 @@ import pytest
 
 from protocols.api import GenerateRequest
 from runtime import Runtime
-from runtime.client import Client
+from net.client import Client
 from runtime.config import ServerConfig
-from runtime.server import Server
-from runtime.socket_path import SocketInUseError, SocketPathError
+from net.server import Server
+from net.socket_path import SocketInUseError, SocketPathError
 from tests.conftest import REPO, make_config
 from tests.integration.server_helpers import collect, write_config
 
@@ -122,7 +122,7 @@ async def test_mlxrt_serve_on_a_busy_or_unsafe_path_exits_2(tmp_path):
 
     async def serve(name: str, socket_path: Path) -> None:
         results[name] = await anyio.run_process(
-            [sys.executable, "-m", "runtime.cli", "serve", "--config", str(config), "--socket", str(socket_path)], cwd=REPO, check=False
+            [sys.executable, "-m", "tools.cli", "serve", "--config", str(config), "--socket", str(socket_path)], cwd=REPO, check=False
         )
 
     async with serving(path):
@@ -232,8 +232,8 @@ import msgspec
 
 from protocols.api import Finished, GenerateRequest, TokenDelta
 from protocols.wire import PROTOCOL_VERSION, Error, Hello, ServerMessage
-from runtime.client import Client, ServerError
-from runtime.framing import HEADER, encode_frame
+from net.client import Client, ServerError
+from net.framing import HEADER, encode_frame
 
 
 async def _warm():
@@ -344,8 +344,8 @@ async def test_client_connect_reports_a_refusal_that_beat_its_hello(tmp_path, mo
     """Regression (bug in 4251e0d..d2bc91e, fixed in be3bfab): Client.connect's Hello send raised anyio.BrokenResourceError when
     the server had already refused and closed, hiding the server's Error frame."""
     from protocols.wire import Error
-    from runtime.client import ServerError
-    from runtime.framing import encode_frame
+    from net.client import ServerError
+    from net.framing import encode_frame
 
     path = tmp_path / "refusing.sock"
     refused = anyio.Event()

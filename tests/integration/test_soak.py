@@ -17,7 +17,7 @@ import pytest
 
 from protocols.api import Finished, GenerateRequest, SamplingParams, TokenDelta
 from protocols.wire import Generate
-from runtime.client import Client
+from net.client import Client
 from runtime.errors import InvalidRequestError, ServerBusyError
 from tests.integration.reference import greedy_tokens, load_reference
 from tests.integration.server_helpers import RawConnection, collect, running_server, wait_idle

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from protocols.api import GenerateRequest
+from engine.loader import model_digest, tokenizer_digest
 from runtime import checkpoints as ck
 from runtime.errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignCheckpointError, InvalidRequestError, UnsupportedCheckpointError
 
@@ -225,7 +226,7 @@ def test_expiry_removes_old_files_only(tmp_path):
 def test_model_and_tokenizer_digests_change_with_content(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "tokenizer.json").write_text("{}")
-    model, tokenizer = ck.model_digest(tmp_path), ck.tokenizer_digest(tmp_path)
+    model, tokenizer = model_digest(tmp_path), tokenizer_digest(tmp_path)
     (tmp_path / "config.json").write_text('{"a": 1}')
     (tmp_path / "tokenizer.json").write_text('{"b": 1}')
-    assert ck.model_digest(tmp_path) != model and ck.tokenizer_digest(tmp_path) != tokenizer
+    assert model_digest(tmp_path) != model and tokenizer_digest(tmp_path) != tokenizer

@@ -10,14 +10,14 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from protocols.model import GrammarSpec
-from runtime.builtin import ensure_builtin
+from tests.conftest import builtin_dir
 from runtime.errors import InvalidRequestError, ServerBusyError
 from runtime.grammar import GrammarCache
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return load_tokenizer(ensure_builtin("tiny"))
+    return load_tokenizer(builtin_dir("tiny"))
 
 
 def schema(i: int, width: int = 4) -> GrammarSpec:

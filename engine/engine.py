@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import torch
@@ -30,6 +30,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 from protocols.api import TokenLogprob, TopLogprob
 from protocols.model import (
     AdmitRequest,
+    GrammarSpec,
     CheckpointData,
     PrefillReport,
     PrefillWork,
@@ -39,14 +40,22 @@ from protocols.model import (
     StepPlan,
 )
 from protocols.api import FillStats
-from runtime.engine.sampler import BatchSampler, RowSampling, SampleResult
-from runtime.fill import FillSession, Proposal, trace_record
-from runtime.grammar import GrammarCache
-from runtime.engine.slots import DecodeBatch, LayerGeometry, compile_decode_step
+from engine.sampler import BatchSampler, RowSampling, SampleResult
+from policies.fill import FillSession, Proposal, trace_record
+from engine.batch import DecodeBatch, LayerGeometry, compile_decode_step
 
 CLEAR_CACHE_EVERY = 256
 
 log = structlog.get_logger(actor="engine")
+
+
+class Grammars(Protocol):
+    """What the engine needs of the grammar compiler: matchers for grammars compiled (and
+    pinned) before their requests were admitted. It never compiles on the MLX thread."""
+
+    vocab_size: int
+
+    def matcher(self, spec: GrammarSpec) -> Any: ...
 
 
 class EngineInvariantError(RuntimeError):
@@ -119,7 +128,7 @@ class InFlight:
 class Engine:
     """Runs plans against one model. Not thread-safe: the MLX thread only."""
 
-    def __init__(self, model, geometry: list[LayerGeometry], grammars: GrammarCache | None = None, decode=None):
+    def __init__(self, model, geometry: list[LayerGeometry], grammars: Grammars | None = None, decode=None):
         self._model = model
         self._grammars = grammars
         # Token ids to text, for fast-forwarding's tool-call context and trace.

@@ -7,13 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from runtime.builtin import ensure_builtin
-from runtime.detokenize import make_detokenizer
+from tests.conftest import builtin_dir
+from policies.detokenize import make_detokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return load_tokenizer(ensure_builtin("tiny"))
+    return load_tokenizer(builtin_dir("tiny"))
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,4 +1,4 @@
-"""Tests for runtime.builtin: deterministic, cached, loadable random-weight models."""
+"""Tests for engine.builtin: deterministic, cached, loadable random-weight models."""
 
 from __future__ import annotations
 
@@ -21,17 +21,19 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 from tokenizers import Tokenizer
+
+from runtime import env
 from transformers import AutoTokenizer
 
-from runtime.builtin import (
+from engine.builtin import (
     BUILTIN_MODELS,
     BuiltinSpec,
     UnknownBuiltinModelError,
     builtin_name,
     ensure_builtin,
 )
-from runtime.builtin.models import MANIFEST, MODEL_FILES, _hf_config
-from runtime.builtin.tokenizer import ADDED_TOKENS, CONTROL_TOKENS, ENDOFTEXT, IM_END
+from engine.builtin.models import MANIFEST, MODEL_FILES, _hf_config
+from engine.builtin.tokenizer import ADDED_TOKENS, CONTROL_TOKENS, ENDOFTEXT, IM_END
 
 TINY_MODELS = ("tiny", "tiny-qwen2")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -220,16 +222,18 @@ def test_greedy_generation_is_not_degenerate(built: Built) -> None:
     assert len(set(tokens)) >= 3
 
 
-def test_default_root_comes_from_mlxrt_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_runtime_root_comes_from_mlxrt_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLXRT_HOME", str(tmp_path))
-    directory = ensure_builtin("tiny")
+    directory = ensure_builtin("tiny", root=env.home())
     assert directory.parent == tmp_path / "models"
     assert (directory / MANIFEST).is_file()
+    monkeypatch.delenv("MLXRT_HOME")
+    assert env.home() == Path.home() / ".cache" / "mlxrt"
 
 
 def test_concurrent_builders_both_get_a_valid_directory(built: Built, tmp_path: Path) -> None:
     script = (
-        "import sys; from runtime.builtin import ensure_builtin; "
+        "import sys; from engine.builtin import ensure_builtin; "
         "print(ensure_builtin('tiny', root=sys.argv[1], progress=lambda m: print('progress:', m)))"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}

@@ -8,8 +8,8 @@ import pytest
 
 from protocols.api import SamplingParams
 from protocols.model import AdmitRequest, PrefillWork, StepPlan
-from runtime.engine.engine import Engine, EngineInvariantError
-from runtime.engine.loader import probe_geometry
+from engine.engine import Engine, EngineInvariantError
+from engine.loader import probe_geometry
 from tests.integration.reference import greedy_tokens, load_reference
 
 CHUNK = 8
@@ -230,7 +230,7 @@ def _slot_batch(model, geometry, prompts: list[list[int]]):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from runtime.engine.slots import DecodeBatch
+    from engine.batch import DecodeBatch
 
     batch = DecodeBatch(geometry)
     for i, prompt in enumerate(prompts):
@@ -302,7 +302,7 @@ def test_the_compiled_one_token_step_matches_the_op_by_op_step(model_and_tokeniz
     """Same logits and greedy tokens, rows at different positions, across a capacity growth."""
     import mlx.core as mx
 
-    from runtime.engine.slots import LEN_STEP, compile_decode_step
+    from engine.batch import LEN_STEP, compile_decode_step
 
     model, tokenizer = model_and_tokenizer
     geometry = probe_geometry(model)

@@ -8,7 +8,7 @@ import pytest
 
 from protocols.api import GenerateRequest, TokenDelta
 from protocols.wire import ClientMessage, Generate, Hello, ServerMessage
-from runtime.framing import HEADER, FrameReader, FrameTooLarge, encode_frame
+from net.framing import HEADER, FrameReader, FrameTooLarge, encode_frame
 
 
 async def _reader_over(data: bytes, message_type, max_bytes: int = 1 << 20, chunk: int = 3) -> FrameReader:

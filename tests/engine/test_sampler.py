@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from protocols.api import SamplingParams
-from runtime.engine.sampler import BatchSampler, RowSampling, apply_filters, draw_key
+from engine.sampler import BatchSampler, RowSampling, apply_filters, draw_key
 
 VOCAB = 64
 

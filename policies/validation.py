@@ -15,8 +15,8 @@ from typing import Any
 
 from protocols.api import GenerateRequest, SamplingParams
 from protocols.model import ModelInfo
-from runtime.config import LimitsConfig
-from runtime.errors import InvalidRequestError, RequestTooLargeError
+from protocols.config import LimitsConfig
+from protocols.errors import InvalidRequestError, RequestTooLargeError
 
 MAX_TOP_LOGPROBS = 20
 MAX_PENALTY_CONTEXT = 4096

@@ -7,6 +7,7 @@ and returns the model, its tokenizer and a plain-data `ModelInfo`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -21,11 +22,10 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
 from protocols.model import ModelInfo
-from runtime.builtin import builtin_name, ensure_builtin
-from runtime.checkpoints import model_digest, tokenizer_digest
-from runtime.config import ModelConfig
-from runtime.engine.slots import LayerGeometry
-from runtime.errors import ModelLoadError
+from engine.builtin import builtin_name, ensure_builtin
+from protocols.config import ModelConfig
+from engine.batch import LayerGeometry
+from protocols.errors import ModelLoadError
 
 DEFAULT_CONTEXT = 4096
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -39,12 +39,12 @@ class LoadedModel:
     info: ModelInfo
 
 
-def resolve_model_path(path: str, progress: Callable[[str], None] | None = None) -> Path:
-    """A local directory for `path`, building a built-in model if named so."""
+def resolve_model_path(path: str, builtin_root: Path, progress: Callable[[str], None] | None = None) -> Path:
+    """A local directory for `path`, building a built-in model (under `builtin_root`) if named so."""
     name = builtin_name(path)
     if name is not None:
         try:
-            return ensure_builtin(name, progress=progress)
+            return ensure_builtin(name, root=builtin_root, progress=progress)
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
     directory = Path(path).expanduser()
@@ -53,9 +53,9 @@ def resolve_model_path(path: str, progress: Callable[[str], None] | None = None)
     return directory
 
 
-def load_model(config: ModelConfig, progress: Callable[[str], None] | None = None) -> LoadedModel:
+def load_model(config: ModelConfig, builtin_root: Path, progress: Callable[[str], None] | None = None) -> LoadedModel:
     started = time.perf_counter()
-    directory = resolve_model_path(config.path, progress)
+    directory = resolve_model_path(config.path, builtin_root, progress)
     if progress:
         progress(f"loading {directory}")
     try:
@@ -120,3 +120,29 @@ def probe_geometry(model: nn.Module) -> list[LayerGeometry]:
         LayerGeometry(num_heads=c.keys.shape[1], key_dim=c.keys.shape[3], value_dim=c.values.shape[3], dtype=c.keys.dtype)
         for c in cache
     ]
+
+
+def digest_files(paths: list[Path]) -> str:
+    """sha256 over the given files' names and contents (missing files count as absent)."""
+    h = hashlib.sha256()
+    for path in sorted(paths):
+        if path.is_file():
+            h.update(path.name.encode() + b"\0")
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+    return h.hexdigest()
+
+
+def model_digest(directory: Path) -> str:
+    """Identity of a model directory: its config and the names and sizes of its weight files
+    (hashing gigabytes of weights at every start would be too slow)."""
+    h = hashlib.sha256((directory / "config.json").read_bytes())
+    for weights in sorted(directory.glob("*.safetensors")):
+        h.update(f"{weights.name}:{weights.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def tokenizer_digest(directory: Path) -> str:
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+    return digest_files([directory / name for name in names])

@@ -34,7 +34,7 @@ import msgspec
 
 from protocols.api import FillStats, GenerateRequest
 from protocols.model import FillPlan, FillRow
-from runtime.errors import InvalidRequestError
+from protocols.errors import InvalidRequestError
 
 MODES = ("off", "strict", "echo")
 MAX_CONTEXT_TOKENS = 65_536

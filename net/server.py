@@ -36,10 +36,10 @@ from protocols.wire import (
     Welcome,
 )
 from protocols.errors import MlxrtError, error_code
-from runtime import socket_path
+from net import socket_path
 from runtime.config import ServerConfig
-from runtime.framing import FrameReader, FrameTooLarge, encode_frame
-from runtime.mailbox import LiveSet
+from net.framing import FrameReader, FrameTooLarge, encode_frame
+from actors.mailbox import LiveSet
 
 log = structlog.get_logger(actor="server")
 

@@ -1,4 +1,4 @@
-"""Tests for actors.stops.StopMatcher: stop strings over streamed text.
+"""Tests for policies.stops.StopMatcher: stop strings over streamed text.
 
 Streamed semantics (what the tests pin down): a stop is reported by the
 `feed` call whose chunk completes the first stop occurrence (the occurrence
@@ -17,7 +17,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.stops import StopMatcher
+from policies.stops import StopMatcher
 
 
 def run(stops: list[str], chunks: list[str]) -> tuple[str, str | None, int | None]:

@@ -1,4 +1,4 @@
-"""Tests for actors.scheduling: SchedulePolicy and Tracked, driven by a fake engine.
+"""Tests for policies.scheduling: SchedulePolicy and Tracked, driven by a fake engine.
 
 `FakeEngine` applies `StepPlan`s the way runtime/engine/engine.py does, minus
 the arrays: release, admit, prefill, then a pipelined decode. A request whose
@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.scheduling import Ended, Phase, SchedulePolicy, Tracked
+from policies.scheduling import Ended, Phase, SchedulePolicy, Tracked
 from protocols.api import SamplingParams
 from protocols.model import AdmitRequest, PrefillReport, RowOutput, StepOutcome, StepPlan
 from protocols.session import RequestTimeline
@@ -79,7 +79,7 @@ class FakeSeq:
 
 
 class FakeEngine:
-    """The plan-level behaviour of runtime.engine.engine.Engine, without MLX."""
+    """The plan-level behaviour of engine.engine.Engine, without MLX."""
 
     def __init__(self, tokens=default_token, *, sync_after_prefill: bool = False):
         self.tokens = tokens  # (request_id, index of the generated token) -> token id

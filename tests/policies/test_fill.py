@@ -6,7 +6,7 @@ import pytest
 
 from protocols import FillStats, GenerateRequest, SamplingParams
 from protocols.model import FillPlan
-from runtime.fill import EchoSource, FillSession, compile_plan, echo_refusal, refusal
+from policies.fill import EchoSource, FillSession, compile_plan, echo_refusal, refusal
 from tests.integration.reference import load_reference
 from tests.integration.test_structured import CLOCK, WEATHER
 

@@ -1,4 +1,4 @@
-"""Tests for runtime.mailbox: bounded inboxes, ask/answer, the coalescing session inbox."""
+"""Tests for actors.mailbox: bounded inboxes, ask/answer, the coalescing session inbox."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from protocols.api import TokenLogprob
 from protocols.base import Message, Reply
 from protocols.session import PrefillProgressed, RequestFinished, RequestRejected, RequestTimeline, TokensGenerated
-from runtime.mailbox import Mailbox, SessionMailbox, answer, ask
+from actors.mailbox import Mailbox, SessionMailbox, answer, ask
 
 
 class Ping(Message):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.scheduling import SchedulePolicy, Tracked
+from policies.scheduling import SchedulePolicy, Tracked
 from protocols.api import SamplingParams
 from protocols.model import AdmitRequest, StepOutcome
 

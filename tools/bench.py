@@ -23,7 +23,7 @@ import anyio
 
 from protocols.api import Finished, GenerateRequest, PrefillProgress, TokenDelta
 from runtime.config import RuntimeConfig
-from runtime.mlx_thread import MlxThread
+from actors.mlx_thread import MlxThread
 from runtime.progress import Progress
 
 

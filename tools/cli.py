@@ -19,7 +19,7 @@ import runtime  # noqa: F401  (fast BLAS before mlx loads)
 from protocols.api import Finished, GenerateRequest, PrefillProgress, SamplingParams, TokenDelta
 from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError, InvalidRequestError, MlxrtError, ServerBusyError
-from runtime.socket_path import SocketPathError
+from net.socket_path import SocketPathError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_REJECTED = 0, 1, 2, 3
 DEFAULT_CONFIG = "configs/default.toml"
@@ -147,7 +147,7 @@ async def _stream(config: RuntimeConfig, request: GenerateRequest, as_json: bool
 
 async def _stream_socket(path: str, request: GenerateRequest | str, as_json: bool) -> Finished | None:
     """Stream a new request, or resume the checkpointed request with this id."""
-    from runtime.client import Client
+    from net.client import Client
 
     async with Client.connect(path) as client:
         events = client.resume(request) if isinstance(request, str) else client.generate(request)
@@ -179,7 +179,7 @@ def _client(args) -> int:
 
 def _default_socket() -> str:
     from runtime import env
-    from runtime.socket_path import default_socket_path
+    from net.socket_path import default_socket_path
 
     return env.get("SERVER_SOCKET") or str(default_socket_path())
 
@@ -195,9 +195,9 @@ async def _serve_until_signal(config: RuntimeConfig) -> None:
     from pathlib import Path
 
     from runtime.runtime import Runtime
-    from runtime.server import Server
+    from net.server import Server
     from runtime.errors import single_errors
-    from runtime.socket_path import default_socket_path, prepare
+    from net.socket_path import default_socket_path, prepare
 
     path = Path(config.server.socket) if config.server.socket else default_socket_path()
     # Refuse an unsafe or busy socket path before spending time on the model.
@@ -235,7 +235,7 @@ def _demo(args) -> int:
 
 
 def _bench(args) -> int:
-    from runtime.bench import BenchOptions, dump, format_table, run_bench
+    from tools.bench import BenchOptions, dump, format_table, run_bench
 
     config = RuntimeConfig.load(args.config)
     options = BenchOptions(

@@ -3,7 +3,7 @@
 This module owns what the tokenizer *is* (a byte-level BPE trained deterministically
 on a fixed slice of the Python standard library, plus ChatML special tokens and a
 Qwen2.5-style chat template) and the Hugging Face files that describe it. Caching
-the trained result on disk is the caller's job (see ``runtime.builtin.models``).
+the trained result on disk is the caller's job (see ``engine.builtin.models``).
 """
 
 from __future__ import annotations

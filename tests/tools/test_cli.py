@@ -12,7 +12,7 @@ from tests.conftest import REPO
 
 def _mlxrt(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, MLXRT_HOME=os.environ["MLXRT_HOME"])
-    return subprocess.run([sys.executable, "-m", "runtime.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_config_check_and_show():

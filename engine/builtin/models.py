@@ -1,10 +1,10 @@
 """Built-in random-weight models: their specs and the on-disk cache that builds them.
 
-This module owns `BUILTIN_MODELS`, the cache layout under ``$MLXRT_HOME`` (default
-``~/.cache/mlxrt``), the lock-then-rename protocol that keeps builds atomic across
+This module owns `BUILTIN_MODELS`, the cache layout under a root directory (the runtime
+passes ``$MLXRT_HOME``, default ``~/.cache/mlxrt``), the lock-then-rename protocol that keeps builds atomic across
 processes, deterministic weight initialisation, and the config.json / manifest that
 make a directory loadable by ``mlx_lm.utils.load``. The tokenizer itself comes from
-``runtime.builtin.tokenizer``; here it is only trained on demand and cached.
+``engine.builtin.tokenizer``; here it is only trained on demand and cached.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-from runtime import env
-from runtime.builtin.tokenizer import (
+from engine.builtin.tokenizer import (
     CHAT_TEMPLATE,
     ENDOFTEXT,
     EOS_TOKENS,
@@ -144,20 +143,13 @@ def builtin_name(path: str) -> str | None:
     return None
 
 
-def default_root() -> Path:
-    """``$MLXRT_HOME`` if set, else ``~/.cache/mlxrt``."""
-    home = env.get("HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "mlxrt"
-
-
-def ensure_builtin(
-    name: str, root: Path | None = None, progress: Progress | None = None
-) -> Path:
-    """Return the directory of built-in model `name`, building it first if needed."""
+def ensure_builtin(name: str, *, root: Path | str, progress: Progress | None = None) -> Path:
+    """Return the directory of built-in model `name` under `root` (the runtime's
+    `MLXRT_HOME`), building it first if needed."""
     spec = BUILTIN_MODELS.get(name)
     if spec is None:
         raise UnknownBuiltinModelError(name)
-    root = Path(root) if root is not None else default_root()
+    root = Path(root)
     say = progress or (lambda _message: None)
     target = root / "models" / f"{spec.name}-{spec.digest()[:12]}"
     return _ensure_dir(target, MODEL_FILES, lambda tmp: _build_model(spec, root, tmp, say))
@@ -270,7 +262,7 @@ def _hf_config(spec: BuiltinSpec, eos_ids: list[int], pad_id: int) -> dict[str, 
 
 def _write_weights(spec: BuiltinSpec, config: dict[str, object], path: Path, say: Progress) -> int:
     """Initialise the model's parameters deterministically, save them, return the count."""
-    # Imported here so that `import runtime.builtin` (e.g. to parse a model name)
+    # Imported here so that `import engine.builtin` (e.g. to parse a model name)
     # stays cheap and does not load MLX.
     import mlx.core as mx
     from mlx.utils import tree_flatten

@@ -4,7 +4,7 @@
 (model + tokenizer with a ChatML chat template), building and caching it on first use.
 """
 
-from runtime.builtin.models import (
+from engine.builtin.models import (
     BUILTIN_MODELS,
     BuiltinSpec,
     UnknownBuiltinModelError,

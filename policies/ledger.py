@@ -1,0 +1,108 @@
+"""The KV budget's ledger: reservations and prefix entries against one byte budget.
+
+Pure decisions (no anyio, no mlx), driven by the KV store actor: whether a request's
+prompt plus generation fits, which saved prefix it starts from (pinned until it is
+admitted), which prefix entries to evict for room, and the figures `KvStats` reports.
+"""
+
+from __future__ import annotations
+
+from protocols.kv import KvReservation, KvStats
+from protocols.model import SavedPrefix
+from policies.prefix_index import PrefixIndex
+
+
+class KvLedger:
+    """Reservations and prefix entries against one byte budget (0 = unlimited)."""
+
+    def __init__(self, *, bytes_per_token: int, budget_bytes: int = 0, prefix_cache_bytes: int = 0, prefix_min_tokens: int = 1):
+        self.bytes_per_token = bytes_per_token
+        self.budget_bytes = budget_bytes
+        self.prefix_cache_bytes = prefix_cache_bytes
+        self.prefix_min_tokens = prefix_min_tokens
+        self.prefixes = PrefixIndex()
+        self._reserved: dict[str, int] = {}
+        self._live_tokens: dict[str, int] = {}
+        self._physical_bytes = 0
+        self._hits = 0
+        self._tokens_reused = 0
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(self._reserved.values()) * self.bytes_per_token
+
+    def reserve(
+        self, request_id: str, num_tokens: int, prompt_ids: list[int] = (), max_prefix_tokens: int = 0
+    ) -> tuple[KvReservation, list[str]]:
+        """A reservation, and the prefix entries evicted to make room for it.
+
+        The request's own prefix match is pinned before anything is evicted, and
+        entries are evicted only when that makes the request fit.
+        """
+        need = num_tokens * self.bytes_per_token
+        if self.budget_bytes and need > self.budget_bytes:
+            return KvReservation(request_id=request_id, granted=False, reason="never_fits"), []
+        match = self.prefixes.lookup(prompt_ids, max_prefix_tokens) if max_prefix_tokens > 0 else None
+        if match is not None:
+            self.prefixes.pin(match.entry_id)
+        evicted = []
+        if self.budget_bytes:
+            over = self.reserved_bytes + self.prefixes.num_bytes + need - self.budget_bytes
+            if over > 0 and self.reserved_bytes + need <= self.budget_bytes:
+                evicted = self.prefixes.evict(over)
+            if self.reserved_bytes + self.prefixes.num_bytes + need > self.budget_bytes:
+                if match is not None:
+                    self.prefixes.unpin(match.entry_id)
+                return KvReservation(request_id=request_id, granted=False, reason="no_room"), evicted
+        self._reserved[request_id] = num_tokens
+        if match is None:
+            return KvReservation(request_id=request_id, granted=True), evicted
+        self._hits += 1
+        self._tokens_reused += match.num_tokens
+        return KvReservation(request_id=request_id, granted=True, prefix_entry=match.entry_id, prefix_tokens=match.num_tokens), evicted
+
+    def release(self, request_id: str) -> None:
+        self._reserved.pop(request_id, None)
+        self._live_tokens.pop(request_id, None)
+
+    def unpin(self, entry_id: str) -> None:
+        self.prefixes.unpin(entry_id)
+
+    def save_prefixes(self, entries: list[SavedPrefix]) -> list[str]:
+        """Index what is worth keeping; returns the entry ids the engine should drop."""
+        dropped = []
+        for entry in entries:
+            keep = self.prefix_cache_bytes > 0 and len(entry.tokens) >= self.prefix_min_tokens
+            if not (keep and self.prefixes.insert(entry.entry_id, entry.tokens, entry.num_bytes)):
+                dropped.append(entry.entry_id)
+        over_cap = self.prefixes.num_bytes - self.prefix_cache_bytes
+        if over_cap > 0:
+            dropped += self.prefixes.evict(over_cap)
+        return dropped + self._make_room(0)
+
+    def record_usage(self, live_tokens: dict[str, int], physical_bytes: int) -> None:
+        self._live_tokens = dict(live_tokens)
+        self._physical_bytes = physical_bytes
+
+    def stats(self, **checkpoint_figures) -> KvStats:
+        live = sum(self._live_tokens.values())
+        return KvStats(
+            live_requests=len(self._live_tokens),
+            live_tokens=live,
+            live_bytes=live * self.bytes_per_token,
+            reserved_tokens=sum(self._reserved.values()),
+            physical_bytes=self._physical_bytes,
+            bytes_per_token=self.bytes_per_token,
+            budget_bytes=self.budget_bytes or None,
+            prefix_entries=len(self.prefixes),
+            prefix_bytes=self.prefixes.num_bytes,
+            prefix_hits=self._hits,
+            prefix_tokens_reused=self._tokens_reused,
+            **checkpoint_figures,
+        )
+
+    def _make_room(self, need: int) -> list[str]:
+        if not self.budget_bytes:
+            return []
+        over = self.reserved_bytes + self.prefixes.num_bytes + need - self.budget_bytes
+        return self.prefixes.evict(over) if over > 0 else []

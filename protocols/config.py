@@ -1,0 +1,127 @@
+"""The configuration's sections: frozen structs, each value's range stated on its type.
+
+Pure data. `runtime.config.RuntimeConfig` is the tree of these sections and loads it from
+TOML, the environment and flags; lower layers (the engine, the actors) take only the
+sections they need. Ranges are `msgspec.Meta` constraints, checked on every decode.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of every config table."""
+
+
+class ModelConfig(Section):
+    # A local mlx-lm model directory, or "builtin:<name>" (see engine.builtin).
+    path: Annotated[str, msgspec.Meta(min_length=1)]
+    # "auto": float32 on the CPU backend (BLAS-backed), the model's own dtype elsewhere.
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    # Longest prompt + generation; default: the model's max_position_embeddings.
+    max_context: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    trust_remote_code: bool = False
+
+
+class SchedulerConfig(Section):
+    # Requests decoded together in one batched step.
+    max_batch_size: Positive = 32
+    # Requests accepted but not yet admitted; beyond this, submissions are refused.
+    max_queued_requests: Positive = 256
+    # Prompt tokens a request forwards per step; running streams wait at most one
+    # chunk (attention over a long prefix makes big chunks slow on CPU).
+    prefill_chunk_size: Positive = 256
+    # Tokens (decode rows + prefill chunks) one step may process; 0 = 4 chunks + batch size.
+    step_token_budget: NonNegative = 0
+    # A request whose caller has not read for this long is cancelled (it was paused, holding
+    # its KV but no batch slot, since its caller fell behind); its stream ends `cancelled`.
+    max_pause_s: Seconds = 300.0
+
+
+class KvConfig(Section):
+    # Bytes of KV cache the runtime may hold, prefix cache included; 0 = no limit.
+    budget_bytes: NonNegative = 0
+    # Bytes the prefix cache may keep (least recently used entries go first); 0 disables it.
+    prefix_cache_bytes: NonNegative = 1 << 30
+    # Shorter sequences are not worth keeping.
+    prefix_min_tokens: NonNegative = 16
+
+
+class GenerationConfig(Section):
+    # max_tokens for requests that do not set it.
+    default_max_tokens: Positive = 256
+    # Jump-forward decoding for grammar requests that do not say (never with logprobs).
+    jump_forward: bool = False
+    # Token fast-forwarding for requests that do not say: "off", "strict" (tool-call scaffolds
+    # from the chat template) or "echo" (strict, plus spans copied from the context, kept as
+    # far as the model's greedy choice agrees). Never with a grammar or logprobs.
+    fill: Literal["off", "strict", "echo"] = "off"
+    # Longest span appended at once, and the anchor an echo span needs (tokens).
+    fill_max_span: Annotated[int, msgspec.Meta(ge=2)] = 32
+    fill_echo_k: Annotated[int, msgspec.Meta(ge=2)] = 8
+    # Append one JSON line per fast-forwarded span to this file ("" = no trace).
+    fill_trace: str = ""
+    # Seed of the generator that draws seeds for requests that do not set one.
+    seed: int | None = None
+
+
+class LimitsConfig(Section):
+    """What one request may ask for; beyond these it is refused before any compute."""
+
+    # Prompt text (or rendered chat) bytes; 0 = derived from the context: max_context times the
+    # longest token's bytes, so nothing refused could have fitted. Checked before tokenizing.
+    max_prompt_bytes: NonNegative = 0
+    # Stop strings per request, and their total bytes.
+    max_stop_strings: Positive = 64
+    max_stop_bytes: Positive = 8192
+    # Source bytes of a response_format or of a request's tools, and their nesting depth.
+    max_grammar_bytes: Positive = 65536
+    max_grammar_depth: Positive = 64
+    # Bytes of compiled grammars kept for reuse; a grammar whose compiled form alone exceeds
+    # this is refused. Compiling one may take at most `grammar_compile_timeout_s`.
+    grammar_cache_bytes: Positive = 512 * 1024 * 1024
+    grammar_compile_timeout_s: Seconds = 10.0
+
+
+class ServerConfig(Section):
+    # Unix socket path; "" = $XDG_RUNTIME_DIR/mlxrt/mlxrt.sock, else /tmp/mlxrt-<uid>/mlxrt.sock.
+    socket: str = ""
+    # "0600": owner only; "0660": also the owner's group (the directory becomes 0750).
+    socket_mode: Literal["0600", "0660"] = "0600"
+    # Peers with these uids may connect besides the server's own uid (Linux SO_PEERCRED).
+    allowed_uids: list[int] = msgspec.field(default_factory=list)
+    # Largest frame accepted from a client; the length prefix is checked before reading.
+    max_frame_bytes: Positive = 8 * 1024 * 1024
+    max_connections: Positive = 64
+    # Seconds a new connection has to send Hello.
+    handshake_timeout_s: Seconds = 10.0
+    # Seconds a client may leave a frame unread before the server drops the connection.
+    client_stall_timeout_s: Seconds = 60.0
+    # A connection with no live request that sends no complete frame for this long is closed.
+    idle_timeout_s: Seconds = 300.0
+    # Once a frame has begun, the rest of it must arrive within this many seconds.
+    frame_timeout_s: Seconds = 10.0
+    # Frames queued per connection before its requests wait for the client.
+    send_buffer_frames: Positive = 64
+
+
+class CheckpointConfig(Section):
+    # Where checkpoints are written; "" = $MLXRT_HOME/checkpoints (default ~/.cache/mlxrt/checkpoints).
+    dir: str = ""
+    # Default tokens between checkpoints for requests that do not say; 0 = off.
+    every_tokens: NonNegative = 0
+    # Checkpoints older than this are deleted (at start and hourly).
+    max_age_s: Seconds = 86400.0
+
+
+class LoggingConfig(Section):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    # "auto": human-readable on a terminal, JSON lines otherwise.
+    format: Literal["auto", "json", "console"] = "auto"

@@ -1,0 +1,1 @@
+"""The `mlxrt` command line and the benchmark against mlx-lm."""
