@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mlxrt-setup
 
-.PHONY: setup serve demo test bench clean
+.PHONY: setup serve demo test lint bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,12 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# ruff (lint and format) and mypy over the source packages.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 bench: setup
 	$(PY) -m tools.cli bench --config configs/bench.toml

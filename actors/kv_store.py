@@ -21,24 +21,22 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from actors.mailbox import Mailbox, answer
 from policies.ledger import KvLedger
+from protocols.base import Reply
 from protocols.kv import (
+    DrainFiles,
     GetKvStats,
     KvInbox,
-    KvReservation,
-    KvStats,
     PrefixesSaved,
     ReleaseKv,
     ReportKvUsage,
-    DrainFiles,
     ReserveKv,
     SaveCheckpoint,
     UnpinPrefix,
 )
-from protocols.base import Reply
-from protocols.model import DropPrefixes, SavedPrefix
+from protocols.model import DropPrefixes
 from protocols.scheduler import CheckpointWritten
-from actors.mailbox import Mailbox, answer
 
 log = structlog.get_logger(actor="kv_store")
 

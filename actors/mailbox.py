@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 import msgspec
@@ -53,11 +53,11 @@ class Mailbox(Generic[T]):
         return self._send.statistics()
 
 
-async def ask(mailbox: Mailbox, make: Callable[[Reply[R]], Message]) -> R:
-    """Send `make(reply)` and wait for the single answer sent to `reply`."""
-    send, receive = anyio.create_memory_object_stream[R](1)
+async def ask(mailbox: Mailbox, message_type: Callable[..., Message], **fields) -> Any:
+    """Send `message_type(reply=..., **fields)` and wait for the single answer to it."""
+    send, receive = anyio.create_memory_object_stream[Any](1)
     with send, receive:
-        await mailbox.send(make(send))
+        await mailbox.send(message_type(reply=send, **fields))
         return await receive.receive()
 
 

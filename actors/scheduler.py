@@ -15,6 +15,7 @@ import anyio
 import msgspec
 import structlog
 
+from actors.mailbox import Mailbox, answer, ask
 from policies.scheduling import Ended, SchedulePolicy, Tracked
 from protocols.kv import PrefixesSaved, ReleaseKv, ReportKvUsage, ReserveKv, SaveCheckpoint, UnpinPrefix
 from protocols.model import RunStep, StepFailed, StepOutcome
@@ -25,11 +26,10 @@ from protocols.scheduler import (
     FinishRequest,
     GetSchedulerStats,
     SchedulerInbox,
-    SetPaused,
     SchedulerStats,
+    SetPaused,
 )
 from protocols.session import PrefillProgressed, RequestFinished, RequestRejected, TokensGenerated
-from actors.mailbox import Mailbox, answer, ask
 
 log = structlog.get_logger(actor="scheduler")
 
@@ -87,7 +87,9 @@ class SchedulerActor:
     def _enqueue(self, message: AddRequest) -> None:
         rid = message.admit.request_id
         if self.policy.is_tracked(rid):
-            message.session.send_nowait(RequestRejected(request_id=rid, code="duplicate_request", message=f"request {rid!r} is still running", field="request_id"))
+            message.session.send_nowait(
+                RequestRejected(request_id=rid, code="duplicate_request", message=f"request {rid!r} is still running", field="request_id")
+            )
             return
         if not self.policy.can_enqueue():
             message.session.send_nowait(RequestRejected(request_id=rid, code="busy", message="admission queue is full"))
@@ -113,10 +115,7 @@ class SchedulerActor:
             rid, need, prompt = tracked.request_id, tracked.kv_tokens_needed, tracked.admit.prompt_ids
             # A resumed request brings its own cache; others may start from a saved prefix.
             max_prefix = 0 if tracked.admit.resume is not None else len(prompt) - 1
-            reservation = await ask(
-                self._kv,
-                lambda reply: ReserveKv(request_id=rid, num_tokens=need, reply=reply, prompt_ids=prompt, max_prefix_tokens=max_prefix),
-            )
+            reservation = await ask(self._kv, ReserveKv, request_id=rid, num_tokens=need, prompt_ids=prompt, max_prefix_tokens=max_prefix)
             if reservation.granted:
                 if reservation.prefix_entry is not None:
                     tracked.start_from_prefix(reservation.prefix_entry, reservation.prefix_tokens)
@@ -133,7 +132,7 @@ class SchedulerActor:
 
     async def _step(self) -> None:
         plan = self.policy.plan(time.monotonic())
-        result = await ask(self._model, lambda reply: RunStep(plan=plan, reply=reply))
+        result = await ask(self._model, RunStep, plan=plan)
         # The plan has run: the prefixes its admissions started from may be evicted now.
         for admit in plan.admit:
             if admit.prefix_entry is not None:
@@ -156,9 +155,7 @@ class SchedulerActor:
             if row.fill is not None and tracked is not None:
                 tracked.fill = row.fill
             if row.token_ids and tracked is not None and tracked.release_reason is None:
-                tracked.session.send_nowait(
-                    TokensGenerated(request_id=row.request_id, token_ids=row.token_ids, logprobs=row.logprobs)
-                )
+                tracked.session.send_nowait(TokensGenerated(request_id=row.request_id, token_ids=row.token_ids, logprobs=row.logprobs))
         for data in outcome.checkpoints:
             await self._save_checkpoint(data)
         for ended in self.policy.apply(outcome, time.monotonic()):
@@ -217,4 +214,3 @@ class SchedulerActor:
                 checkpoint=tracked.checkpoint_report(),
             )
         )
-

@@ -15,8 +15,10 @@ from typing import assert_never
 import anyio
 import structlog
 
-from policies.stops import StopMatcher
+from actors.mailbox import EventChannel, Mailbox, SessionMailbox
+from policies.detokenize import Detokenizer
 from policies.output_parser import OutputParser, Parsed
+from policies.stops import StopMatcher
 from protocols.api import FillStats, Finished, PrefillProgress, Timings, TokenDelta, ToolCall, Usage
 from protocols.scheduler import CancelRequest, FinishRequest, SetPaused
 from protocols.session import (
@@ -26,8 +28,6 @@ from protocols.session import (
     RequestTimeline,
     TokensGenerated,
 )
-from policies.detokenize import Detokenizer
-from actors.mailbox import EventChannel, Mailbox, SessionMailbox
 
 log = structlog.get_logger(actor="session")
 

@@ -21,17 +21,20 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
-import torch
-import structlog
 import numpy as np
 import safetensors.numpy
+import structlog
+import torch
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from protocols.api import TokenLogprob, TopLogprob
+from engine.batch import DecodeBatch, LayerGeometry, compile_decode_step
+from engine.sampler import BatchSampler, RowSampling, SampleResult
+from policies.fill import FillSession, Proposal, trace_record
+from protocols.api import FillStats, TokenLogprob, TopLogprob
 from protocols.model import (
     AdmitRequest,
-    GrammarSpec,
     CheckpointData,
+    GrammarSpec,
     PrefillReport,
     PrefillWork,
     RowOutput,
@@ -39,10 +42,6 @@ from protocols.model import (
     StepOutcome,
     StepPlan,
 )
-from protocols.api import FillStats
-from engine.sampler import BatchSampler, RowSampling, SampleResult
-from policies.fill import FillSession, Proposal, trace_record
-from engine.batch import DecodeBatch, LayerGeometry, compile_decode_step
 
 CLEAR_CACHE_EVERY = 256
 
@@ -291,9 +290,7 @@ class Engine:
         for layer, cache in enumerate(self._batch.extract(request_id)):
             tensors[f"keys_{layer}"] = np.array(cache.keys[..., :num_kv, :].astype(mx.float32))
             tensors[f"values_{layer}"] = np.array(cache.values[..., :num_kv, :].astype(mx.float32))
-        return CheckpointData(
-            request_id=request_id, generated=list(seq.generated), num_kv_tokens=num_kv, kv_tensors=safetensors.numpy.save(tensors)
-        )
+        return CheckpointData(request_id=request_id, generated=list(seq.generated), num_kv_tokens=num_kv, kv_tensors=safetensors.numpy.save(tensors))
 
     def _park(self, request_id: str) -> None:
         """Take a row out of the batch, keeping its KV; it rejoins once unparked."""

@@ -21,11 +21,11 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from protocols.model import ModelInfo
+from engine.batch import LayerGeometry
 from engine.builtin import builtin_name, ensure_builtin
 from protocols.config import ModelConfig
-from engine.batch import LayerGeometry
 from protocols.errors import ModelLoadError
+from protocols.model import ModelInfo
 
 DEFAULT_CONTEXT = 4096
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -116,10 +116,7 @@ def probe_geometry(model: nn.Module) -> list[LayerGeometry]:
         raise ModelLoadError(f"unsupported cache types for batched decoding: {sorted(unsupported)}")
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
-    return [
-        LayerGeometry(num_heads=c.keys.shape[1], key_dim=c.keys.shape[3], value_dim=c.values.shape[3], dtype=c.keys.dtype)
-        for c in cache
-    ]
+    return [LayerGeometry(num_heads=c.keys.shape[1], key_dim=c.keys.shape[3], value_dim=c.values.shape[3], dtype=c.keys.dtype) for c in cache]
 
 
 def digest_files(paths: list[Path]) -> str:

@@ -153,7 +153,7 @@ class BatchSampler:
         width = max([r.params.penalty_context_size for r in self.rows if r.has_penalty], default=1)
         old = None if self._window is None else self._window
         rows = []
-        for i, r in enumerate(self.rows):
+        for i in range(len(self.rows)):
             if i == len(self.rows) - 1:
                 tail = extra_context[-width:]
                 rows.append(mx.array([-1] * (width - len(tail)) + tail, dtype=mx.int32))

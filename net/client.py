@@ -20,12 +20,12 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream
 
-from protocols.api import Event, Finished, GenerateRequest, TokenDelta
-from protocols.wire import PROTOCOL_VERSION, Cancel, Error, Generate, GetStats, Hello, Resume, ServerMessage, Stats, Welcome
-from protocols.errors import ConnectionLostError, ServerError, error_for
-from runtime.errors import DuplicateRequestError, RequestTooLargeError, single_errors
-from net.framing import FrameReader, encode_frame
 from actors.mailbox import CoalescingInbox, join_optional
+from net.framing import FrameReader, encode_frame
+from protocols.api import Event, Finished, GenerateRequest, TokenDelta
+from protocols.errors import ConnectionLostError, ServerError, error_for
+from protocols.wire import PROTOCOL_VERSION, Cancel, Error, Generate, GetStats, Hello, Resume, ServerMessage, Stats, Welcome
+from runtime.errors import DuplicateRequestError, RequestTooLargeError, single_errors
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 

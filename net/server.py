@@ -20,7 +20,11 @@ import msgspec
 import structlog
 from anyio.abc import SocketAttribute, SocketStream, TaskGroup
 
+from actors.mailbox import LiveSet
+from net import socket_path
+from net.framing import FrameReader, FrameTooLarge, encode_frame
 from protocols.api import Finished
+from protocols.errors import MlxrtError, error_code
 from protocols.wire import (
     PROTOCOL_VERSION,
     Cancel,
@@ -35,11 +39,7 @@ from protocols.wire import (
     Stats,
     Welcome,
 )
-from protocols.errors import MlxrtError, error_code
-from net import socket_path
 from runtime.config import ServerConfig
-from net.framing import FrameReader, FrameTooLarge, encode_frame
-from actors.mailbox import LiveSet
 
 log = structlog.get_logger(actor="server")
 

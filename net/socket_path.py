@@ -46,10 +46,7 @@ def prepare(path: Path, socket_mode: int) -> None:
     if info.st_uid != os.getuid():
         raise SocketPathError(f"{directory} belongs to uid {info.st_uid}, not to this user")
     if stat.S_IMODE(info.st_mode) & ~wanted & 0o777:
-        raise SocketPathError(
-            f"{directory} is open to others (mode {stat.S_IMODE(info.st_mode):o}); "
-            f"put the socket in a private directory (mode {wanted:o})"
-        )
+        raise SocketPathError(f"{directory} is open to others (mode {stat.S_IMODE(info.st_mode):o}); put the socket in a private directory (mode {wanted:o})")
     if os.path.lexists(path):
         if not stat.S_ISSOCK(os.lstat(path).st_mode):
             raise SocketPathError(f"{path} exists and is not a socket")

@@ -33,8 +33,8 @@ from typing import Any, Literal
 import msgspec
 
 from protocols.api import FillStats, GenerateRequest
-from protocols.model import FillPlan, FillRow
 from protocols.errors import InvalidRequestError
+from protocols.model import FillPlan, FillRow
 
 MODES = ("off", "strict", "echo")
 MAX_CONTEXT_TOKENS = 65_536

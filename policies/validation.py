@@ -14,9 +14,9 @@ import math
 from typing import Any
 
 from protocols.api import GenerateRequest, SamplingParams
-from protocols.model import ModelInfo
 from protocols.config import LimitsConfig
 from protocols.errors import InvalidRequestError, RequestTooLargeError
+from protocols.model import ModelInfo
 
 MAX_TOP_LOGPROBS = 20
 MAX_PENALTY_CONTEXT = 4096
@@ -71,7 +71,11 @@ def validate_sampling(s: SamplingParams) -> None:
         ("repetition_penalty", s.repetition_penalty > 0 and math.isfinite(s.repetition_penalty), "a finite number > 0"),
         ("presence_penalty", math.isfinite(s.presence_penalty), "finite"),
         ("frequency_penalty", math.isfinite(s.frequency_penalty), "finite"),
-        ("penalty_context_size", isinstance(s.penalty_context_size, int) and 1 <= s.penalty_context_size <= MAX_PENALTY_CONTEXT, f"an integer in [1, {MAX_PENALTY_CONTEXT}]"),
+        (
+            "penalty_context_size",
+            isinstance(s.penalty_context_size, int) and 1 <= s.penalty_context_size <= MAX_PENALTY_CONTEXT,
+            f"an integer in [1, {MAX_PENALTY_CONTEXT}]",
+        ),
     ]
     for name, ok, expected in checks:
         if not ok:
@@ -155,9 +159,7 @@ def effective_max_tokens(request: GenerateRequest, num_prompt: int, info: ModelI
     """max_tokens, capped so prompt + generation fits the context."""
     room = info.max_context - num_prompt
     if room < 1:
-        raise RequestTooLargeError(
-            f"prompt of {num_prompt} tokens leaves no room in the model's context of {info.max_context}", field="prompt"
-        )
+        raise RequestTooLargeError(f"prompt of {num_prompt} tokens leaves no room in the model's context of {info.max_context}", field="prompt")
     return min(request.max_tokens or default, room)
 
 

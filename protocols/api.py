@@ -17,7 +17,7 @@ from protocols.base import Message, Record
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
-class SamplingParams(Record):
+class SamplingParams(Record, frozen=True):
     """Per-request sampling; the defaults decode greedily (mlx-lm's defaults)."""
 
     temperature: float = 0.0
@@ -32,7 +32,7 @@ class SamplingParams(Record):
     seed: int | None = None
 
 
-class GenerateRequest(Record):
+class GenerateRequest(Record, frozen=True):
     """One generation. Exactly one of `prompt`, `prompt_ids`, `messages` is set."""
 
     prompt: str | None = None
@@ -77,12 +77,12 @@ class GenerateRequest(Record):
     fill: str | None = None
 
 
-class TopLogprob(Record):
+class TopLogprob(Record, frozen=True):
     token_id: int
     logprob: float
 
 
-class TokenLogprob(Record):
+class TokenLogprob(Record, frozen=True):
     """Log-probability of a generated token, with the most likely alternatives."""
 
     token_id: int
@@ -90,7 +90,7 @@ class TokenLogprob(Record):
     top: list[TopLogprob] | None = None
 
 
-class TokenDelta(Message):
+class TokenDelta(Message, frozen=True):
     """New tokens of one request and the text they completed.
 
     With tools, tool-call markup is reported as `ToolCall`s instead of text; a leading
@@ -104,7 +104,7 @@ class TokenDelta(Message):
     reasoning: str = ""
 
 
-class ToolCall(Message):
+class ToolCall(Message, frozen=True):
     """A complete tool call parsed from the output; `arguments` is a JSON object as text."""
 
     request_id: str
@@ -114,7 +114,7 @@ class ToolCall(Message):
     arguments: str
 
 
-class PrefillProgress(Message):
+class PrefillProgress(Message, frozen=True):
     """Prompt processing progress, sent only when the request asked for it."""
 
     request_id: str
@@ -122,13 +122,13 @@ class PrefillProgress(Message):
     total_tokens: int
 
 
-class Usage(Record):
+class Usage(Record, frozen=True):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
 
 
-class Timings(Record):
+class Timings(Record, frozen=True):
     """Seconds and rates measured by the runtime for one request."""
 
     queue_s: float = 0.0
@@ -138,7 +138,7 @@ class Timings(Record):
     decode_tokens_per_s: float = 0.0
 
 
-class FillStats(Record):
+class FillStats(Record, frozen=True):
     """What token fast-forwarding did for one request (`Finished.fill`)."""
 
     mode: str
@@ -164,7 +164,7 @@ class FillStats(Record):
     verify_rejected: int = 0
 
 
-class CheckpointReport(Record):
+class CheckpointReport(Record, frozen=True):
     """What became of a request's durable checkpoints (`Finished.checkpoint`), as known when
     it ended: writes confirmed, writes that failed, and the last failure's reason."""
 
@@ -173,7 +173,7 @@ class CheckpointReport(Record):
     error: str | None = None
 
 
-class Finished(Message):
+class Finished(Message, frozen=True):
     """The last event of every request."""
 
     request_id: str

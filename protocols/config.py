@@ -20,7 +20,7 @@ class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     """Base of every config table."""
 
 
-class ModelConfig(Section):
+class ModelConfig(Section, frozen=True):
     # A local mlx-lm model directory, or "builtin:<name>" (see engine.builtin).
     path: Annotated[str, msgspec.Meta(min_length=1)]
     # "auto": float32 on the CPU backend (BLAS-backed), the model's own dtype elsewhere.
@@ -30,7 +30,7 @@ class ModelConfig(Section):
     trust_remote_code: bool = False
 
 
-class SchedulerConfig(Section):
+class SchedulerConfig(Section, frozen=True):
     # Requests decoded together in one batched step.
     max_batch_size: Positive = 32
     # Requests accepted but not yet admitted; beyond this, submissions are refused.
@@ -45,7 +45,7 @@ class SchedulerConfig(Section):
     max_pause_s: Seconds = 300.0
 
 
-class KvConfig(Section):
+class KvConfig(Section, frozen=True):
     # Bytes of KV cache the runtime may hold, prefix cache included; 0 = no limit.
     budget_bytes: NonNegative = 0
     # Bytes the prefix cache may keep (least recently used entries go first); 0 disables it.
@@ -54,7 +54,7 @@ class KvConfig(Section):
     prefix_min_tokens: NonNegative = 16
 
 
-class GenerationConfig(Section):
+class GenerationConfig(Section, frozen=True):
     # max_tokens for requests that do not set it.
     default_max_tokens: Positive = 256
     # Jump-forward decoding for grammar requests that do not say (never with logprobs).
@@ -72,7 +72,7 @@ class GenerationConfig(Section):
     seed: int | None = None
 
 
-class LimitsConfig(Section):
+class LimitsConfig(Section, frozen=True):
     """What one request may ask for; beyond these it is refused before any compute."""
 
     # Prompt text (or rendered chat) bytes; 0 = derived from the context: max_context times the
@@ -90,7 +90,7 @@ class LimitsConfig(Section):
     grammar_compile_timeout_s: Seconds = 10.0
 
 
-class ServerConfig(Section):
+class ServerConfig(Section, frozen=True):
     # Unix socket path; "" = $XDG_RUNTIME_DIR/mlxrt/mlxrt.sock, else /tmp/mlxrt-<uid>/mlxrt.sock.
     socket: str = ""
     # "0600": owner only; "0660": also the owner's group (the directory becomes 0750).
@@ -112,7 +112,7 @@ class ServerConfig(Section):
     send_buffer_frames: Positive = 64
 
 
-class CheckpointConfig(Section):
+class CheckpointConfig(Section, frozen=True):
     # Where checkpoints are written; "" = $MLXRT_HOME/checkpoints (default ~/.cache/mlxrt/checkpoints).
     dir: str = ""
     # Default tokens between checkpoints for requests that do not say; 0 = off.
@@ -121,7 +121,7 @@ class CheckpointConfig(Section):
     max_age_s: Seconds = 86400.0
 
 
-class LoggingConfig(Section):
+class LoggingConfig(Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     # "auto": human-readable on a terminal, JSON lines otherwise.
     format: Literal["auto", "json", "console"] = "auto"

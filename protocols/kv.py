@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import msgspec
 
-from protocols.base import Message, Record, Reply
 from protocols.api import GenerateRequest
+from protocols.base import Message, Record, Reply
 from protocols.model import CheckpointData, SavedPrefix
 from protocols.scheduler import CheckpointWritten
 
 
-class KvReservation(Record):
+class KvReservation(Record, frozen=True):
     request_id: str
     granted: bool
     # Why not, when not granted: "never_fits" or "no_room".
@@ -24,7 +24,7 @@ class KvReservation(Record):
     prefix_tokens: int = 0
 
 
-class KvStats(Record):
+class KvStats(Record, frozen=True):
     live_requests: int
     live_tokens: int
     live_bytes: int
@@ -42,7 +42,7 @@ class KvStats(Record):
     checkpoints_failed: int = 0
 
 
-class ReserveKv(Message):
+class ReserveKv(Message, frozen=True):
     """Reserve room for a request's prompt plus its whole generation, and look up
     the longest saved prefix of `prompt_ids` (at most `max_prefix_tokens`)."""
 
@@ -53,19 +53,19 @@ class ReserveKv(Message):
     max_prefix_tokens: int = 0
 
 
-class UnpinPrefix(Message):
+class UnpinPrefix(Message, frozen=True):
     """The request that looked this entry up has been admitted with it."""
 
     entry_id: str
 
 
-class PrefixesSaved(Message):
+class PrefixesSaved(Message, frozen=True):
     """The engine kept these requests' KV; index them (or have them dropped)."""
 
     entries: list[SavedPrefix]
 
 
-class ReleaseKv(Message):
+class ReleaseKv(Message, frozen=True):
     """The request's caches are gone; forget its reservation and usage."""
 
     request_id: str
@@ -73,7 +73,7 @@ class ReleaseKv(Message):
     delete_checkpoint: bool = True
 
 
-class SaveCheckpoint(Message):
+class SaveCheckpoint(Message, frozen=True):
     """Write a request's decode state durably (atomically replacing the previous one)."""
 
     request: GenerateRequest
@@ -86,18 +86,18 @@ class SaveCheckpoint(Message):
     report: Reply[CheckpointWritten] | None = None
 
 
-class ReportKvUsage(Message):
+class ReportKvUsage(Message, frozen=True):
     """The engine's latest figures: KV tokens per live request, bytes overall."""
 
     live_tokens: dict[str, int]
     physical_bytes: int
 
 
-class GetKvStats(Message):
+class GetKvStats(Message, frozen=True):
     reply: Reply[KvStats]
 
 
-class DrainFiles(Message):
+class DrainFiles(Message, frozen=True):
     """Answer once every checkpoint write and delete asked for so far is done."""
 
     reply: Reply[bool]

@@ -36,7 +36,7 @@ class FillRow(Record, frozen=True):
     kind: str
 
 
-class FillPlan(Record):
+class FillPlan(Record, frozen=True):
     """A request's token fast-forwarding: strict rows, the echo source, and their clamps."""
 
     mode: str
@@ -59,7 +59,7 @@ class FillPlan(Record):
     trace_path: str | None = None
 
 
-class ResumeState(Record):
+class ResumeState(Record, frozen=True):
     """Where a checkpointed request left off: its cache covers the prompt and all
     `generated` tokens but the last, which is the pending input of the next step."""
 
@@ -69,7 +69,7 @@ class ResumeState(Record):
     kv_tensors: bytes
 
 
-class AdmitRequest(Record):
+class AdmitRequest(Record, frozen=True):
     """A request entering the engine; no compute happens until it is prefilled."""
 
     request_id: str
@@ -101,7 +101,7 @@ class AdmitRequest(Record):
         return self.prompt_ids + self.resume.generated if self.resume is not None else self.prompt_ids
 
 
-class SavedPrefix(Record):
+class SavedPrefix(Record, frozen=True):
     """KV the engine kept when a request ended: `tokens` exactly cover it."""
 
     entry_id: str
@@ -109,7 +109,7 @@ class SavedPrefix(Record):
     num_bytes: int
 
 
-class CheckpointData(Record):
+class CheckpointData(Record, frozen=True):
     """A request's exact decode state, captured at a step boundary."""
 
     request_id: str
@@ -118,14 +118,14 @@ class CheckpointData(Record):
     kv_tensors: bytes
 
 
-class PrefillWork(Record):
+class PrefillWork(Record, frozen=True):
     """Forward the next `num_tokens` prompt tokens of one request into its cache."""
 
     request_id: str
     num_tokens: int
 
 
-class StepPlan(Record):
+class StepPlan(Record, frozen=True):
     """What one engine step does, in this order: release, admit, park/unpark,
     prefill, decode, then checkpoints of the rows still decoding."""
 
@@ -141,7 +141,7 @@ class StepPlan(Record):
     unpark: list[str] = msgspec.field(default_factory=list)
 
 
-class RowOutput(Record):
+class RowOutput(Record, frozen=True):
     """Tokens a request produced in a step, and whether it ended there."""
 
     request_id: str
@@ -154,13 +154,13 @@ class RowOutput(Record):
     fill: FillStats | None = None
 
 
-class PrefillReport(Record):
+class PrefillReport(Record, frozen=True):
     request_id: str
     processed_tokens: int
     total_tokens: int
 
 
-class StepOutcome(Record):
+class StepOutcome(Record, frozen=True):
     """Everything a step produced. Requests in `outputs` with a finish reason are gone."""
 
     outputs: list[RowOutput]
@@ -175,7 +175,7 @@ class StepOutcome(Record):
     checkpoints: list[CheckpointData] = msgspec.field(default_factory=list)
 
 
-class ModelInfo(Record):
+class ModelInfo(Record, frozen=True):
     """Facts about the loaded model that the async side needs."""
 
     path: str
@@ -198,18 +198,18 @@ class ModelInfo(Record):
     max_token_bytes: int = 0
 
 
-class StepFailed(Record):
+class StepFailed(Record, frozen=True):
     """The step raised; the engine dropped every request it held."""
 
     error: str
 
 
-class RunStep(Message):
+class RunStep(Message, frozen=True):
     plan: StepPlan
     reply: Reply[StepOutcome | StepFailed]
 
 
-class DropPrefixes(Message):
+class DropPrefixes(Message, frozen=True):
     """Forget these prefix entries (the KV store evicted them)."""
 
     entry_ids: list[str]

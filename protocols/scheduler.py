@@ -8,7 +8,7 @@ from protocols.model import AdmitRequest
 from protocols.session import SessionInbox
 
 
-class AddRequest(Message):
+class AddRequest(Message, frozen=True):
     """A validated, tokenized request and where its session listens."""
 
     admit: AdmitRequest
@@ -22,7 +22,7 @@ class AddRequest(Message):
     checkpoint_every: int = 0
 
 
-class CancelRequest(Message):
+class CancelRequest(Message, frozen=True):
     """Stop the request at the next step boundary; it ends `cancelled`."""
 
     request_id: str
@@ -30,20 +30,20 @@ class CancelRequest(Message):
     keep_checkpoint: bool = False
 
 
-class SetPaused(Message):
+class SetPaused(Message, frozen=True):
     """The request's caller is (or is no longer) behind: stop (or restart) decoding it."""
 
     request_id: str
     paused: bool
 
 
-class FinishRequest(Message):
+class FinishRequest(Message, frozen=True):
     """The session saw a stop string: end the request as `stop`."""
 
     request_id: str
 
 
-class CheckpointWritten(Message):
+class CheckpointWritten(Message, frozen=True):
     """The KV store's answer to a `SaveCheckpoint`: written, or failed and why."""
 
     request_id: str
@@ -51,7 +51,7 @@ class CheckpointWritten(Message):
     error: str | None = None
 
 
-class SchedulerStats(Record):
+class SchedulerStats(Record, frozen=True):
     waiting: int
     prefilling: int
     decoding: int
@@ -61,7 +61,7 @@ class SchedulerStats(Record):
     paused: int = 0
 
 
-class GetSchedulerStats(Message):
+class GetSchedulerStats(Message, frozen=True):
     reply: Reply[SchedulerStats]
 
 

@@ -7,7 +7,7 @@ from protocols.base import Message, Record
 from protocols.errors import ErrorCode
 
 
-class RequestTimeline(Record):
+class RequestTimeline(Record, frozen=True):
     """Monotonic timestamps (seconds) the scheduler took for one request."""
 
     submitted: float
@@ -17,19 +17,19 @@ class RequestTimeline(Record):
     last_token: float | None = None
 
 
-class TokensGenerated(Message):
+class TokensGenerated(Message, frozen=True):
     request_id: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
 
 
-class PrefillProgressed(Message):
+class PrefillProgressed(Message, frozen=True):
     request_id: str
     processed_tokens: int
     total_tokens: int
 
 
-class RequestFinished(Message):
+class RequestFinished(Message, frozen=True):
     """The scheduler is done with the request; no message follows this one."""
 
     request_id: str
@@ -42,7 +42,7 @@ class RequestFinished(Message):
     checkpoint: CheckpointReport | None = None
 
 
-class RequestRejected(Message):
+class RequestRejected(Message, frozen=True):
     """The request was never admitted (queue full, can never fit)."""
 
     request_id: str

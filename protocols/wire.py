@@ -18,30 +18,30 @@ PROTOCOL_VERSION = 1
 # -- client -> server --------------------------------------------------------------
 
 
-class Hello(Message):
+class Hello(Message, frozen=True):
     """The first frame of every connection."""
 
     protocol_version: int
     client: str = ""
 
 
-class Generate(Message):
+class Generate(Message, frozen=True):
     """Start a request; `request.request_id` is required and names its events."""
 
     request: GenerateRequest
 
 
-class Resume(Message):
+class Resume(Message, frozen=True):
     """Continue a checkpointed request; its events follow as for `Generate`."""
 
     request_id: str
 
 
-class Cancel(Message):
+class Cancel(Message, frozen=True):
     request_id: str
 
 
-class GetStats(Message):
+class GetStats(Message, frozen=True):
     pass
 
 
@@ -51,7 +51,7 @@ ClientMessage = Hello | Generate | Resume | Cancel | GetStats
 # -- server -> client --------------------------------------------------------------
 
 
-class ModelSummary(Record):
+class ModelSummary(Record, frozen=True):
     path: str
     model_type: str
     vocab_size: int
@@ -59,20 +59,20 @@ class ModelSummary(Record):
     eos_token_ids: list[int]
 
 
-class Limits(Record):
+class Limits(Record, frozen=True):
     max_frame_bytes: int
     max_batch_size: int
     max_queued_requests: int
     default_max_tokens: int
 
 
-class Welcome(Message):
+class Welcome(Message, frozen=True):
     protocol_version: int
     model: ModelSummary
     limits: Limits
 
 
-class Error(Message):
+class Error(Message, frozen=True):
     code: ErrorCode
     message: str
     request_id: str | None = None
@@ -80,7 +80,7 @@ class Error(Message):
     field: str | None = None
 
 
-class Stats(Message):
+class Stats(Message, frozen=True):
     scheduler: SchedulerStats
     kv: KvStats
     live_requests: int

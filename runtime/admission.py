@@ -22,10 +22,11 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from policies import fill
+from policies import validation as requests
 from protocols.api import FillStats, GenerateRequest
 from protocols.model import AdmitRequest, GrammarSpec, ModelInfo, ResumeState
 from runtime import checkpoints
-from policies import fill, validation as requests
 from runtime.config import RuntimeConfig
 from runtime.errors import CorruptCheckpointError, InternalError, InvalidRequestError, MlxrtError, ServerBusyError
 from runtime.grammar import GrammarCache, grammar_spec
@@ -141,7 +142,15 @@ class Admission:
             return None, FillStats(mode=mode, refused=reason)
         g = self._config.generation
         compile_plan = functools.partial(
-            fill.compile_plan, request, mode, self._tokenizer, prompt_ids, stop_ids, max_span=g.fill_max_span, echo_k=g.fill_echo_k, trace_path=g.fill_trace or None
+            fill.compile_plan,
+            request,
+            mode,
+            self._tokenizer,
+            prompt_ids,
+            stop_ids,
+            max_span=g.fill_max_span,
+            echo_k=g.fill_echo_k,
+            trace_path=g.fill_trace or None,
         )
         return await anyio.to_thread.run_sync(compile_plan)
 

@@ -50,7 +50,7 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,200}$")
 HEADER_BYTES = 16 * 1024 * 1024
 
 
-class CheckpointHeader(Record):
+class CheckpointHeader(Record, frozen=True):
     model_id: str
     tokenizer_id: str
     request: GenerateRequest
@@ -70,9 +70,7 @@ class CheckpointDirError(CheckpointError):
 def check_request_id(request_id: str) -> None:
     """Raises `InvalidRequestError` for an id that cannot name a checkpoint file."""
     if not isinstance(request_id, str) or not _SAFE_ID.match(request_id):
-        raise InvalidRequestError(
-            f"request_id {request_id!r} cannot name a checkpoint file (1-200 letters, digits, . _ : @ -)", field="request_id"
-        )
+        raise InvalidRequestError(f"request_id {request_id!r} cannot name a checkpoint file (1-200 letters, digits, . _ : @ -)", field="request_id")
 
 
 def path_for(directory: Path, request_id: str) -> Path:

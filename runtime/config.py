@@ -43,7 +43,7 @@ __all__ = [
 SECTIONS = ("model", "scheduler", "kv", "generation", "limits", "logging", "server", "checkpoints")
 
 
-class RuntimeConfig(Section):
+class RuntimeConfig(Section, frozen=True):
     model: ModelConfig
     scheduler: SchedulerConfig = SchedulerConfig()
     kv: KvConfig = KvConfig()
@@ -54,9 +54,7 @@ class RuntimeConfig(Section):
     checkpoints: CheckpointConfig = CheckpointConfig()
 
     @classmethod
-    def load(
-        cls, path: str | Path, *, environ: Mapping[str, str] | None = None, overrides: Mapping[str, object] | None = None
-    ) -> RuntimeConfig:
+    def load(cls, path: str | Path, *, environ: Mapping[str, str] | None = None, overrides: Mapping[str, object] | None = None) -> RuntimeConfig:
         """A file, then `MLXRT_<SECTION>_<KEY>` variables, then `overrides` ("section.key": value)."""
         path = Path(path)
         try:

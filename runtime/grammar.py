@@ -25,10 +25,10 @@ import anyio.lowlevel
 import structlog
 import xgrammar as xgr
 
+from actors.mlx_thread import loop_caller
 from protocols.api import GenerateRequest
 from protocols.model import GrammarSpec
 from runtime.errors import InvalidRequestError, ServerBusyError
-from actors.mlx_thread import loop_caller
 
 log = structlog.get_logger(actor="grammar")
 
@@ -89,7 +89,7 @@ def _strict_strings(node: Any, field: str) -> Any:
     bounded = "minLength" in node or "maxLength" in node
     if node.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & node.keys():
         low, high = node.pop("minLength", 0), node.pop("maxLength", "")
-        node["pattern"] = r'^[^\x00-\x1f"\\]{%d,%s}$' % (low, high)
+        node["pattern"] = rf'^[^\x00-\x1f"\\]{{{low},{high}}}$'
     return node
 
 

@@ -224,8 +224,8 @@ class Runtime:
 
     async def stats(self) -> RuntimeStats:
         try:
-            scheduler = await ask(self._scheduler.inbox, lambda reply: GetSchedulerStats(reply=reply))
-            kv = await ask(self._kv.inbox, lambda reply: GetKvStats(reply=reply))
+            scheduler = await ask(self._scheduler.inbox, GetSchedulerStats)
+            kv = await ask(self._kv.inbox, GetKvStats)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
             raise RuntimeClosedError("the runtime is closed") from None
         return RuntimeStats(scheduler=scheduler, kv=kv, live_requests=len(self._sessions))
@@ -302,7 +302,7 @@ class Runtime:
         with anyio.move_on_after(SHUTDOWN_GRACE_S):
             await self._no_sessions.wait()
             # Pending checkpoint writes and deletes reach the disk before the actors stop.
-            await ask(self._kv.inbox, lambda reply: DrainFiles(reply=reply))
+            await ask(self._kv.inbox, DrainFiles)
 
 
 def _report_blas() -> None:

@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 
 import anyio
 
+from actors.mlx_thread import MlxThread
 from protocols.api import Finished, GenerateRequest, PrefillProgress, TokenDelta
 from runtime.config import RuntimeConfig
-from actors.mlx_thread import MlxThread
 from runtime.progress import Progress
 
 
@@ -155,7 +155,9 @@ async def _mlxrt_run(rt, prompts: list[list[int]], new_tokens: int, response_for
     start = time.perf_counter()
 
     async def one(i: int, prompt: list[int]) -> None:
-        request = GenerateRequest(prompt_ids=prompt, max_tokens=new_tokens, ignore_eos=response_format is None, response_format=response_format, jump_forward=False)
+        request = GenerateRequest(
+            prompt_ids=prompt, max_tokens=new_tokens, ignore_eos=response_format is None, response_format=response_format, jump_forward=False
+        )
         async for event in rt.generate(request):
             if isinstance(event, TokenDelta):
                 now = time.perf_counter() - start
@@ -292,7 +294,17 @@ def format_table(results: dict) -> str:
     rows = [f"{'workload':<14}{'metric':<26}{'mlxrt':>12}{'mlx-lm':>12}{'ratio':>8}"]
     for key in results["mlxrt"]:
         ours, ref = results["mlxrt"][key], results["mlx_lm"].get(key, {})
-        for metric in ("throughput_tok_s", "decode_tok_s_per_stream", "ttft_p50_s", "ttft_p99_s", "long_prefill_s", "short_ttft_s", "cold_ttft_s", "warm_ttft_s", "warm_cached_tokens"):
+        for metric in (
+            "throughput_tok_s",
+            "decode_tok_s_per_stream",
+            "ttft_p50_s",
+            "ttft_p99_s",
+            "long_prefill_s",
+            "short_ttft_s",
+            "cold_ttft_s",
+            "warm_ttft_s",
+            "warm_cached_tokens",
+        ):
             if metric in ours:
                 a, b = ours[metric], ref.get(metric, 0.0)
                 ratio = f"{a / b:8.2f}" if b else f"{'':>8}"

@@ -16,10 +16,10 @@ import anyio
 import msgspec
 
 import runtime  # noqa: F401  (fast BLAS before mlx loads)
+from net.socket_path import SocketPathError
 from protocols.api import Finished, GenerateRequest, PrefillProgress, SamplingParams, TokenDelta
 from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError, InvalidRequestError, MlxrtError, ServerBusyError
-from net.socket_path import SocketPathError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_REJECTED = 0, 1, 2, 3
 DEFAULT_CONFIG = "configs/default.toml"
@@ -178,8 +178,8 @@ def _client(args) -> int:
 
 
 def _default_socket() -> str:
-    from runtime import env
     from net.socket_path import default_socket_path
+    from runtime import env
 
     return env.get("SERVER_SOCKET") or str(default_socket_path())
 
@@ -194,10 +194,10 @@ def _serve(args) -> int:
 async def _serve_until_signal(config: RuntimeConfig) -> None:
     from pathlib import Path
 
-    from runtime.runtime import Runtime
     from net.server import Server
-    from runtime.errors import single_errors
     from net.socket_path import default_socket_path, prepare
+    from runtime.errors import single_errors
+    from runtime.runtime import Runtime
 
     path = Path(config.server.socket) if config.server.socket else default_socket_path()
     # Refuse an unsafe or busy socket path before spending time on the model.

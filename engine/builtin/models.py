@@ -99,29 +99,65 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     spec.name: spec
     for spec in (
         BuiltinSpec(
-            name="tiny", model_type="llama", hidden_size=64, num_hidden_layers=2,
-            intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=1024, max_position_embeddings=2048, rope_theta=10000.0,
-            tie_word_embeddings=True, seed=0, tokenizer=_TINY_TOKENIZER,
+            name="tiny",
+            model_type="llama",
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1024,
+            max_position_embeddings=2048,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            seed=0,
+            tokenizer=_TINY_TOKENIZER,
         ),
         BuiltinSpec(
-            name="tiny-qwen2", model_type="qwen2", hidden_size=64, num_hidden_layers=2,
-            intermediate_size=160, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=1024, max_position_embeddings=2048, rope_theta=1000000.0,
-            tie_word_embeddings=False, seed=1, tokenizer=_TINY_TOKENIZER,
+            name="tiny-qwen2",
+            model_type="qwen2",
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=160,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1024,
+            max_position_embeddings=2048,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+            seed=1,
+            tokenizer=_TINY_TOKENIZER,
         ),
         # SmolLM-135M shape.
         BuiltinSpec(
-            name="bench", model_type="llama", hidden_size=576, num_hidden_layers=30,
-            intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-            vocab_size=32768, max_position_embeddings=8192, rope_theta=10000.0,
-            tie_word_embeddings=True, seed=2, tokenizer=_BENCH_TOKENIZER,
+            name="bench",
+            model_type="llama",
+            hidden_size=576,
+            num_hidden_layers=30,
+            intermediate_size=1536,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=32768,
+            max_position_embeddings=8192,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            seed=2,
+            tokenizer=_BENCH_TOKENIZER,
         ),
         BuiltinSpec(
-            name="bench-qwen2", model_type="qwen2", hidden_size=512, num_hidden_layers=24,
-            intermediate_size=1408, num_attention_heads=8, num_key_value_heads=2,
-            vocab_size=32768, max_position_embeddings=8192, rope_theta=1000000.0,
-            tie_word_embeddings=False, seed=3, tokenizer=_BENCH_TOKENIZER,
+            name="bench-qwen2",
+            model_type="qwen2",
+            hidden_size=512,
+            num_hidden_layers=24,
+            intermediate_size=1408,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=32768,
+            max_position_embeddings=8192,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+            seed=3,
+            tokenizer=_BENCH_TOKENIZER,
         ),
     )
 }
@@ -139,7 +175,7 @@ class UnknownBuiltinModelError(ValueError):
 def builtin_name(path: str) -> str | None:
     """``"builtin:tiny"`` -> ``"tiny"``; anything else -> None."""
     if path.startswith(BUILTIN_PREFIX) and len(path) > len(BUILTIN_PREFIX):
-        return path[len(BUILTIN_PREFIX):]
+        return path[len(BUILTIN_PREFIX) :]
     return None
 
 
@@ -218,17 +254,19 @@ def _build_model(spec: BuiltinSpec, root: Path, out: Path, say: Progress) -> Non
     config = _hf_config(spec, eos_ids=[ids[t] for t in EOS_TOKENS], pad_id=ids[ENDOFTEXT])
     _write_json(out / "config.json", config)
     num_parameters = _write_weights(spec, config, out / "model.safetensors", say)
-    _write_json(out / MANIFEST, {
-        "format": BUILD_FORMAT,
-        "name": spec.name,
-        "spec_digest": spec.digest(),
-        "spec": dataclasses.asdict(spec),
-        "num_parameters": num_parameters,
-        "tokenizer_sha256": _sha256(out / "tokenizer.json"),
-        "weights_sha256": _sha256(out / "model.safetensors"),
-    })
-    say(f"built {spec.name!r} ({num_parameters / 1e6:.1f}M params) in "
-        f"{time.perf_counter() - started:.1f}s")
+    _write_json(
+        out / MANIFEST,
+        {
+            "format": BUILD_FORMAT,
+            "name": spec.name,
+            "spec_digest": spec.digest(),
+            "spec": dataclasses.asdict(spec),
+            "num_parameters": num_parameters,
+            "tokenizer_sha256": _sha256(out / "tokenizer.json"),
+            "weights_sha256": _sha256(out / "model.safetensors"),
+        },
+    )
+    say(f"built {spec.name!r} ({num_parameters / 1e6:.1f}M params) in {time.perf_counter() - started:.1f}s")
 
 
 def _hf_config(spec: BuiltinSpec, eos_ids: list[int], pad_id: int) -> dict[str, object]:

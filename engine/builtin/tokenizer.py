@@ -29,21 +29,76 @@ EOS_TOKENS: tuple[str, ...] = (IM_END, ENDOFTEXT)
 
 # Fixed, sorted list of stdlib sources, ~4 MB on CPython 3.11. Files that a given Python
 # lacks are skipped, so the trained vocabulary may differ between Python versions.
-CORPUS_FILES: tuple[str, ...] = tuple(sorted((
-    "_pydecimal.py", "argparse.py", "ast.py", "asyncio/base_events.py", "bisect.py",
-    "calendar.py", "collections/__init__.py", "configparser.py", "contextlib.py",
-    "copy.py", "csv.py", "dataclasses.py", "datetime.py", "difflib.py", "doctest.py",
-    "email/_header_value_parser.py", "email/message.py", "enum.py", "fractions.py",
-    "functools.py", "gettext.py", "glob.py", "heapq.py", "http/client.py",
-    "http/cookiejar.py", "http/server.py", "inspect.py", "ipaddress.py",
-    "json/decoder.py", "json/encoder.py", "locale.py", "logging/__init__.py",
-    "mailbox.py", "optparse.py", "os.py", "pathlib.py", "pdb.py", "pickle.py",
-    "pickletools.py", "pprint.py", "pydoc.py", "random.py", "shutil.py", "smtplib.py",
-    "socket.py", "ssl.py", "statistics.py", "string.py", "subprocess.py", "tarfile.py",
-    "tempfile.py", "textwrap.py", "threading.py", "tokenize.py", "traceback.py",
-    "turtle.py", "typing.py", "unittest/case.py", "unittest/mock.py", "urllib/parse.py",
-    "urllib/request.py", "xml/dom/minidom.py", "xml/etree/ElementTree.py", "zipfile.py",
-)))
+CORPUS_FILES: tuple[str, ...] = tuple(
+    sorted(
+        (
+            "_pydecimal.py",
+            "argparse.py",
+            "ast.py",
+            "asyncio/base_events.py",
+            "bisect.py",
+            "calendar.py",
+            "collections/__init__.py",
+            "configparser.py",
+            "contextlib.py",
+            "copy.py",
+            "csv.py",
+            "dataclasses.py",
+            "datetime.py",
+            "difflib.py",
+            "doctest.py",
+            "email/_header_value_parser.py",
+            "email/message.py",
+            "enum.py",
+            "fractions.py",
+            "functools.py",
+            "gettext.py",
+            "glob.py",
+            "heapq.py",
+            "http/client.py",
+            "http/cookiejar.py",
+            "http/server.py",
+            "inspect.py",
+            "ipaddress.py",
+            "json/decoder.py",
+            "json/encoder.py",
+            "locale.py",
+            "logging/__init__.py",
+            "mailbox.py",
+            "optparse.py",
+            "os.py",
+            "pathlib.py",
+            "pdb.py",
+            "pickle.py",
+            "pickletools.py",
+            "pprint.py",
+            "pydoc.py",
+            "random.py",
+            "shutil.py",
+            "smtplib.py",
+            "socket.py",
+            "ssl.py",
+            "statistics.py",
+            "string.py",
+            "subprocess.py",
+            "tarfile.py",
+            "tempfile.py",
+            "textwrap.py",
+            "threading.py",
+            "tokenize.py",
+            "traceback.py",
+            "turtle.py",
+            "typing.py",
+            "unittest/case.py",
+            "unittest/mock.py",
+            "urllib/parse.py",
+            "urllib/request.py",
+            "xml/dom/minidom.py",
+            "xml/etree/ElementTree.py",
+            "zipfile.py",
+        )
+    )
+)
 
 CHAT_TEMPLATE = r"""{%- macro render_content(content) -%}
     {%- if content is string -%}
@@ -130,11 +185,7 @@ class TokenizerSpec:
 def training_corpus(corpus_chars: int) -> list[str]:
     """The training text, split into lines; files missing in this Python are skipped."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [
-        (stdlib / rel).read_text(encoding="utf-8")
-        for rel in CORPUS_FILES
-        if (stdlib / rel).is_file()
-    ]
+    texts = [(stdlib / rel).read_text(encoding="utf-8") for rel in CORPUS_FILES if (stdlib / rel).is_file()]
     return "".join(texts)[:corpus_chars].splitlines(keepends=True)
 
 
@@ -151,10 +202,7 @@ def train_tokenizer(spec: TokenizerSpec) -> Tokenizer:
         special_tokens=[],
     )
     tokenizer.train_from_iterator(training_corpus(spec.corpus_chars), trainer=trainer)
-    tokenizer.add_tokens([
-        AddedToken(token, special=token in CONTROL_TOKENS, normalized=False)
-        for token in ADDED_TOKENS
-    ])
+    tokenizer.add_tokens([AddedToken(token, special=token in CONTROL_TOKENS, normalized=False) for token in ADDED_TOKENS])
     return tokenizer
 
 

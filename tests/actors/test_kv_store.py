@@ -8,15 +8,14 @@ from contextlib import closing
 from pathlib import Path
 
 import anyio
-import pytest
 
 # Imported first on purpose: importing actors.kv_store before the runtime package
 # fails with a circular import (see test_actor_module_imports_on_its_own).
-import runtime  # noqa: F401, I001
+import runtime  # noqa: F401
 from actors.kv_store import KvStoreActor
+from actors.mailbox import ask
 from policies.ledger import KvLedger
 from protocols.kv import GetKvStats, KvReservation, KvStats, ReleaseKv, ReportKvUsage, ReserveKv
-from actors.mailbox import ask
 
 # -- KvLedger ------------------------------------------------------------------------
 
@@ -117,22 +116,22 @@ async def test_kv_store_actor_through_its_inbox():
         async with anyio.create_task_group() as tg:
             await tg.start(actor.run)
 
-            granted = await ask(actor.inbox, lambda reply: ReserveKv(request_id="a", num_tokens=60, reply=reply))
+            granted = await ask(actor.inbox, ReserveKv, request_id="a", num_tokens=60)
             assert granted == KvReservation(request_id="a", granted=True)
-            refused = await ask(actor.inbox, lambda reply: ReserveKv(request_id="b", num_tokens=60, reply=reply))
+            refused = await ask(actor.inbox, ReserveKv, request_id="b", num_tokens=60)
             assert refused == KvReservation(request_id="b", granted=False, reason="no_room")
-            too_big = await ask(actor.inbox, lambda reply: ReserveKv(request_id="c", num_tokens=101, reply=reply))
+            too_big = await ask(actor.inbox, ReserveKv, request_id="c", num_tokens=101)
             assert too_big.reason == "never_fits"
 
             await actor.inbox.send(ReportKvUsage(live_tokens={"a": 25}, physical_bytes=1234))
-            stats = await ask(actor.inbox, lambda reply: GetKvStats(reply=reply))
+            stats = await ask(actor.inbox, GetKvStats)
             assert (stats.reserved_tokens, stats.live_tokens, stats.live_bytes) == (60, 25, 25 * 16)
             assert (stats.physical_bytes, stats.budget_bytes) == (1234, 1600)
 
             await actor.inbox.send(ReleaseKv(request_id="a"))
-            stats = await ask(actor.inbox, lambda reply: GetKvStats(reply=reply))
+            stats = await ask(actor.inbox, GetKvStats)
             assert (stats.reserved_tokens, stats.live_requests, stats.live_tokens) == (0, 0, 0)
-            granted = await ask(actor.inbox, lambda reply: ReserveKv(request_id="b", num_tokens=60, reply=reply))
+            granted = await ask(actor.inbox, ReserveKv, request_id="b", num_tokens=60)
             assert granted.granted
 
             tg.cancel_scope.cancel()
@@ -143,9 +142,7 @@ async def test_kv_store_actor_through_its_inbox():
 
 def test_actor_module_imports_on_its_own():
     repo = Path(__file__).resolve().parents[2]
-    result = subprocess.run(
-        [sys.executable, "-c", "import actors.kv_store"], cwd=repo, capture_output=True, text=True, timeout=60
-    )
+    result = subprocess.run([sys.executable, "-c", "import actors.kv_store"], cwd=repo, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
 
@@ -190,6 +187,6 @@ async def test_ending_deletes_a_checkpoint_written_by_an_earlier_process(tmp_pat
         await tg.start(actor.run)
         await actor.inbox.send(ReleaseKv(request_id="kept", delete_checkpoint=False))
         await actor.inbox.send(ReleaseKv(request_id="old", delete_checkpoint=True))
-        assert await ask(actor.inbox, lambda reply: DrainFiles(reply=reply))
+        assert await ask(actor.inbox, DrainFiles)
         assert not checkpoints.path_for(tmp_path, "old").exists()
         tg.cancel_scope.cancel()

@@ -10,10 +10,10 @@ from contextlib import closing
 import anyio
 import pytest
 
+from actors.mailbox import Mailbox, SessionMailbox, answer, ask
 from protocols.api import TokenLogprob
 from protocols.base import Message, Reply
 from protocols.session import PrefillProgressed, RequestFinished, RequestRejected, RequestTimeline, TokensGenerated
-from actors.mailbox import Mailbox, SessionMailbox, answer, ask
 
 
 class Ping(Message):
@@ -236,7 +236,7 @@ async def test_ask_answer_round_trip():
         with anyio.fail_after(2):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(responder)
-                results = [await ask(box, lambda reply, v=v: Ping(value=v, reply=reply)) for v in (1, 2, 21)]
+                results = [await ask(box, Ping, value=v) for v in (1, 2, 21)]
                 tg.cancel_scope.cancel()
     assert results == [2, 4, 42]
 
@@ -253,7 +253,7 @@ async def test_late_answer_after_ask_returned_does_not_raise():
         with anyio.fail_after(2):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(responder)
-                assert await ask(box, lambda reply: Ping(value=0, reply=reply)) == 1
+                assert await ask(box, Ping, value=0) == 1
     # ask closed its reply stream on return; a second answer is dropped quietly.
     answer(replies[0], 2)
     with pytest.raises(anyio.ClosedResourceError):

@@ -21,8 +21,6 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 from tokenizers import Tokenizer
-
-from runtime import env
 from transformers import AutoTokenizer
 
 from engine.builtin import (
@@ -34,6 +32,7 @@ from engine.builtin import (
 )
 from engine.builtin.models import MANIFEST, MODEL_FILES, _hf_config
 from engine.builtin.tokenizer import ADDED_TOKENS, CONTROL_TOKENS, ENDOFTEXT, IM_END
+from runtime import env
 
 TINY_MODELS = ("tiny", "tiny-qwen2")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -189,9 +188,7 @@ def test_chat_template_renders_tools_and_tool_calls(hf_tokenizer) -> None:
         {"role": "tool", "content": '{"temp_c": 21}'},
         {"role": "tool", "content": '{"temp_c": 19}'},
     ]
-    rendered = hf_tokenizer.apply_chat_template(
-        messages, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False
-    )
+    rendered = hf_tokenizer.apply_chat_template(messages, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False)
     assert rendered.startswith("<|im_start|>system\nYou are terse.\n\n# Tools\n")
     assert f"<tools>\n{json.dumps(WEATHER_TOOL)}\n</tools>" in rendered
     assert (
@@ -199,10 +196,7 @@ def test_chat_template_renders_tools_and_tool_calls(hf_tokenizer) -> None:
         '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n'
         "</tool_call><|im_end|>\n"
     ) in rendered
-    assert (
-        '<|im_start|>user\n<tool_response>\n{"temp_c": 21}\n</tool_response>\n'
-        '<tool_response>\n{"temp_c": 19}\n</tool_response><|im_end|>\n'
-    ) in rendered
+    assert ('<|im_start|>user\n<tool_response>\n{"temp_c": 21}\n</tool_response>\n<tool_response>\n{"temp_c": 19}\n</tool_response><|im_end|>\n') in rendered
     assert rendered.endswith("<|im_start|>assistant\n")
 
 
@@ -232,15 +226,16 @@ def test_the_runtime_root_comes_from_mlxrt_home(tmp_path: Path, monkeypatch: pyt
 
 
 def test_concurrent_builders_both_get_a_valid_directory(built: Built, tmp_path: Path) -> None:
-    script = (
-        "import sys; from engine.builtin import ensure_builtin; "
-        "print(ensure_builtin('tiny', root=sys.argv[1], progress=lambda m: print('progress:', m)))"
-    )
+    script = "import sys; from engine.builtin import ensure_builtin; print(ensure_builtin('tiny', root=sys.argv[1], progress=lambda m: print('progress:', m)))"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", script, str(tmp_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=REPO_ROOT,
         )
         for _ in range(2)
     ]

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from protocols.api import SamplingParams
-from protocols.model import AdmitRequest, PrefillWork, StepPlan
 from engine.engine import Engine, EngineInvariantError
 from engine.loader import probe_geometry
+from protocols.api import SamplingParams
+from protocols.model import AdmitRequest, PrefillWork, StepPlan
 from tests.integration.reference import greedy_tokens, load_reference
 
 CHUNK = 8
@@ -145,7 +145,7 @@ def test_stop_token_ends_without_delivering_it(engine, model_and_tokenizer):
         outcomes.append(driver.step(driver.plan()))
     assert driver.finish["a"] == "stop"
     assert driver.tokens["a"] == expected[: expected.index(stop)]
-    final = [row for o in outcomes for row in o.outputs if row.finish_reason][0]
+    final = next(row for o in outcomes for row in o.outputs if row.finish_reason)
     assert final.stop_token_id == stop and final.token_ids == []
 
 
@@ -180,7 +180,13 @@ def test_engine_refuses_other_threads(engine):
     import threading
 
     errors = []
-    thread = threading.Thread(target=lambda: errors.append(pytest.raises(EngineInvariantError, engine.step, StepPlan())))
+
+    def step_off_thread() -> None:
+        with pytest.raises(EngineInvariantError) as info:
+            engine.step(StepPlan())
+        errors.append(info.value)
+
+    thread = threading.Thread(target=step_off_thread)
     thread.start()
     thread.join()
     assert errors

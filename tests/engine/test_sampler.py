@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from protocols.api import SamplingParams
 from engine.sampler import BatchSampler, RowSampling, apply_filters, draw_key
+from protocols.api import SamplingParams
 
 VOCAB = 64
 

@@ -24,18 +24,16 @@ from pathlib import Path
 import anyio
 import msgspec
 
+from net.framing import HEADER, encode_frame
 from protocols.api import Finished, PrefillProgress, TokenDelta
 from protocols.wire import PROTOCOL_VERSION, Hello, ServerMessage, Stats, Welcome
-from net.framing import HEADER, encode_frame
 from tests.conftest import CHUNK, REPO
 
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 5.0
 
 
-def write_config(
-    directory: Path, *, scheduler: dict | None = None, server: dict | None = None, name: str = "server.toml", **sections: dict
-) -> Path:
+def write_config(directory: Path, *, scheduler: dict | None = None, server: dict | None = None, name: str = "server.toml", **sections: dict) -> Path:
     """A config for the tiny built-in model, matching `tests.conftest.make_config` unless overridden
     (other sections, e.g. `checkpoints={...}`, by keyword)."""
     tree = {

@@ -73,7 +73,7 @@ async def test_field_is_named(tiny_config):
 async def test_duplicate_request_id_is_rejected(tiny_config):
     async with Runtime.open(tiny_config) as rt:
         request = GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=200, ignore_eos=True, request_id="same")
-        async for event in rt.generate(request):
+        async for _event in rt.generate(request):
             await _expect_error(rt, request, InvalidRequestError)
             break
 

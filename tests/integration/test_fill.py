@@ -14,8 +14,7 @@ import safetensors.numpy
 
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta, ToolCall
 from runtime import InvalidRequestError, Runtime
-from tests.conftest import builtin_dir
-from tests.conftest import make_config
+from tests.conftest import builtin_dir, make_config
 from tests.integration.test_structured import CLOCK, WEATHER
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -45,7 +44,7 @@ async def test_strict_rows_append_the_scaffold_of_a_forced_tool_call(tiny_config
         for mode in ("off", "strict"):
             request = GenerateRequest(messages=MESSAGES, tools=tools, tool_choice="required", max_tokens=200, fill=mode, jump_forward=False)
             runs[mode] = await _run(rt, request)
-    (plain_ids, plain_calls, plain_end, plain_steps), (ids, calls, finished, steps) = runs["off"], runs["strict"]
+    (_, _, plain_end, plain_steps), (ids, calls, finished, steps) = runs["off"], runs["strict"]
     assert plain_end.fill is None
     stats = finished.fill
     assert stats.mode == "strict" and stats.refused is None
@@ -116,7 +115,9 @@ async def test_refusals_are_reported(tiny_config):
         assert finished.fill.refused and "grammar" in finished.fill.refused
         _, _, finished, _ = await _run(rt, GenerateRequest(prompt="x", max_tokens=8, fill="echo", logprobs=True))
         assert finished.fill.refused and "logprobs" in finished.fill.refused
-        ids, _, finished, _ = await _run(rt, GenerateRequest(prompt="x", max_tokens=8, ignore_eos=True, fill="echo", sampling=SamplingParams(temperature=0.7, seed=1)))
+        ids, _, finished, _ = await _run(
+            rt, GenerateRequest(prompt="x", max_tokens=8, ignore_eos=True, fill="echo", sampling=SamplingParams(temperature=0.7, seed=1))
+        )
         assert finished.fill.refused is None and "temperature" in finished.fill.echo_refused and len(ids) == 8
         with pytest.raises(InvalidRequestError) as info:
             await _run(rt, GenerateRequest(prompt="x", fill="sometimes"))

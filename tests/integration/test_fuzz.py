@@ -16,10 +16,10 @@ from collections import Counter
 import msgspec
 import pytest
 
-from protocols.api import Finished, GenerateRequest
-from protocols.wire import PROTOCOL_VERSION, Error, GetStats, Hello
 from net.client import Client
 from net.framing import HEADER, encode_frame
+from protocols.api import Finished, GenerateRequest
+from protocols.wire import PROTOCOL_VERSION, Error, GetStats, Hello
 from tests.integration.reference import greedy_tokens, load_reference
 from tests.integration.server_helpers import RawConnection, collect, running_server, wait_idle
 
@@ -52,7 +52,11 @@ class Fuzzer:
         if depth > 3 or kind in ("integer", "number", "boolean"):
             return {"type": kind if kind != "bad" else "nope", "minimum": rng.choice([0, "x", None])}
         if kind == "object":
-            return {"type": "object", "properties": {f"p{i}": self.schema(depth + 1) for i in range(rng.randrange(4))}, "required": rng.choice([[], ["p0"], "p0", [1]])}
+            return {
+                "type": "object",
+                "properties": {f"p{i}": self.schema(depth + 1) for i in range(rng.randrange(4))},
+                "required": rng.choice([[], ["p0"], "p0", [1]]),
+            }
         if kind == "array":
             return {"type": "array", "items": self.schema(depth + 1), "minItems": rng.choice([0, 2, -1, "2"])}
         if kind == "string":
@@ -65,35 +69,55 @@ class Fuzzer:
 
     def tool(self):
         rng = self.rng
-        return rng.choice([
-            {"type": "function", "function": {"name": rng.choice(["f", "", 3, None]), "parameters": self.schema()}},
-            {"type": "function", "function": "f"},
-            {"function": {"name": "g", "parameters": rng.choice([[1], "x", self.schema()])}},
-            "tool",
-        ])
+        return rng.choice(
+            [
+                {"type": "function", "function": {"name": rng.choice(["f", "", 3, None]), "parameters": self.schema()}},
+                {"type": "function", "function": "f"},
+                {"function": {"name": "g", "parameters": rng.choice([[1], "x", self.schema()])}},
+                "tool",
+            ]
+        )
 
     def generate(self) -> GenerateRequest | dict:
         rng = self.rng
         rid = self.request_id()
-        prompt = rng.choice([
-            {"prompt_ids": [rng.randrange(1024) for _ in range(rng.randrange(1, 40))]},
-            {"prompt_ids": [rng.randrange(-5, 5000) for _ in range(5)]},
-            {"prompt": "def f():" * rng.randrange(1, 30)},
-            {"messages": [{"role": "user", "content": "hi"}]},
-            {"messages": rng.choice([[], [1], [{"role": 3}], [{"content": [[[["deep"]]]]}]])},
-            {},
-        ])
-        extra = rng.choice([
-            {},
-            {"response_format": {"type": "json_schema", "json_schema": {"schema": self.schema()}}},
-            {"response_format": rng.choice([{"type": "regex", "pattern": "(("}, {"type": "grammar", "ebnf": "root ::= x"}, {"type": "json_object"}, "json", {"type": 5}])},
-            {"tools": [self.tool() for _ in range(rng.randrange(1, 3))], "tool_choice": rng.choice(["required", "auto", {"function": "f"}, {"function": None}, {"type": "function", "function": {"name": "f"}}, "x"]), "messages": [{"role": "user", "content": "hi"}]},
-            {"stop": rng.choice([["a"] * 100, ["\n"], [""], [3]])},
-            {"sampling": rng.choice([{"temperature": -1}, {"top_p": 0}, {"top_k": -3}, {"temperature": 0.8, "seed": 3}, {"seed": -1}, {"penalty_context_size": 10**9}])},
-            {"max_tokens": rng.choice([0, -1, 10**12, 5])},
-            {"checkpoint_every": rng.choice([-1, 2, "x"])},
-            {"top_logprobs": rng.choice([50, -1, 3]), "logprobs": True},
-        ])
+        prompt = rng.choice(
+            [
+                {"prompt_ids": [rng.randrange(1024) for _ in range(rng.randrange(1, 40))]},
+                {"prompt_ids": [rng.randrange(-5, 5000) for _ in range(5)]},
+                {"prompt": "def f():" * rng.randrange(1, 30)},
+                {"messages": [{"role": "user", "content": "hi"}]},
+                {"messages": rng.choice([[], [1], [{"role": 3}], [{"content": [[[["deep"]]]]}]])},
+                {},
+            ]
+        )
+        extra = rng.choice(
+            [
+                {},
+                {"response_format": {"type": "json_schema", "json_schema": {"schema": self.schema()}}},
+                {
+                    "response_format": rng.choice(
+                        [{"type": "regex", "pattern": "(("}, {"type": "grammar", "ebnf": "root ::= x"}, {"type": "json_object"}, "json", {"type": 5}]
+                    )
+                },
+                {
+                    "tools": [self.tool() for _ in range(rng.randrange(1, 3))],
+                    "tool_choice": rng.choice(
+                        ["required", "auto", {"function": "f"}, {"function": None}, {"type": "function", "function": {"name": "f"}}, "x"]
+                    ),
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+                {"stop": rng.choice([["a"] * 100, ["\n"], [""], [3]])},
+                {
+                    "sampling": rng.choice(
+                        [{"temperature": -1}, {"top_p": 0}, {"top_k": -3}, {"temperature": 0.8, "seed": 3}, {"seed": -1}, {"penalty_context_size": 10**9}]
+                    )
+                },
+                {"max_tokens": rng.choice([0, -1, 10**12, 5])},
+                {"checkpoint_every": rng.choice([-1, 2, "x"])},
+                {"top_logprobs": rng.choice([50, -1, 3]), "logprobs": True},
+            ]
+        )
         fields = {"request_id": rid, "max_tokens": rng.choice([2, 4, MAX_TOKENS]), **prompt, **extra}
         return {"type": "Generate", "request": fields}
 
@@ -154,7 +178,9 @@ def _run_connection(socket_path, data: bytes, ending: str, answers: Counter, fai
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     options = {"client_stall_timeout_s": 2.0, "idle_timeout_s": 5.0, "frame_timeout_s": 2.0, "max_connections": 80}
-    with running_server(tmp_path_factory.mktemp("fuzz"), server=options, scheduler={"max_batch_size": 8, "prefill_chunk_size": 16, "max_queued_requests": 64}) as process:
+    with running_server(
+        tmp_path_factory.mktemp("fuzz"), server=options, scheduler={"max_batch_size": 8, "prefill_chunk_size": 16, "max_queued_requests": 64}
+    ) as process:
         yield process
 
 

@@ -94,7 +94,9 @@ async def test_seeded_sampling_is_reproducible_under_load(tiny_config):
             for i in range(4):
                 tg.start_soon(run, i, GenerateRequest(prompt_ids=_prompt(5 + i, seed=i), max_tokens=30, sampling=SamplingParams(temperature=0.8)))
             tg.start_soon(run, "hot", hot)
-        other_seed, _ = await _events(rt, GenerateRequest(prompt_ids=hot.prompt_ids, max_tokens=24, ignore_eos=True, sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=99)))
+        other_seed, _ = await _events(
+            rt, GenerateRequest(prompt_ids=hot.prompt_ids, max_tokens=24, ignore_eos=True, sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=99))
+        )
     assert _tokens(results["hot"]) == _tokens(alone)
     assert _tokens(other_seed) != _tokens(alone)
 
@@ -103,7 +105,9 @@ async def test_penalties_reduce_repetition(tiny_config):
     prompt = _prompt(4)
     async with Runtime.open(tiny_config) as rt:
         plain, _ = await _events(rt, GenerateRequest(prompt_ids=prompt, max_tokens=60, ignore_eos=True))
-        penalised, _ = await _events(rt, GenerateRequest(prompt_ids=prompt, max_tokens=60, ignore_eos=True, sampling=SamplingParams(frequency_penalty=5.0, penalty_context_size=60)))
+        penalised, _ = await _events(
+            rt, GenerateRequest(prompt_ids=prompt, max_tokens=60, ignore_eos=True, sampling=SamplingParams(frequency_penalty=5.0, penalty_context_size=60))
+        )
     assert len(set(_tokens(penalised))) > len(set(_tokens(plain)))
 
 

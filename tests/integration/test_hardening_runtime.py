@@ -11,7 +11,7 @@ import anyio
 import msgspec
 import pytest
 
-from protocols import Finished, GenerateRequest, TokenDelta
+from protocols import GenerateRequest, TokenDelta
 from runtime import Runtime
 from runtime import checkpoints as ck
 from runtime.config import CheckpointConfig, LimitsConfig, SchedulerConfig
@@ -59,7 +59,7 @@ async def test_a_prompt_too_large_for_the_context_is_refused_without_tokenizing(
 async def test_stop_strings_beyond_the_limits_are_refused(tiny_config):
     config = _with(tiny_config, limits=LimitsConfig(max_stop_strings=8, max_stop_bytes=64))
     async with Runtime.open(config) as rt:
-        for stop in (["s%d" % i for i in range(9)], ["x" * 65]):
+        for stop in ([f"s{i}" for i in range(9)], ["x" * 65]):
             with pytest.raises(InvalidRequestError) as info:
                 async for _ in rt.generate(GenerateRequest(prompt="x", stop=stop)):
                     pass

@@ -6,7 +6,6 @@ server is alive and still serves the reference output to another client.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -16,14 +15,13 @@ import anyio
 import msgspec
 import pytest
 
-from protocols.api import Finished, GenerateRequest, SamplingParams, TokenDelta
-from protocols.wire import Error, Generate, GetStats, Hello, Resume, Stats
 from engine.loader import model_digest, tokenizer_digest
-from runtime import checkpoints as ck
-from tests.conftest import builtin_dir
 from net.client import Client
 from net.framing import encode_frame
-from tests.conftest import CHUNK
+from protocols.api import GenerateRequest, SamplingParams
+from protocols.wire import Error, Generate, GetStats, Resume
+from runtime import checkpoints as ck
+from tests.conftest import CHUNK, builtin_dir
 from tests.integration.reference import greedy_tokens, load_reference
 from tests.integration.server_helpers import RawConnection, collect, running_server, start_server, wait_idle
 
@@ -99,7 +97,10 @@ async def test_a_burst_never_read_drops_only_that_connection(server, reference):
 
 # -- 2. requests that break grammar preparation ------------------------------------------
 
-TOOL_BAD_MIN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string", "minLength": "x"}}, "required": ["a"]}}}
+TOOL_BAD_MIN = {
+    "type": "function",
+    "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string", "minLength": "x"}}, "required": ["a"]}},
+}
 TOOL_OK = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -112,14 +113,20 @@ def _nested(levels: int) -> dict:
 
 
 BAD_REQUESTS = {
-    "min-length-string": (dict(prompt="x", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "string", "minLength": "x"}}}), "response_format"),
+    "min-length-string": (
+        dict(prompt="x", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "string", "minLength": "x"}}}),
+        "response_format",
+    ),
     "schema-600-deep": (dict(prompt="x", response_format={"type": "json_schema", "json_schema": {"schema": _nested(600)}}), "response_format"),
     "tool-choice-function-string": (dict(messages=CHAT, tools=[TOOL_OK], tool_choice={"function": "f"}), "tool_choice"),
     "tool-choice-function-null": (dict(messages=CHAT, tools=[TOOL_OK], tool_choice={"function": None}), "tool_choice"),
     "tool-choice-unknown-word": (dict(messages=CHAT, tools=[TOOL_OK], tool_choice="sometimes"), "tool_choice"),
     "tool-min-length-required": (dict(messages=CHAT, tools=[TOOL_BAD_MIN], tool_choice="required"), "tools"),
     "tool-parameters-list": (dict(messages=CHAT, tools=[{"type": "function", "function": {"name": "f", "parameters": [1]}}], tool_choice="required"), "tools"),
-    "unresolvable-ref": (dict(prompt="x", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}), "response_format"),
+    "unresolvable-ref": (
+        dict(prompt="x", response_format={"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}),
+        "response_format",
+    ),
     "broken-regex": (dict(prompt="x", response_format={"type": "regex", "pattern": "(("}), "response_format"),
     "broken-ebnf": (dict(prompt="x", response_format={"type": "grammar", "ebnf": "root ::= undefined_rule"}), "response_format"),
 }
@@ -299,12 +306,11 @@ async def test_idle_and_half_frame_connections_are_closed(server, reference):
 def test_a_connection_with_a_live_request_is_not_idle(tmp_path):
     """A client whose request is still running sends no frame for longer than the idle timeout:
     it is kept (here its request is paused, the client not reading, for 3 idle timeouts)."""
-    with running_server(tmp_path, server={"idle_timeout_s": IDLE_S}) as process:
-        with RawConnection(process.socket, timeout=30) as raw:
-            raw.hello()
-            raw.send(Generate(request=GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=1500, ignore_eos=True, request_id="long")))
-            time.sleep(3 * IDLE_S)
-            tokens, finished = raw.read_until_finished("long")
+    with running_server(tmp_path, server={"idle_timeout_s": IDLE_S}) as process, RawConnection(process.socket, timeout=30) as raw:
+        raw.hello()
+        raw.send(Generate(request=GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=1500, ignore_eos=True, request_id="long")))
+        time.sleep(3 * IDLE_S)
+        tokens, finished = raw.read_until_finished("long")
     assert finished.finish_reason == "length" and len(tokens) == 1500
 
 

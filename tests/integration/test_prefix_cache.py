@@ -129,7 +129,7 @@ async def test_request_that_can_never_fit_is_refused():
     async with Runtime.open(_config(budget_bytes=50 * bytes_per_token)) as rt:
         with pytest.raises(RequestTooLargeError):
             await _run(rt, _ids(40, 30), max_tokens=20)
-        tokens, finished = await _run(rt, _ids(10, 31), max_tokens=20)
+        _, finished = await _run(rt, _ids(10, 31), max_tokens=20)
         assert finished.finish_reason in ("length", "stop")
 
 
@@ -143,6 +143,6 @@ async def test_snapshot_at_keeps_the_system_prompt_while_the_request_runs():
                 break
         stats = (await rt.stats()).kv
         assert stats.prefix_entries == 1
-        tokens, finished = await _run(rt, system + _ids(5, 42))
+        _, finished = await _run(rt, system + _ids(5, 42))
         assert finished.usage.cached_tokens == len(system)
         await first.aclose()

@@ -95,7 +95,7 @@ async def test_resume_errors_are_typed(tmp_path):
                 pass
         assert info.value.field == "request_id"
         # The runtime keeps serving.
-        deltas, finished = await _tokens(rt.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=4)))
+        _, finished = await _tokens(rt.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=4)))
         assert finished.finish_reason in ("length", "stop")
 
 

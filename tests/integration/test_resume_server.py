@@ -13,10 +13,10 @@ import anyio
 import msgspec
 import pytest
 
+from net.client import Client, ConnectionLostError
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
 from runtime import Runtime, RuntimeConfig
 from runtime.checkpoints import path_for
-from net.client import Client, ConnectionLostError
 from tests.integration.server_helpers import ServerProcess
 
 MAX_TOKENS = 64

@@ -15,13 +15,13 @@ import time
 import anyio
 import pytest
 
+from net.client import Client
+from net.framing import FrameReader, encode_frame
 from protocols.api import Finished, GenerateRequest, PrefillProgress, SamplingParams, TokenDelta
 from protocols.kv import KvStats
 from protocols.scheduler import SchedulerStats
 from protocols.wire import PROTOCOL_VERSION, Cancel, Error, Generate, GetStats, Hello, Limits, ModelSummary, Stats, Welcome
 from runtime import InvalidRequestError, RequestTooLargeError, Runtime, ServerBusyError
-from net.client import Client
-from net.framing import FrameReader, encode_frame
 from tests.conftest import CHUNK, REPO, make_config
 from tests.integration.reference import greedy_tokens, load_reference
 from tests.integration.server_helpers import Outcome, RawConnection, collect, start_server, stop_all, wait_idle
@@ -212,7 +212,9 @@ async def test_cancel_storm_leaves_nothing_behind(server, references):
     victims = set(rng.sample(range(n), n // 2))
     # Where each victim is cancelled: at its first prefill progress report, or after k tokens.
     cancel_at = {i: "prefill" if rng.random() < 0.25 else rng.randint(1, 100) for i in victims}
-    prompts = [[rng.randrange(1000) for _ in range(rng.randint(3 * CHUNK, 6 * CHUNK) if cancel_at.get(i) == "prefill" else rng.randint(1, 50))] for i in range(n)]
+    prompts = [
+        [rng.randrange(1000) for _ in range(rng.randint(3 * CHUNK, 6 * CHUNK) if cancel_at.get(i) == "prefill" else rng.randint(1, 50))] for i in range(n)
+    ]
     results: dict[int, tuple[Outcome, bool]] = {}
 
     async with Client.connect(server.socket) as a, Client.connect(server.socket) as b:
@@ -543,9 +545,9 @@ async def test_client_survives_a_cancelled_stats_call(tmp_path):
     Regression (bug in 4251e0d..d2bc91e, fixed in be3bfab): Client.stats left `_stats` pointing at its closed stream, so the late
     Stats made `_route` raise ClosedResourceError, silently ending the client's read loop.
     """
+    from net.client import MAX_FRAME_BYTES
     from protocols.api import Usage
     from protocols.wire import ClientMessage
-    from net.client import MAX_FRAME_BYTES
 
     path = tmp_path / "fake.sock"
 
@@ -616,8 +618,8 @@ async def test_client_survives_a_cancelled_stats_call(tmp_path):
 
 async def test_calls_on_a_lost_connection_raise_connection_lost(tmp_path):
     """After the server has gone, generate() and stats() say ConnectionLostError (a ServerError)."""
-    from protocols.wire import ClientMessage
     from net.client import MAX_FRAME_BYTES, ConnectionLostError
+    from protocols.wire import ClientMessage
 
     path = tmp_path / "fake.sock"
     welcome = Welcome(

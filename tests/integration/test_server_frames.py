@@ -10,10 +10,10 @@ from collections import Counter
 import msgspec
 import pytest
 
-from protocols.api import Finished, GenerateRequest, TokenDelta
-from protocols.wire import Cancel, Error, Generate, GetStats, Hello, Stats
 from net.client import Client
 from net.framing import HEADER
+from protocols.api import Finished, GenerateRequest, TokenDelta
+from protocols.wire import Cancel, Error, Generate, GetStats, Hello, Stats
 from tests.conftest import CHUNK
 from tests.integration.reference import greedy_tokens, load_reference
 from tests.integration.server_helpers import RawConnection, collect, running_server, wait_idle
@@ -334,9 +334,7 @@ def test_deeply_nested_msgpack_is_an_invalid_message(server):
         raw.hello()
         raw.send_body(body)
         answer = raw.read()
-        assert isinstance(answer, Error) and answer.code == "invalid_message", (
-            f"got {answer!r}; server exit code {process.wait_exit(5)}:\n{process.stderr()}"
-        )
+        assert isinstance(answer, Error) and answer.code == "invalid_message", f"got {answer!r}; server exit code {process.wait_exit(5)}:\n{process.stderr()}"
         raw.send(GetStats())
         assert isinstance(raw.read(), Stats)
     with RawConnection(process.socket) as raw:  # the same frame instead of Hello

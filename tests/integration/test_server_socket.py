@@ -18,12 +18,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from protocols.api import GenerateRequest
-from runtime import Runtime
 from net.client import Client
-from runtime.config import ServerConfig
 from net.server import Server
 from net.socket_path import SocketInUseError, SocketPathError
+from protocols.api import GenerateRequest
+from runtime import Runtime
+from runtime.config import ServerConfig
 from tests.conftest import REPO, make_config
 from tests.integration.server_helpers import collect, write_config
 
@@ -89,9 +89,8 @@ async def test_a_stale_socket_is_replaced(tmp_path):
     stale.listen()
     stale.close()  # the file stays, nobody listens
     assert stat.S_ISSOCK(os.lstat(path).st_mode)
-    with pytest.raises(ConnectionRefusedError):
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            probe.connect(str(path))
+    with pytest.raises(ConnectionRefusedError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.connect(str(path))
     async with serving(path):
         await _answers(path)
     assert not os.path.lexists(path)
@@ -343,9 +342,9 @@ async def test_a_peer_with_another_uid_is_refused(shared_dir, tmp_path):
 async def test_client_connect_reports_a_refusal_that_beat_its_hello(tmp_path, monkeypatch):
     """Regression (bug in 4251e0d..d2bc91e, fixed in be3bfab): Client.connect's Hello send raised anyio.BrokenResourceError when
     the server had already refused and closed, hiding the server's Error frame."""
-    from protocols.wire import Error
     from net.client import ServerError
     from net.framing import encode_frame
+    from protocols.wire import Error
 
     path = tmp_path / "refusing.sock"
     refused = anyio.Event()

@@ -15,9 +15,9 @@ import anyio
 import msgspec
 import pytest
 
+from net.client import Client
 from protocols.api import Finished, GenerateRequest, SamplingParams, TokenDelta
 from protocols.wire import Generate
-from net.client import Client
 from runtime.errors import InvalidRequestError, ServerBusyError
 from tests.integration.reference import greedy_tokens, load_reference
 from tests.integration.server_helpers import RawConnection, collect, running_server, wait_idle

@@ -105,14 +105,22 @@ WEATHER = {
         },
     },
 }
-CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}}, "required": ["zone"]}}}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}}, "required": ["zone"]},
+    },
+}
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"])
 async def test_forced_tool_calls_arrive_as_events_and_validate(tiny_config, choice):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     async with Runtime.open(tiny_config) as rt:
-        text, ids, calls, finished = await _run(rt, GenerateRequest(messages=messages, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=200, jump_forward=True))
+        text, ids, calls, finished = await _run(
+            rt, GenerateRequest(messages=messages, tools=[WEATHER, CLOCK], tool_choice=choice, max_tokens=200, jump_forward=True)
+        )
     assert finished.finish_reason == "stop" and len(calls) == 1
     call = calls[0]
     tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.name]

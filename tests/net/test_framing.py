@@ -6,9 +6,9 @@ import anyio
 import msgspec
 import pytest
 
+from net.framing import HEADER, FrameReader, FrameTooLarge, encode_frame
 from protocols.api import GenerateRequest, TokenDelta
 from protocols.wire import ClientMessage, Generate, Hello, ServerMessage
-from net.framing import HEADER, FrameReader, FrameTooLarge, encode_frame
 
 
 async def _reader_over(data: bytes, message_type, max_bytes: int = 1 << 20, chunk: int = 3) -> FrameReader:

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-from tests.conftest import builtin_dir
 from policies.detokenize import make_detokenizer
+from tests.conftest import builtin_dir
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from policies.fill import EchoSource, FillSession, compile_plan, echo_refusal, refusal
 from protocols import FillStats, GenerateRequest, SamplingParams
 from protocols.model import FillPlan
-from policies.fill import EchoSource, FillSession, compile_plan, echo_refusal, refusal
 from tests.integration.reference import load_reference
 from tests.integration.test_structured import CLOCK, WEATHER
 
@@ -37,7 +37,7 @@ def test_rows_are_slices_of_the_rendered_call(tokenizer, tools):
         text = tokenizer.decode(row.trigger + row.emit)
         assert len(row.emit) >= 2
         if row.kind != "close":
-            assert text.startswith("<tool_call>\n{\"name\": \"get_")
+            assert text.startswith('<tool_call>\n{"name": "get_')
         else:
             assert text.endswith("}\n</tool_call>")
 
@@ -77,7 +77,7 @@ def test_commit_counts_what_was_emitted():
 
 
 def test_echo_spans_grow_while_taken_whole_and_shrink_when_not():
-    session = _session(echo_k=2, prompt=[1, 2] + list(range(10, 90)) + [1, 2], eos=[])
+    session = _session(echo_k=2, prompt=[1, 2, *list(range(10, 90)), 1, 2], eos=[])
     first = session.propose(budget=100)
     assert first.ids == list(range(10, 18))
     session.commit(first, len(first.ids))

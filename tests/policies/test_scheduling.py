@@ -49,9 +49,7 @@ def make_tracked(
     return Tracked(admit=admit, submitted=submitted, session=None, priority=priority)
 
 
-def make_policy(
-    *, max_batch_size: int = 8, max_queued: int = 64, chunk_size: int = 8, token_budget: int = 16, max_skips: int = 4
-) -> SchedulePolicy:
+def make_policy(*, max_batch_size: int = 8, max_queued: int = 64, chunk_size: int = 8, token_budget: int = 16, max_skips: int = 4) -> SchedulePolicy:
     return SchedulePolicy(
         max_batch_size=max_batch_size,
         max_queued=max_queued,

@@ -14,6 +14,8 @@ exactly `min(text.find(stop))`, whatever the chunking.
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -139,7 +141,7 @@ def cases(draw):
             stops.append(draw(st.text(alphabet=ALPHABET, min_size=1, max_size=5)))
     cuts = sorted(set(draw(st.lists(st.integers(0, len(text)), max_size=12))))
     bounds = [0, *cuts, len(text)]
-    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    chunks = [text[a:b] for a, b in itertools.pairwise(bounds)]
     return text, stops, chunks
 
 
@@ -202,7 +204,7 @@ def test_single_chunk_cuts_at_first_occurrence(case):
 @given(st.text(alphabet=ALPHABET, max_size=40), st.lists(st.integers(0, 40), max_size=10))
 def test_no_stops_is_identity_for_any_chunking(text, cuts):
     bounds = [0, *sorted(c for c in set(cuts) if c <= len(text)), len(text)]
-    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    chunks = [text[a:b] for a, b in itertools.pairwise(bounds)]
     matcher = StopMatcher([])
     assert [matcher.feed(c) for c in chunks] == [(c, None) for c in chunks]
     assert matcher.flush() == ""

@@ -220,8 +220,7 @@ def test_session_messages_round_trip(encode, decode):
         (b'{"sampling": {"temperature": 0.5, "tempreature": 1.0}}', GenerateRequest),
         (b'{"type": "TokenDelta", "request_id": "a", "token_ids": [], "text": "", "extra": 0}', Event),
         (
-            b'{"type": "Finished", "request_id": "a", "finish_reason": "stop",'
-            b' "usage": {"prompt_tokens": 1, "completion_tokens": 1, "reasoning_tokens": 0}}',
+            b'{"type": "Finished", "request_id": "a", "finish_reason": "stop", "usage": {"prompt_tokens": 1, "completion_tokens": 1, "reasoning_tokens": 0}}',
             Event,
         ),
         (b'{"request_id": "a", "num_tokens": 3, "priority": 1}', PrefillWork),
@@ -250,8 +249,7 @@ def test_unknown_fields_rejected_through_msgpack():
         (b'{"priority": true}', GenerateRequest, "priority"),
         (b'{"type": "PrefillProgress", "request_id": 7, "processed_tokens": 1, "total_tokens": 2}', Event, "request_id"),
         (
-            b'{"type": "Finished", "request_id": "a", "finish_reason": "timeout",'
-            b' "usage": {"prompt_tokens": 1, "completion_tokens": 1}}',
+            b'{"type": "Finished", "request_id": "a", "finish_reason": "timeout", "usage": {"prompt_tokens": 1, "completion_tokens": 1}}',
             Event,
             "finish_reason",
         ),

@@ -39,14 +39,10 @@ def test_import_runtime_loads_openblas_and_matmul_is_fast():
 
 
 def test_importing_mlx_first_is_reported():
-    state, warning = _run(
-        "import mlx.core, runtime.blas as b; s = b.ensure_fast_blas(); print(s.state, bool(s.warning()))"
-    )
+    state, warning = _run("import mlx.core, runtime.blas as b; s = b.ensure_fast_blas(); print(s.state, bool(s.warning()))")
     assert state == "already_imported" and warning == "True"
 
 
 def test_missing_library_gives_one_clear_warning():
-    state, warning = _run(
-        "import runtime.blas as b; s = b._load(['/nonexistent/libblas.so']); print(s.state, 'apt-get install' in s.warning())"
-    )
+    state, warning = _run("import runtime.blas as b; s = b._load(['/nonexistent/libblas.so']); print(s.state, 'apt-get install' in s.warning())")
     assert state == "not_found" and warning == "True"

@@ -10,8 +10,8 @@ import stat
 import msgspec
 import pytest
 
-from protocols.api import GenerateRequest
 from engine.loader import model_digest, tokenizer_digest
+from protocols.api import GenerateRequest
 from runtime import checkpoints as ck
 from runtime.errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignCheckpointError, InvalidRequestError, UnsupportedCheckpointError
 

@@ -34,9 +34,7 @@ def with_minimal(extra: str) -> str:
 def test_minimal_config_has_documented_defaults():
     config = RuntimeConfig.from_toml(MINIMAL)
     assert config.model == ModelConfig(path="models/llama", dtype="auto", max_context=None, trust_remote_code=False)
-    assert config.scheduler == SchedulerConfig(
-        max_batch_size=32, max_queued_requests=256, prefill_chunk_size=256, step_token_budget=0
-    )
+    assert config.scheduler == SchedulerConfig(max_batch_size=32, max_queued_requests=256, prefill_chunk_size=256, step_token_budget=0)
     assert config.kv == KvConfig(budget_bytes=0)
     assert config.generation == GenerationConfig(default_max_tokens=256, seed=None)
     assert config.logging == LoggingConfig(level="info", format="auto")
@@ -58,9 +56,7 @@ def test_full_config_round_trips_through_toml():
     )
     config = RuntimeConfig.from_toml(text)
     assert config.model.dtype == "bfloat16" and config.model.max_context == 4096 and config.model.trust_remote_code
-    assert config.scheduler == SchedulerConfig(
-        max_batch_size=4, max_queued_requests=10, prefill_chunk_size=64, step_token_budget=100
-    )
+    assert config.scheduler == SchedulerConfig(max_batch_size=4, max_queued_requests=10, prefill_chunk_size=64, step_token_budget=100)
     assert config.kv.budget_bytes == 1 << 20
     assert config.generation == GenerationConfig(default_max_tokens=32, seed=7)
     assert config.logging == LoggingConfig(level="debug", format="json")
@@ -110,10 +106,10 @@ def test_unknown_key_is_rejected(text, fragments):
         (with_minimal('[scheduler]\nmax_batch_size = "8"\n'), "$.scheduler.max_batch_size"),
         (with_minimal("[scheduler]\nprefill_chunk_size = 1.5\n"), "$.scheduler.prefill_chunk_size"),
         (with_minimal("[kv]\nbudget_bytes = true\n"), "$.kv.budget_bytes"),
-        ('[model]\npath = 3\n', "$.model.path"),
+        ("[model]\npath = 3\n", "$.model.path"),
         (with_minimal('dtype = "int8"\n'), "$.model.dtype"),
         (with_minimal('[logging]\nlevel = "loud"\n'), "$.logging.level"),
-        (with_minimal("[generation]\nseed = \"x\"\n"), "$.generation.seed"),
+        (with_minimal('[generation]\nseed = "x"\n'), "$.generation.seed"),
         ('model = "x"\n', "$.model"),
     ],
 )
@@ -181,7 +177,7 @@ def test_boundary_values_are_accepted(extra):
 
 
 def test_empty_model_path_is_rejected():
-    with pytest.raises(ConfigError, match="`model.path` must be str of length >= 1"):
+    with pytest.raises(ConfigError, match=r"`model\.path` must be str of length >= 1"):
         RuntimeConfig.from_toml('[model]\npath = ""\n')
 
 

@@ -10,9 +10,9 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from protocols.model import GrammarSpec
-from tests.conftest import builtin_dir
 from runtime.errors import InvalidRequestError, ServerBusyError
 from runtime.grammar import GrammarCache
+from tests.conftest import builtin_dir
 
 
 @pytest.fixture(scope="module")

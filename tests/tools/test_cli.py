@@ -46,8 +46,23 @@ def test_invalid_request_exits_3():
 def test_bench_runs_and_reports_ratios(tmp_path):
     out = tmp_path / "bench.json"
     result = _mlxrt(
-        "bench", "--config", "configs/tiny.toml", "--concurrency", "1,2", "--prompt-tokens", "8",
-        "--new-tokens", "4", "--long-prompt-tokens", "80", "--prefix-tokens", "40", "--repeats", "1", "--json", str(out),
+        "bench",
+        "--config",
+        "configs/tiny.toml",
+        "--concurrency",
+        "1,2",
+        "--prompt-tokens",
+        "8",
+        "--new-tokens",
+        "4",
+        "--long-prompt-tokens",
+        "80",
+        "--prefix-tokens",
+        "40",
+        "--repeats",
+        "1",
+        "--json",
+        str(out),
     )
     assert result.returncode == 0, result.stderr
     results = json.loads(out.read_text())
