@@ -142,8 +142,8 @@ class SchedulerActor:
                 await self._deliver(result)
             case StepFailed(error=error):
                 log.error("step_failed", error=error)
-                for ended in self.policy.fail_all():
-                    await self._finish(ended, error=error)
+                for ended in self.policy.fail_all(error):
+                    await self._finish(ended)
 
     async def _deliver(self, outcome: StepOutcome) -> None:
         for report in outcome.prefilled:
@@ -190,26 +190,26 @@ class SchedulerActor:
             )
         )
 
-    async def _finish(self, ended: Ended, error: str | None = None) -> None:
+    async def _finish(self, ended: Ended) -> None:
         tracked = ended.tracked
-        self._notify_end(ended, error)
+        self._notify_end(ended)
         if not tracked.planned and tracked.admit.prefix_entry is not None:
             await self._kv.send(UnpinPrefix(entry_id=tracked.admit.prefix_entry))
         # A checkpoint survives shutdowns and failed steps (that is what it is for), not a normal end.
         has_checkpoint = tracked.checkpoint_every or tracked.admit.resume is not None
-        delete = bool(has_checkpoint) and not tracked.keep_checkpoint and error is None
+        delete = bool(has_checkpoint) and not tracked.keep_checkpoint and ended.error is None
         await self._kv.send(ReleaseKv(request_id=tracked.request_id, delete_checkpoint=delete))
 
-    def _notify_end(self, ended: Ended, error: str | None = None) -> None:
+    def _notify_end(self, ended: Ended) -> None:
         tracked = ended.tracked
         tracked.session.send_nowait(
             RequestFinished(
                 request_id=tracked.request_id,
-                finish_reason="error" if error and tracked.release_reason is None else ended.reason,
+                finish_reason="error" if ended.error and tracked.release_reason is None else ended.reason,
                 timeline=tracked.make_timeline(),
                 stop_token_id=ended.stop_token_id,
                 cached_tokens=tracked.cached_tokens,
-                error=error,
+                error=ended.error,
                 fill=tracked.fill,
                 checkpoint=tracked.checkpoint_report(),
             )

@@ -190,7 +190,7 @@ class SessionActor:
                 request_id=self.request_id,
                 finish_reason=reason,
                 usage=Usage(prompt_tokens=self._num_prompt_tokens, completion_tokens=num_completion, cached_tokens=message.cached_tokens),
-                timings=_timings(message.timeline, self._num_prompt_tokens, num_completion),
+                timings=_timings(message.timeline, self._num_prompt_tokens, message.cached_tokens, num_completion),
                 stop_sequence=self._stop_sequence,
                 error=error,
                 fill=message.fill or self._fill,
@@ -199,15 +199,18 @@ class SessionActor:
         )
 
 
-def _timings(t: RequestTimeline, num_prompt: int, num_completion: int) -> Timings:
+def _timings(t: RequestTimeline, num_prompt: int, num_cached: int, num_completion: int) -> Timings:
     values = {"total_s": time.monotonic() - t.submitted}
     if t.admitted is not None:
         values["queue_s"] = t.admitted - t.submitted
     if t.first_token is not None:
         values["ttft_s"] = t.first_token - t.submitted
         started = t.prefill_started or t.admitted or t.submitted
-        if t.first_token > started:
-            values["prefill_tokens_per_s"] = num_prompt / (t.first_token - started)
-        if t.last_token is not None and t.last_token > t.first_token and num_completion > 1:
-            values["decode_tokens_per_s"] = (num_completion - 1) / (t.last_token - t.first_token)
+        values["prefill_s"] = max(0.0, t.first_token - started)
+        if t.first_token > started and num_prompt > num_cached:
+            values["prefill_tokens_per_s"] = (num_prompt - num_cached) / (t.first_token - started)
+        if t.last_token is not None and t.last_token > t.first_token:
+            values["decode_s"] = t.last_token - t.first_token
+            if num_completion > 1:
+                values["decode_tokens_per_s"] = (num_completion - 1) / (t.last_token - t.first_token)
     return Timings(**values)

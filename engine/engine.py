@@ -4,32 +4,37 @@ Owns every per-request array: prefill caches (mlx-lm `KVCache`s, chunk by chunk,
 first chunks of several requests batched), the decode batch's KV slots, the batch
 sampler state, the in-flight step, saved prefix entries, and parked rows. A plan
 is applied in order: release, admit, park/unpark, prefill, decode, checkpoints.
-Decode is pipelined like mlx-lm's `generate_step`: step n+1 is
-dispatched (`mx.async_eval`) before step n's tokens are read back, so the only
-host round-trip per step is one `tolist()` of already-computed ids.
+Decode is pipelined like mlx-lm's `generate_step`: step n+1 is dispatched
+(`mx.async_eval`) before step n's tokens are read back, so the only host round-trip
+per step is one `tolist()` of already-computed ids. A step is read before the next
+is built only when some row needs its token for that (a grammar mask, a fast-forward
+span) or samples its first token (early token zero).
 
 A prompt's last token is not prefilled: the request joins the batch with it as
 its pending input, and the batched decode step computes the logits of that one
-position only. Every call returns plain Python data.
+position only. A failure confined to one request (its grammar, fill session or
+checkpoint) ends that request with `error`; anything else fails the step. Every
+call returns plain Python data.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
-import safetensors.numpy
 import structlog
 import torch
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
+from engine import caches
 from engine.batch import DecodeBatch, LayerGeometry, compile_decode_step
+from engine.known import KnownTokens
 from engine.sampler import BatchSampler, RowSampling, SampleResult
-from policies.fill import FillSession, Proposal, trace_record
+from engine.sequence import EngineInvariantError, InFlight, Sequence
+from policies.fill import FillSession
 from protocols.api import FillStats, TokenLogprob, TopLogprob
 from protocols.model import (
     AdmitRequest,
@@ -47,6 +52,8 @@ CLEAR_CACHE_EVERY = 256
 
 log = structlog.get_logger(actor="engine")
 
+__all__ = ["Engine", "EngineInvariantError", "Grammars"]
+
 
 class Grammars(Protocol):
     """What the engine needs of the grammar compiler: matchers for grammars compiled (and
@@ -57,73 +64,6 @@ class Grammars(Protocol):
     def matcher(self, spec: GrammarSpec) -> Any: ...
 
 
-class EngineInvariantError(RuntimeError):
-    """A plan asked for something the engine's state makes impossible (a scheduler bug)."""
-
-
-@dataclass
-class Sequence:
-    """One admitted request's engine-side state."""
-
-    admit: AdmitRequest
-    stop_ids: frozenset[int]
-    cache: list | None = None
-    num_prefilled: int = 0
-    num_generated: int = 0
-    in_batch: bool = False
-    joined: bool = False
-    # Its caller is not reading: kept out of the batch (KV in `cache`) until unparked.
-    parked: bool = False
-    # Grammar state, and known tokens after the last sampled one (fed with it next step):
-    # grammar-forced or fast-forwarded ones, already emitted, or an echo span to verify.
-    matcher: Any = None
-    extra: list[int] = field(default_factory=list)
-    fill: FillSession | None = None
-    verify: Proposal | None = None
-    # A strict span whose model choices the trace wants from the next step.
-    trace: Proposal | None = None
-    generated: list[int] = field(default_factory=list)
-
-    def tokens_with_kv(self, length: int) -> list[int]:
-        """The tokens whose KV the first `length` cache positions hold."""
-        tokens = self.admit.prompt_ids + self.generated
-        if length > len(tokens):
-            raise EngineInvariantError(f"cache of {length} positions but only {len(tokens)} tokens known")
-        return tokens[:length]
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.admit.prompt_ids)
-
-    @property
-    def context(self) -> list[int]:
-        """Prompt and generated tokens; the last one is the next decode input until the row joins."""
-        return self.admit.prompt_ids + self.generated
-
-    @property
-    def is_ready(self) -> bool:
-        """Prefill is done: the cache covers the prompt but its last token (more, after a park)."""
-        return not self.joined and not self.parked and self.prompt_len - 1 <= self.num_prefilled <= len(self.context) - 1
-
-
-@dataclass
-class InFlight:
-    """A dispatched decode step whose tokens have not been read yet.
-
-    Rows are the `Sequence` objects themselves, not ids: a request id may be
-    reused once its request has ended, and a stale token must not reach the new one.
-    """
-
-    rows: list[Sequence]
-    result: SampleResult
-    # Rows that appended known tokens first, with each position's greedy choice, and the
-    # echo rows among them with how many of their span's tokens the model agreed with.
-    appended: list[Sequence] = field(default_factory=list)
-    choices: mx.array | None = None
-    verified: list[Sequence] = field(default_factory=list)
-    accepted: mx.array | None = None
-
-
 class Engine:
     """Runs plans against one model. Not thread-safe: the MLX thread only."""
 
@@ -132,8 +72,8 @@ class Engine:
         self._grammars = grammars
         # Token ids to text, for fast-forwarding's tool-call context and trace.
         self._to_text = decode
+        self._known = KnownTokens(decode)
         self._geometry = geometry
-        self._bytes_per_token = sum(g.bytes_per_token for g in geometry)
         self._thread = threading.current_thread()
         self._sequences: dict[str, Sequence] = {}
         self._batch = DecodeBatch(geometry)
@@ -142,8 +82,6 @@ class Engine:
         self._pending: mx.array | None = None
         self._in_flight: InFlight | None = None
         self._num_steps = 0
-        # Tokens appended by jump-forward rather than sampled (for benchmarks and stats).
-        self.num_forced_tokens = 0
         # Saved prefixes by entry id: per-layer KVCaches whose length is the entry's.
         self._prefixes: dict[str, list[KVCache]] = {}
         self._saved: list[SavedPrefix] = []
@@ -156,18 +94,19 @@ class Engine:
             raise EngineInvariantError("the engine was called off its MLX thread")
         started = time.perf_counter()
         released = [rid for rid in plan.release if self._release(rid)]
-        for admit in plan.admit:
-            self._admit(admit)
+        outputs = [failed for admit in plan.admit if (failed := self._admit(admit)) is not None]
         for rid in plan.park:
             self._park(rid)
         for rid in plan.unpark:
             if rid in self._sequences:
                 self._sequences[rid].parked = False
-        prefilled = self._prefill(plan.prefill)
-        # After a prefill the pipeline has stalled anyway: read this step's tokens
-        # now, so requests that just joined get their first token one step sooner.
-        outputs = self._decode(synchronous=bool(prefilled)) if plan.decode else []
-        checkpoints = [c for c in map(self._checkpoint_or_skip, plan.checkpoint) if c is not None]
+        for rid in plan.checkpoint:
+            if rid in self._sequences:
+                self._sequences[rid].checkpoint_due = True
+        failed = {output.request_id for output in outputs}
+        prefilled = self._prefill([work for work in plan.prefill if work.request_id not in failed])
+        if plan.decode:
+            outputs += self._decode()
         if not self._sequences:
             mx.clear_cache()
         saved, self._saved = self._saved, []
@@ -180,25 +119,23 @@ class Engine:
             kv_bytes=self.kv_bytes(),
             step_s=time.perf_counter() - started,
             saved_prefixes=saved,
-            checkpoints=checkpoints,
+            checkpoints=self._take_checkpoints(),
         )
 
     def drop_prefixes(self, entry_ids: list[str]) -> None:
         for entry_id in entry_ids:
-            caches = self._prefixes.pop(entry_id, None)
-            if caches is not None:
-                self._prefix_bytes -= sum(c.nbytes for c in caches)
+            entry = self._prefixes.pop(entry_id, None)
+            if entry is not None:
+                self._prefix_bytes -= caches.nbytes(entry)
 
-    def reset(self) -> list[str]:
-        """Drop every request (after a failed step); returns the ids dropped."""
-        dropped = list(self._sequences)
+    def reset(self) -> None:
+        """Drop every request (after a failed step)."""
         self._sequences.clear()
         self._batch = DecodeBatch(self._geometry)
         self._sampler = BatchSampler()
         self._pending = None
         self._in_flight = None
         mx.clear_cache()
-        return dropped
 
     def kv_tokens(self) -> dict[str, int]:
         tokens = {rid: seq.num_prefilled for rid, seq in self._sequences.items() if seq.cache is not None}
@@ -206,91 +143,52 @@ class Engine:
         return tokens
 
     def kv_bytes(self) -> int:
-        prefill = sum(c.nbytes for s in self._sequences.values() if s.cache is not None for c in s.cache)
-        return prefill + self._prefix_bytes + self._batch.nbytes
+        outside = sum(caches.nbytes(s.cache) for s in self._sequences.values() if s.cache is not None)
+        return outside + self._prefix_bytes + self._batch.nbytes
 
-    @property
-    def bytes_per_token(self) -> int:
-        return self._bytes_per_token
+    # -- admission, parking, release ---------------------------------------------------------
 
-    def _admit(self, admit: AdmitRequest) -> None:
+    def _admit(self, admit: AdmitRequest) -> RowOutput | None:
+        """Track a new request; a request that cannot start on its own account fails alone."""
         if admit.request_id in self._sequences:
             raise EngineInvariantError(f"request {admit.request_id!r} admitted twice")
+        try:
+            seq = self._new_sequence(admit)
+        except EngineInvariantError:
+            raise
+        except Exception as exc:
+            log.exception("request_failed_at_admission", request_id=admit.request_id)
+            return RowOutput(request_id=admit.request_id, token_ids=[], finish_reason="error", error=f"{type(exc).__name__}: {exc}")
+        self._sequences[admit.request_id] = seq
+        return None
+
+    def _new_sequence(self, admit: AdmitRequest) -> Sequence:
         seq = Sequence(admit=admit, stop_ids=frozenset(admit.stop_token_ids))
         if admit.grammar is not None:
             if self._grammars is None:
                 raise EngineInvariantError("a grammar request reached an engine without grammars")
             seq.matcher = self._grammars.matcher(admit.grammar)
+        resumed = admit.resume.generated if admit.resume is not None else []
         if admit.fill is not None:
-            if self._to_text is None:
-                raise EngineInvariantError("a fast-forwarding request reached an engine without a tokenizer")
             stats = FillStats(mode=admit.fill.mode, echo_refused=admit.fill.echo_refused)
-            seq.fill = FillSession(admit.fill, stats, admit.context_ids, self._to_text)
+            seq.fill = FillSession(admit.fill, stats, admit.prompt_ids, self._to_text)
+            seq.fill.replay(resumed)
+        for token in resumed:  # a resumed request's grammar state: its output so far, replayed
+            if seq.matcher is not None and not seq.matcher.accept_token(token):
+                raise ValueError(f"the checkpoint's output does not follow its grammar at token {token}")
         if admit.resume is not None:
-            seq.generated = list(admit.resume.generated)
-            seq.num_generated = len(seq.generated)
-            seq.cache = self._restore(admit)
+            seq.generated = list(resumed)
+            seq.num_generated = len(resumed)
+            if admit.resume.num_kv_tokens != len(admit.context_ids) - 1:
+                raise EngineInvariantError(f"checkpoint covers {admit.resume.num_kv_tokens} tokens, expected {len(admit.context_ids) - 1}")
+            seq.cache = caches.from_tensors(admit.resume.kv_tensors, self._geometry, admit.resume.num_kv_tokens)
             seq.num_prefilled = admit.resume.num_kv_tokens
         elif admit.prefix_entry is not None:
-            seq.cache = self._start_from_prefix(admit)
-            seq.num_prefilled = admit.prefix_tokens
-        self._sequences[admit.request_id] = seq
-
-    def _start_from_prefix(self, admit: AdmitRequest) -> list[KVCache]:
-        """Caches that read the entry's first tokens without copying them.
-
-        Each cache gets its own array objects (slices): `a[...] = b` rebinds the
-        array object `a` in place, so sharing the entry's objects would let a
-        request's writes leak into the entry. The slices end exactly at the prefix,
-        so the first write reallocates and the entry's buffers are never touched.
-        """
-        entry = self._prefixes.get(admit.prefix_entry)
-        n = admit.prefix_tokens
-        if entry is None or not 0 < n <= min(entry[0].offset, len(admit.prompt_ids) - 1):
-            raise EngineInvariantError(f"prefix {admit.prefix_entry!r} cannot seed {n} tokens")
-        caches = []
-        for saved in entry:
-            cache = KVCache()
-            cache.keys, cache.values, cache.offset = saved.keys[..., :n, :], saved.values[..., :n, :], n
-            caches.append(cache)
-        return caches
-
-    def _restore(self, admit: AdmitRequest) -> list[KVCache]:
-        state = admit.resume
-        if state.num_kv_tokens != len(admit.context_ids) - 1:
-            raise EngineInvariantError(f"checkpoint covers {state.num_kv_tokens} tokens, expected {len(admit.context_ids) - 1}")
-        tensors = safetensors.numpy.load(state.kv_tensors)
-        caches = []
-        for layer, geometry in enumerate(self._geometry):
-            cache = KVCache()
-            cache.keys = mx.array(tensors[f"keys_{layer}"]).astype(geometry.dtype)
-            cache.values = mx.array(tensors[f"values_{layer}"]).astype(geometry.dtype)
-            cache.offset = state.num_kv_tokens
-            if cache.keys.shape != (1, geometry.num_heads, state.num_kv_tokens, geometry.key_dim):
-                raise EngineInvariantError(f"checkpoint layer {layer} has shape {cache.keys.shape}")
-            caches.append(cache)
-        return caches
-
-    def _checkpoint_or_skip(self, request_id: str) -> CheckpointData | None:
-        """A failed capture skips that checkpoint; it must not fail the step for everyone."""
-        try:
-            return self._checkpoint(request_id)
-        except Exception:
-            log.exception("checkpoint_failed", request_id=request_id)
-            return None
-
-    def _checkpoint(self, request_id: str) -> CheckpointData | None:
-        """The request's cache over all tokens but its last, which becomes the pending input."""
-        seq = self._sequences.get(request_id)
-        if seq is None or not seq.in_batch or not seq.generated or seq.extra:
-            return None  # (forced tokens not yet fed: the next step's checkpoint covers them)
-        num_kv = len(seq.context) - 1
-        tensors = {}
-        # Stored as float32: numpy has no bfloat16, and the widening is exact (restore narrows back).
-        for layer, cache in enumerate(self._batch.extract(request_id)):
-            tensors[f"keys_{layer}"] = np.array(cache.keys[..., :num_kv, :].astype(mx.float32))
-            tensors[f"values_{layer}"] = np.array(cache.values[..., :num_kv, :].astype(mx.float32))
-        return CheckpointData(request_id=request_id, generated=list(seq.generated), num_kv_tokens=num_kv, kv_tensors=safetensors.numpy.save(tensors))
+            entry, n = self._prefixes.get(admit.prefix_entry), admit.prefix_tokens
+            if entry is None or not 0 < n <= min(entry[0].offset, len(admit.prompt_ids) - 1):
+                raise EngineInvariantError(f"prefix {admit.prefix_entry!r} cannot seed {n} tokens")
+            seq.cache, seq.num_prefilled = caches.prefix_view(entry, n), n
+        return seq
 
     def _park(self, request_id: str) -> None:
         """Take a row out of the batch, keeping its KV; it rejoins once unparked."""
@@ -298,35 +196,43 @@ class Engine:
         if seq is None:
             return
         seq.parked = True
-        if seq.verify is not None:  # an echo span not yet forwarded: offered again later, maybe
-            seq.fill.commit(seq.verify, 0)
-            seq.verify, seq.extra = None, []
+        self._known.withdraw(seq)
         if seq.in_batch:
             seq.cache = self._batch.extract(request_id)
             seq.num_prefilled = seq.cache[0].offset
             self._remove_row(request_id)
             seq.joined = False
 
-    def _release(self, request_id: str) -> bool:
+    def _release(self, request_id: str, *, save_prefix: bool = True) -> bool:
         seq = self._sequences.get(request_id)
         if seq is None:
             return False
+        if save_prefix:
+            self._keep_kv(seq)
         if seq.in_batch:
-            self._leave_batch(request_id)
-        elif seq.cache is not None and seq.num_prefilled:
-            self._save_prefix(seq, [_trimmed(c, seq.num_prefilled) for c in seq.cache])
+            self._remove_row(request_id)
         del self._sequences[request_id]
         return True
 
-    def _save_prefix(self, seq: Sequence, caches: list[KVCache]) -> None:
+    def _keep_kv(self, seq: Sequence) -> None:
+        """Offer a leaving request's KV (prompt and everything fed) to the prefix cache."""
         if not seq.admit.save_prefix:
             return
+        if seq.in_batch:
+            self._save_prefix(seq, self._batch.extract(seq.request_id))
+        elif seq.cache is not None and seq.num_prefilled:
+            self._save_prefix(seq, caches.trimmed(seq.cache, seq.num_prefilled))
+
+    def _save_prefix(self, seq: Sequence, kept: list[KVCache]) -> None:
+        """Keep KV as a prefix entry; the KV store decides whether it stays."""
         self._num_saved += 1
-        entry_id = f"{seq.admit.request_id}#{self._num_saved}"
-        self._prefixes[entry_id] = caches
-        num_bytes = sum(c.nbytes for c in caches)
+        entry_id = f"{seq.request_id}#{self._num_saved}"
+        self._prefixes[entry_id] = kept
+        num_bytes = caches.nbytes(kept)
         self._prefix_bytes += num_bytes
-        self._saved.append(SavedPrefix(entry_id=entry_id, tokens=seq.tokens_with_kv(caches[0].offset), num_bytes=num_bytes))
+        self._saved.append(SavedPrefix(entry_id=entry_id, tokens=seq.tokens_with_kv(kept[0].offset), num_bytes=num_bytes))
+
+    # -- prefill -----------------------------------------------------------------------------
 
     def _prefill(self, works: list[PrefillWork]) -> list[PrefillReport]:
         """Forward prompt chunks. First chunks go through one left-padded batched
@@ -342,9 +248,9 @@ class Engine:
         if first:
             self._prefill_together(first)
         for seq in seqs:
-            if seq.admit.snapshot_at is not None and seq.num_prefilled == seq.admit.snapshot_at:
-                self._save_prefix(seq, [_trimmed(c, seq.num_prefilled) for c in seq.cache])
-        return [PrefillReport(request_id=s.admit.request_id, processed_tokens=s.num_prefilled, total_tokens=s.prompt_len) for s in seqs]
+            if seq.admit.save_prefix and seq.admit.snapshot_at == seq.num_prefilled and seq.cache is not None:
+                self._save_prefix(seq, caches.trimmed(seq.cache, seq.num_prefilled))
+        return [PrefillReport(request_id=s.request_id, processed_tokens=s.num_prefilled, total_tokens=s.prompt_len) for s in seqs]
 
     def _prefill_target(self, work: PrefillWork) -> Sequence:
         seq = self._sequences.get(work.request_id)
@@ -374,19 +280,23 @@ class Engine:
             seq.cache = [c.extract(row) for c in cache]
             seq.num_prefilled = n
 
-    def _decode(self, *, synchronous: bool) -> list[RowOutput]:
+    # -- decode ------------------------------------------------------------------------------
+
+    def _decode(self) -> list[RowOutput]:
+        """Dispatch the next step and read the one before it. A step is read before the next
+        is built when a row needs its token for that; it is read at once when a row samples
+        its first token. Otherwise it stays in flight while the caller goes on."""
+        outputs = []
+        if self._in_flight is not None and self._in_flight.must_be_read_first:
+            outputs += self._collect(self._in_flight)
+            self._in_flight = None
         self._retire_exhausted()
         self._join_ready()
-        # A grammar's next mask, or a fast-forward span, needs this step's token: no
-        # pipelining while such a row decodes.
-        synchronous = synchronous or any(
-            self._sequences[rid].matcher is not None or (self._sequences[rid].fill is not None and self._sequences[rid].fill.active)
-            for rid in self._batch.row_ids
-        )
         dispatched = self._dispatch() if len(self._batch) else None
-        outputs = self._collect(self._in_flight) if self._in_flight is not None else []
+        if self._in_flight is not None:
+            outputs += self._collect(self._in_flight)
         self._in_flight = dispatched
-        if synchronous and dispatched is not None:
+        if dispatched is not None and dispatched.has_first_tokens:
             outputs += self._collect(dispatched)
             self._in_flight = None
         return outputs
@@ -397,7 +307,8 @@ class Engine:
         for rid in list(self._batch.row_ids):
             seq = self._sequences[rid]
             if seq.num_generated + (id(seq) in in_flight) >= seq.admit.max_tokens:
-                self._leave_batch(rid)
+                self._keep_kv(seq)
+                self._remove_row(rid)
 
     def _join_ready(self) -> None:
         for rid, seq in self._sequences.items():
@@ -415,16 +326,10 @@ class Engine:
             seq.cache = None
             seq.in_batch = seq.joined = True
 
-    def _leave_batch(self, request_id: str) -> None:
-        """Remove an ending request's row, keeping its KV as a prefix entry if wanted."""
-        if self._sequences[request_id].admit.save_prefix:
-            self._save_prefix(self._sequences[request_id], self._batch.extract(request_id))
-        self._remove_row(request_id)
-
     def _remove_row(self, request_id: str) -> None:
         order = self._batch.remove_row(request_id)
         self._sampler.reorder(order)
-        self._pending = self._pending[mx.array(order, dtype=mx.int32)] if order else None
+        self._pending = self._pending[mx.array(order, dtype=mx.int32)] if order and self._pending is not None else None
         self._sequences[request_id].in_batch = False
 
     def _dispatch(self) -> InFlight:
@@ -434,19 +339,10 @@ class Engine:
         batch = self._batch
         rows = [self._sequences[rid] for rid in batch.row_ids]
         appending = [i for i, seq in enumerate(rows) if seq.extra]
+        assert self._pending is not None
         pending, sub_logits = self._pending, None
         if appending:
-            firsts = pending.tolist()
-            width = max(len(rows[i].extra) for i in appending)
-            inputs = [[firsts[i], *rows[i].extra[:-1]] + [0] * (width - len(rows[i].extra)) for i in appending]
-            batch.begin_step([len(rows[i].extra) for i in appending], rows=appending)
-            sub_logits = self._model(mx.array(inputs, dtype=mx.uint32), cache=batch.layers)
-            batch.end_step()
-            for i in appending:
-                firsts[i] = rows[i].extra[-1]
-            pending = mx.array(firsts, dtype=mx.uint32)
-            # Penalties see appended tokens like sampled ones (an echo span's only once accepted).
-            self._sampler.advance({i: rows[i].extra for i in appending if rows[i].verify is None})
+            pending, sub_logits = self._append_known(rows, appending, pending)
         if len(rows) == 1:
             # A lone row: the compiled step (no per-step graph build) is ~6-10% faster per token
             # on CPU. Batches build the graph: attending over the whole capacity costs them more
@@ -456,9 +352,9 @@ class Engine:
             batch.begin_step([1] * len(rows))
             logits = self._model(pending[:, None], cache=batch.layers)[:, -1, :]
             batch.end_step()
-        in_flight = InFlight(rows=rows, result=None)
-        if any(rows[i].verify is not None or rows[i].trace is not None for i in appending):
-            logits = self._verify(rows, appending, sub_logits, logits, in_flight)
+        in_flight = InFlight(rows=rows)
+        if sub_logits is not None and any(rows[i].verify is not None or rows[i].trace is not None for i in appending):
+            logits = self._known.verify_on_device(rows, appending, sub_logits, logits, in_flight)
         result = self._sampler.sample(logits, mask=self._grammar_mask(rows))
         for seq in rows:
             seq.extra = []
@@ -470,38 +366,41 @@ class Engine:
             mx.clear_cache()
         return in_flight
 
-    def _verify(self, rows: list[Sequence], appending: list[int], sub_logits: mx.array, logits: mx.array, in_flight: InFlight) -> mx.array:
-        """Greedy choices along the appended spans; echo rows keep the prefix of their span the
-        model agrees with and sample from the logits just after it, all on device."""
-        choices = mx.argmax(sub_logits, axis=-1).astype(mx.int32)
-        in_flight.appended, in_flight.choices = [rows[i] for i in appending], choices
-        verify = [j for j, i in enumerate(appending) if rows[i].verify is not None]
-        if not verify:
-            return logits
-        width = sub_logits.shape[1]
-        spans = [rows[appending[j]].extra for j in verify]
-        targets = mx.array([span + [-1] * (width - len(span)) for span in spans], dtype=mx.int32)
-        sub_index = mx.array(verify, dtype=mx.int32)
-        accepted = mx.cumprod((choices[sub_index] == targets).astype(mx.int32), axis=1).sum(axis=1)
-        picked = sub_logits[sub_index, mx.minimum(accepted, width - 1)]
-        batch_index = mx.array([appending[j] for j in verify], dtype=mx.int32)
-        whole = (accepted == mx.array([len(span) for span in spans], dtype=mx.int32))[:, None]
-        logits[batch_index] = mx.where(whole, logits[batch_index], picked)
-        in_flight.verified, in_flight.accepted = [rows[appending[j]] for j in verify], accepted
-        return logits
+    def _append_known(self, rows: list[Sequence], appending: list[int], pending: mx.array) -> tuple[mx.array, mx.array]:
+        """Forward the known tokens of some rows but the last of each, which becomes their
+        pending input; returns the new pending inputs and the appended positions' logits."""
+        firsts = pending.tolist()
+        width = max(len(rows[i].extra) for i in appending)
+        inputs = [[firsts[i], *rows[i].extra[:-1]] + [0] * (width - len(rows[i].extra)) for i in appending]
+        self._batch.begin_step([len(rows[i].extra) for i in appending], rows=appending)
+        sub_logits = self._model(mx.array(inputs, dtype=mx.uint32), cache=self._batch.layers)
+        self._batch.end_step()
+        for i in appending:
+            firsts[i] = rows[i].extra[-1]
+        # Penalties see appended tokens like sampled ones (an echo span's only once accepted).
+        self._sampler.advance({i: rows[i].extra for i in appending if rows[i].verify is None})
+        return mx.array(firsts, dtype=mx.uint32), sub_logits
 
     def _grammar_mask(self, rows: list[Sequence]) -> mx.array | None:
-        """Allowed-token bitmask rows from each grammar's state (all allowed elsewhere)."""
+        """Allowed-token bitmask rows from each grammar's state (all allowed elsewhere). A row
+        whose matcher fails is marked failed and left unconstrained: it ends when read."""
         if not any(seq.matcher is not None for seq in rows):
             return None
+        assert self._grammars is not None
         bitmask = np.full((len(rows), (self._grammars.vocab_size + 31) // 32), -1, dtype=np.int32)
         tensor = torch.from_numpy(bitmask)
         for i, seq in enumerate(rows):
-            if seq.matcher is not None:
-                seq.matcher.fill_next_token_bitmask(tensor, i)
+            if seq.matcher is not None and seq.failure is None:
+                try:
+                    seq.matcher.fill_next_token_bitmask(tensor, i)
+                except Exception as exc:
+                    log.exception("grammar_mask_failed", request_id=seq.request_id)
+                    seq.failure = f"the grammar failed: {type(exc).__name__}: {exc}"
+                    bitmask[i] = -1
         return mx.array(bitmask)
 
     def _collect(self, in_flight: InFlight) -> list[RowOutput]:
+        assert in_flight.result is not None
         result = in_flight.result
         tokens = result.tokens.tolist()
         logprobs = _read_logprobs(result, tokens)
@@ -509,24 +408,19 @@ class Engine:
         accepted = dict(zip(map(id, in_flight.verified), in_flight.accepted.tolist())) if in_flight.accepted is not None else {}
         outputs = []
         for i, seq in enumerate(in_flight.rows):
-            rid = seq.admit.request_id
-            if self._sequences.get(rid) is not seq:
+            if self._sequences.get(seq.request_id) is not seq:
                 continue  # released since the dispatch (its id may even be reused by now)
-            agreed: list[int] = []
-            if seq.verify is not None and id(seq) in accepted:
-                proposal, seq.verify = seq.verify, None
-                n = accepted[id(seq)]
-                self._batch.rewind(rid, len(proposal.ids) - n)  # the rejected tail's KV
-                seq.fill.commit(proposal, n)
-                agreed = proposal.ids[:n]
-                self._trace(seq, proposal, n, choices.get(id(seq)))
-            elif seq.trace is not None and id(seq) in choices:
-                proposal, seq.trace = seq.trace, None
-                self._trace(seq, proposal, len(proposal.ids), choices[id(seq)])
-            outputs.append(self._account(rid, seq, tokens[i], logprobs[i] if logprobs else None, agreed))
+            try:
+                if seq.failure is not None:
+                    raise RuntimeError(seq.failure)
+                agreed = self._known.settle(seq, self._batch, accepted, choices)
+                outputs.append(self._account(seq, tokens[i], logprobs[i] if logprobs else None, agreed))
+            except Exception as exc:  # this request's grammar or fill session: it alone ends
+                log.exception("request_failed", request_id=seq.request_id)
+                outputs.append(self._fail(seq, exc))
         return outputs
 
-    def _account(self, rid: str, seq: Sequence, token: int, logprob: TokenLogprob | None, agreed: list[int] = ()) -> RowOutput:
+    def _account(self, seq: Sequence, token: int, logprob: TokenLogprob | None, agreed: list[int]) -> RowOutput:
         """Record a sampled token (after the echo tokens the model agreed with, if any)."""
         seq.generated += agreed
         seq.num_generated += len(agreed) + 1
@@ -536,102 +430,61 @@ class Engine:
             seq.fill.observe(token)
 
         def output(token_ids: list[int], **kw) -> RowOutput:
-            return RowOutput(request_id=rid, token_ids=token_ids, fill=seq.fill.snapshot() if seq.fill else None, **kw)
+            return RowOutput(request_id=seq.request_id, token_ids=token_ids, fill=seq.fill.snapshot() if seq.fill else None, **kw)
 
         if seq.matcher is not None and not seq.matcher.accept_token(token):
-            log.error("grammar_rejected_token", request_id=rid, token=token)
-            self._finish(rid, seq)
-            return output([token], finish_reason="stop")
+            raise RuntimeError(f"the grammar rejected sampled token {token}")
         wanted = None
         if logprob is not None and (admit.logprobs or admit.top_logprobs):
             top = logprob.top[: admit.top_logprobs] if admit.top_logprobs and logprob.top else None
             wanted = [TokenLogprob(token_id=token, logprob=logprob.logprob, top=top)]
         if token in seq.stop_ids:
-            self._finish(rid, seq)
+            self._release(seq.request_id)
             return output(list(agreed), finish_reason="stop", stop_token_id=token)
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            # The grammar is complete: no further step is built for this row.
+            self._release(seq.request_id)
+            return output([*agreed, token], logprobs=wanted, finish_reason="stop")
         if seq.num_generated >= admit.max_tokens:
-            self._finish(rid, seq)
+            self._release(seq.request_id)
             return output([*agreed, token], logprobs=wanted, finish_reason="length")
-        forced = self._fast_forward(seq) if seq.fill is not None and seq.fill.active else self._jump_forward(seq)
+        forced = self._known.after_sample(seq)
         if seq.num_generated >= admit.max_tokens:
-            self._finish(rid, seq)
+            self._release(seq.request_id)
             return output([*agreed, token, *forced], finish_reason="length")
         return output([*agreed, token, *forced], logprobs=wanted)
 
-    def _fast_forward(self, seq: Sequence) -> list[int]:
-        """A fast-forward span after the token just sampled: a strict one is emitted now and its
-        KV written with the next step; an echo one is forwarded with the next step and emitted as
-        far as the model agrees. Room is kept for the token sampled after the span."""
-        fill = seq.fill
-        proposal = fill.propose(budget=seq.admit.max_tokens - seq.num_generated - 1)
-        if proposal is None:
-            return []
-        if seq.matcher is not None:
-            # A forced tool call's grammar guards the rows: a span ends where it would not accept.
-            # (A single accepted token is emitted too: the matcher has taken it.)
-            num_ok = next((i for i, t in enumerate(proposal.ids) if not seq.matcher.accept_token(t)), len(proposal.ids))
-            proposal = Proposal(proposal.ids[:num_ok], proposal.policy, proposal.origin)
-            if not num_ok:
-                fill.commit(proposal, 0)
-                return []
-        seq.extra = list(proposal.ids)
-        if proposal.policy == "verify":
-            seq.verify = proposal
-            return []
-        fill.commit(proposal, len(proposal.ids))
-        seq.generated += proposal.ids
-        seq.num_generated += len(proposal.ids)
-        if fill.plan.trace_path:
-            seq.trace = proposal
-        return list(proposal.ids)
+    def _fail(self, seq: Sequence, exc: Exception) -> RowOutput:
+        """End one request with `error`; its KV is not kept (its state is suspect)."""
+        self._release(seq.request_id, save_prefix=False)
+        return RowOutput(request_id=seq.request_id, token_ids=[], finish_reason="error", error=str(exc) or type(exc).__name__)
 
-    def _trace(self, seq: Sequence, proposal: Proposal, accepted: int, choices: list[int] | None) -> None:
-        """Best effort: a trace that cannot be written must not fail the step."""
-        path = seq.fill.plan.trace_path
-        if not path:
-            return
-        actual = (choices or [])[: len(proposal.ids)]
-        generated = seq.num_generated - (len(proposal.ids) if proposal.policy == "assert" else 0)
-        try:
-            with open(path, "a") as handle:  # a diagnostic, opt-in: one short append per span
-                handle.write(trace_record(seq.admit.request_id, proposal, generated, accepted, actual, self._to_text) + "\n")
-        except OSError as exc:
-            log.warning("fill_trace_failed", path=path, error=str(exc))
+    # -- checkpoints -------------------------------------------------------------------------
 
-    def _jump_forward(self, seq: Sequence) -> list[int]:
-        """Tokens the grammar now forces: emitted at once, their KV written with the next step."""
-        if seq.matcher is None or not seq.admit.jump_forward or seq.matcher.is_terminated():
-            return []
-        forced = []
-        for token in seq.matcher.find_jump_forward_tokens()[: seq.admit.max_tokens - seq.num_generated]:
-            # Ending the output is the model's choice, never a forced one.
-            if token in seq.stop_ids or not seq.matcher.accept_token(token):
-                break
-            forced.append(token)
-        seq.generated += forced
-        seq.num_generated += len(forced)
-        seq.extra = forced
-        self.num_forced_tokens += len(forced)
-        return forced
-
-    def _finish(self, rid: str, seq: Sequence) -> None:
-        self._release(rid)
-
-
-def _trimmed(cache: KVCache, length: int) -> KVCache:
-    trimmed = KVCache()
-    trimmed.keys = mx.contiguous(cache.keys[..., :length, :])
-    trimmed.values = mx.contiguous(cache.values[..., :length, :])
-    trimmed.offset = length
-    mx.eval(trimmed.keys, trimmed.values)
-    return trimmed
+    def _take_checkpoints(self) -> list[CheckpointData]:
+        """Capture the checkpoints that are due and possible now; a failed capture skips that
+        checkpoint and is logged, it never fails the step."""
+        taken = []
+        for seq in self._sequences.values():
+            # Known tokens not yet forwarded: the cache lacks them; the next step end takes it.
+            if not (seq.checkpoint_due and seq.in_batch and seq.generated and not seq.extra):
+                continue
+            seq.checkpoint_due = False
+            num_kv = len(seq.context) - 1
+            try:
+                tensors = caches.to_tensors(self._batch.extract(seq.request_id), num_kv)
+            except Exception:
+                log.exception("checkpoint_failed", request_id=seq.request_id)
+                continue
+            taken.append(CheckpointData(request_id=seq.request_id, generated=list(seq.generated), num_kv_tokens=num_kv, kv_tensors=tensors))
+        return taken
 
 
 def _read_logprobs(result: SampleResult, tokens: list[int]) -> list[TokenLogprob] | None:
     if result.logprobs is None:
         return None
     chosen = result.logprobs.tolist()
-    if result.top_ids is None:
+    if result.top_ids is None or result.top_logprobs is None:
         return [TokenLogprob(token_id=t, logprob=lp) for t, lp in zip(tokens, chosen)]
     top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
     out = []

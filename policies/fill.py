@@ -71,6 +71,8 @@ def refusal(request: GenerateRequest, grammar_kind: str | None) -> str | None:
         return "a grammar produces the forced tokens of this request (jump-forward)"
     if request.logprobs or request.top_logprobs:
         return "logprobs: appended tokens are not sampled and have no distribution"
+    if request.sampling.seed is not None and request.sampling.temperature > 0:
+        return "an explicit seed at temperature > 0: appended tokens bypass the seeded sampler, so the seed would not reproduce the output"
     return None
 
 
@@ -475,6 +477,10 @@ class FillSession:
     def active(self) -> bool:
         """Whether any source can ever propose (otherwise the row decodes as usual)."""
         return self._strict is not None or self._echo is not None
+
+    def replay(self, ids: list[int]) -> None:
+        """Output produced before a resume: seen as output, not counted in the stats."""
+        self._append(list(ids))
 
     def observe(self, token: int) -> None:
         """A token the model sampled."""

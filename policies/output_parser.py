@@ -70,7 +70,7 @@ class OutputParser:
             index = buffer.find(self._tools[1])
             if index < 0:
                 return False
-            out.calls.append(self._call(buffer[:index]))
+            out.calls.extend(self._calls(buffer[:index]))
             self._buffer, self._state = buffer[index + len(self._tools[1]) :], "content"
             return True
         if self._tools is None:
@@ -92,15 +92,21 @@ class OutputParser:
         self._buffer = buffer[len(buffer) - hold :]
         return False
 
-    def _call(self, body: str) -> dict:
+    def _calls(self, body: str) -> list[dict]:
+        """The calls in one marked span (some models' parsers return several); a body that does
+        not parse is one error entry, whatever the parser raised: it is the model's output."""
         try:
-            call = self._parse_call(body) if self._parse_call else json.loads(body)
-        except (ValueError, TypeError) as exc:
-            return {"error": f"unparseable tool call: {exc}", "raw": body}
-        if not isinstance(call, dict) or "name" not in call:
-            return {"error": "a tool call needs a name", "raw": body}
-        arguments = call.get("arguments", {})
-        return {"name": str(call["name"]), "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments)}
+            parsed = self._parse_call(body) if self._parse_call else json.loads(body)
+        except Exception as exc:
+            return [{"error": f"unparseable tool call: {exc}", "raw": body}]
+        calls = parsed if isinstance(parsed, list) and parsed else [parsed]
+        if not all(isinstance(call, dict) and "name" in call for call in calls):
+            return [{"error": "a tool call needs a name", "raw": body}]
+        return [{"name": str(call["name"]), "arguments": _arguments(call.get("arguments", {}))} for call in calls]
+
+
+def _arguments(arguments) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments)
 
 
 def _partial_suffix(text: str, marker: str) -> int:

@@ -76,7 +76,10 @@ class Tracked:
         resume = self.admit.resume
         if resume is not None:
             self.num_generated = len(resume.generated)
-            self.num_prefilled = self.cached_tokens = resume.num_kv_tokens
+            self.num_prefilled = resume.num_kv_tokens
+            # What the prompt did not need prefilling for (the seeds' min: generated tokens' KV
+            # came with the checkpoint but they are not prompt tokens).
+            self.cached_tokens = min(resume.num_kv_tokens, len(self.admit.prompt_ids))
         if self.checkpoint_every:
             self.next_checkpoint = (self.num_generated // self.checkpoint_every + 1) * self.checkpoint_every
 
@@ -123,6 +126,8 @@ class Ended:
     tracked: Tracked
     reason: str
     stop_token_id: int | None = None
+    # Why it failed, when the engine ended it with an error.
+    error: str | None = None
 
 
 class SchedulePolicy:
@@ -300,7 +305,7 @@ class SchedulePolicy:
                 tracked.timeline["last_token"] = now
             if row.finish_reason is not None:
                 del self._active[row.request_id]
-                ended.append(Ended(tracked, tracked.release_reason or row.finish_reason, row.stop_token_id))
+                ended.append(Ended(tracked, tracked.release_reason or row.finish_reason, row.stop_token_id, row.error))
         self.num_finished += len(ended)
         return ended
 
@@ -316,10 +321,10 @@ class SchedulePolicy:
             "paused": sum(t.parked for t in self._active.values()),
         }
 
-    def fail_all(self) -> list[Ended]:
+    def fail_all(self, error: str) -> list[Ended]:
         """The engine dropped everything: every admitted request ends in error."""
         # Requests already ending keep their reason (a cancel stays a cancel).
-        ended = [Ended(t, t.release_reason or "error") for t in self._active.values()]
+        ended = [Ended(t, t.release_reason or "error", error=error) for t in self._active.values()]
         self._active.clear()
         self.num_finished += len(ended)
         return ended

@@ -134,6 +134,11 @@ class Timings(Record, frozen=True):
     queue_s: float = 0.0
     ttft_s: float = 0.0
     total_s: float = 0.0
+    # From the first prefill chunk (or admission) to the first token, and from the first
+    # token to the last.
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    # Prompt tokens actually prefilled (cached ones excluded) per prefill second.
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
 
@@ -151,9 +156,6 @@ class FillStats(Record, frozen=True):
     strict: int = 0
     echo: int = 0
     span_lens: list[int] = msgspec.field(default_factory=list)
-    # Sampled tokens dropped to take a strict span (0 here: fill rows decode synchronously,
-    # so a span is appended before the next token is dispatched, never over one in flight).
-    wasted_samples: int = 0
     # Spans shortened by a clamp (end of sequence, delimiter, maximum span, max_tokens).
     truncated: int = 0
     # Tokens the model sampled itself.

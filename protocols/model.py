@@ -147,11 +147,14 @@ class RowOutput(Record, frozen=True):
     request_id: str
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    # "error": the request failed on its own (its grammar, its fill plan, its checkpoint);
+    # the rest of the batch goes on.
+    finish_reason: Literal["stop", "length", "error"] | None = None
     # The stop token that ended the request; it is not part of `token_ids`.
     stop_token_id: int | None = None
     # The request's fast-forwarding figures so far, for rows that fast-forward.
     fill: FillStats | None = None
+    error: str | None = None
 
 
 class PrefillReport(Record, frozen=True):

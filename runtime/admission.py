@@ -20,6 +20,7 @@ from pathlib import Path
 
 import anyio
 import anyio.to_thread
+import msgspec
 import structlog
 
 from policies import fill
@@ -101,15 +102,7 @@ class Admission:
         render = functools.partial(requests.render_prompt, request, self._tokenizer, self._max_prompt_bytes)
         prompt_ids = await anyio.to_thread.run_sync(render)
         max_tokens = requests.effective_max_tokens(request, len(prompt_ids), info, config.generation.default_max_tokens)
-        if grammar is not None:
-            await self._grammars.acquire(grammar)  # rejects bad grammars before any compute
-        try:
-            stop_ids = sorted(set(() if request.ignore_eos else self._eos_ids) | set(request.stop_token_ids))
-            fill_plan, fill_stats = await self._fill_plan(request, fill_mode, grammar, prompt_ids, stop_ids)
-        except BaseException:
-            if grammar is not None:
-                self._grammars.release(grammar)
-            raise
+        stop_ids = sorted(set(() if request.ignore_eos else self._eos_ids) | set(request.stop_token_ids))
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
         admit = AdmitRequest(
             request_id=request_id,
@@ -120,13 +113,25 @@ class Admission:
             stop_token_ids=stop_ids,
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
-            grammar=grammar,
-            jump_forward=self._jump_forward(request, grammar, fill_plan),
             # The last prompt token is never prefilled; a snapshot there is the end-of-request entry.
             snapshot_at=request.snapshot_at if request.snapshot_at and request.snapshot_at < len(prompt_ids) - 1 else None,
-            fill=fill_plan,
         )
-        return Prepared(admit=admit, request=request, checkpoint_every=checkpoint_every, fill_stats=fill_stats, grammar=grammar)
+        return await self._with_features(Prepared(admit=admit, request=request, checkpoint_every=checkpoint_every), grammar, fill_mode)
+
+    async def _with_features(self, prepared: Prepared, grammar: GrammarSpec | None, fill_mode: str) -> Prepared:
+        """Add the grammar (compiled and pinned: bad grammars are refused before any compute),
+        jump-forward and the fast-forwarding plan; the grammar is released if this fails."""
+        request, admit = prepared.request, prepared.admit
+        if grammar is not None:
+            await self._grammars.acquire(grammar)
+        try:
+            fill_plan, fill_stats = await self._fill_plan(request, fill_mode, grammar, admit.prompt_ids, admit.stop_token_ids)
+        except BaseException:
+            if grammar is not None:
+                self._grammars.release(grammar)
+            raise
+        admit = msgspec.structs.replace(admit, grammar=grammar, jump_forward=self._jump_forward(request, grammar, fill_plan), fill=fill_plan)
+        return Prepared(admit=admit, request=request, checkpoint_every=prepared.checkpoint_every, fill_stats=fill_stats, grammar=grammar)
 
     def _jump_forward(self, request: GenerateRequest, grammar: GrammarSpec | None, fill_plan) -> bool:
         # Strict fast-forward rows, where a forced tool call has some, take jump-forward's place.
@@ -165,11 +170,15 @@ class Admission:
         return every
 
     async def _prepare_resume(self, request_id: str) -> Prepared:
+        """A checkpointed request with everything it had: its grammar and fast-forwarding are
+        rebuilt from the request, and the engine replays its output through both."""
         checkpoints.check_request_id(request_id)
         header, tensors = await anyio.to_thread.run_sync(self._read_checkpoint, request_id)
         request = header.request
         try:
             self._check_header(header)
+            grammar = grammar_spec(request, self._tool_markers)
+            fill_mode = fill.resolve_mode(request, self._config.generation.fill)
         except InvalidRequestError as exc:
             raise CorruptCheckpointError(f"checkpoint of {request_id!r} holds an invalid request: {exc}") from None
         admit = AdmitRequest(
@@ -183,7 +192,8 @@ class Admission:
             top_logprobs=request.top_logprobs,
             resume=ResumeState(generated=header.generated, num_kv_tokens=header.num_kv_tokens, kv_tensors=tensors),
         )
-        return Prepared(admit=admit, request=request, checkpoint_every=self.checkpoint_every(request))
+        prepared = Prepared(admit=admit, request=request, checkpoint_every=self.checkpoint_every(request))
+        return await self._with_features(prepared, grammar, fill_mode)
 
     def _read_checkpoint(self, request_id: str):
         """A checkpoint this model can resume, its tensors checked against the model (blocking)."""

@@ -115,10 +115,13 @@ async def test_refusals_are_reported(tiny_config):
         assert finished.fill.refused and "grammar" in finished.fill.refused
         _, _, finished, _ = await _run(rt, GenerateRequest(prompt="x", max_tokens=8, fill="echo", logprobs=True))
         assert finished.fill.refused and "logprobs" in finished.fill.refused
-        ids, _, finished, _ = await _run(
-            rt, GenerateRequest(prompt="x", max_tokens=8, ignore_eos=True, fill="echo", sampling=SamplingParams(temperature=0.7, seed=1))
-        )
+        ids, _, finished, _ = await _run(rt, GenerateRequest(prompt="x", max_tokens=8, ignore_eos=True, fill="echo", sampling=SamplingParams(temperature=0.7)))
         assert finished.fill.refused is None and "temperature" in finished.fill.echo_refused and len(ids) == 8
+        # An explicit seed at temperature > 0: strict injection would bypass the seeded sampler.
+        ids, _, finished, _ = await _run(
+            rt, GenerateRequest(prompt="x", max_tokens=8, ignore_eos=True, fill="strict", sampling=SamplingParams(temperature=0.7, seed=1))
+        )
+        assert finished.fill.refused and "seed" in finished.fill.refused and len(ids) == 8
         with pytest.raises(InvalidRequestError) as info:
             await _run(rt, GenerateRequest(prompt="x", fill="sometimes"))
         assert info.value.field == "fill"

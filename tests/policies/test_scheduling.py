@@ -670,12 +670,12 @@ def test_fail_all_ends_every_active_request_in_error():
         sim.add(make_tracked(rid, prompt_len=20, max_tokens=5))
     sim.admit_all()
     sim.step()
-    ended = sim.policy.fail_all()
+    ended = sim.policy.fail_all("boom")
     assert sorted((e.tracked.request_id, e.reason) for e in ended) == [("a", "error"), ("b", "error")]
     assert not sim.policy.has_work()
     assert sim.policy.num_finished == 2
     assert sim.policy.admission_candidate() is sim.tracked["waiting"]
-    assert sim.policy.fail_all() == []
+    assert sim.policy.fail_all("boom") == []
 
 
 # -- (l) timelines ----------------------------------------------------------------

@@ -73,7 +73,7 @@ def test_a_failed_step_keeps_the_reason_of_requests_already_ending():
     policy.plan(0.0)
     policy.apply(_outcome(), 0.0)
     policy.end_early("a", "cancelled")
-    reasons = {e.tracked.request_id: e.reason for e in policy.fail_all()}
+    reasons = {e.tracked.request_id: e.reason for e in policy.fail_all("boom")}
     assert reasons == {"a": "cancelled", "b": "error"}
 
 

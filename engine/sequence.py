@@ -1,0 +1,106 @@
+"""One admitted request's engine-side state, and a dispatched step not read yet."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from engine.sampler import SampleResult
+from policies.fill import FillSession, Proposal
+from protocols.model import AdmitRequest
+
+
+class EngineInvariantError(RuntimeError):
+    """A plan asked for something the engine's state makes impossible (a scheduler bug)."""
+
+
+@dataclass
+class Sequence:
+    """One admitted request's engine-side state."""
+
+    admit: AdmitRequest
+    stop_ids: frozenset[int]
+    # Its KV while it is out of the decode batch (prefilling, parked): per-layer caches.
+    cache: list | None = None
+    num_prefilled: int = 0
+    num_generated: int = 0
+    in_batch: bool = False
+    joined: bool = False
+    # Its caller is not reading: kept out of the batch (KV in `cache`) until unparked.
+    parked: bool = False
+    # Grammar state, and known tokens after the last sampled one (fed with it next step):
+    # grammar-forced or fast-forwarded ones, already emitted, or an echo span to verify.
+    matcher: Any = None
+    extra: list[int] = field(default_factory=list)
+    fill: FillSession | None = None
+    verify: Proposal | None = None
+    # A strict span whose model choices the trace wants from the next step.
+    trace: Proposal | None = None
+    generated: list[int] = field(default_factory=list)
+    # A checkpoint was asked for and is taken at the first step end that can (no known
+    # tokens waiting to be forwarded).
+    checkpoint_due: bool = False
+    # Why this request failed on its own (its grammar, its fill session); it ends with
+    # `error` when its in-flight token is collected, and the batch goes on.
+    failure: str | None = None
+
+    def tokens_with_kv(self, length: int) -> list[int]:
+        """The tokens whose KV the first `length` cache positions hold."""
+        tokens = self.admit.prompt_ids + self.generated
+        if length > len(tokens):
+            raise EngineInvariantError(f"cache of {length} positions but only {len(tokens)} tokens known")
+        return tokens[:length]
+
+    @property
+    def request_id(self) -> str:
+        return self.admit.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.admit.prompt_ids)
+
+    @property
+    def context(self) -> list[int]:
+        """Prompt and generated tokens; the last one is the next decode input until the row joins."""
+        return self.admit.prompt_ids + self.generated
+
+    @property
+    def is_ready(self) -> bool:
+        """Prefill is done: the cache covers the prompt but its last token (more, after a park)."""
+        return not self.joined and not self.parked and self.prompt_len - 1 <= self.num_prefilled <= len(self.context) - 1
+
+    @property
+    def needs_token_before_next_step(self) -> bool:
+        """Its next step depends on the token in flight: a grammar mask, a fast-forward span,
+        an echo span's verdict (the rejected tail is rewound before anything else is written)."""
+        return self.matcher is not None or (self.fill is not None and self.fill.active) or self.verify is not None
+
+
+@dataclass
+class InFlight:
+    """A dispatched decode step whose tokens have not been read yet.
+
+    Rows are the `Sequence` objects themselves, not ids: a request id may be
+    reused once its request has ended, and a stale token must not reach the new one.
+    """
+
+    rows: list[Sequence]
+    result: SampleResult | None = None
+    # Rows that appended known tokens first, with each position's greedy choice, and the
+    # echo rows among them with how many of their span's tokens the model agreed with.
+    appended: list[Sequence] = field(default_factory=list)
+    choices: mx.array | None = None
+    verified: list[Sequence] = field(default_factory=list)
+    accepted: mx.array | None = None
+
+    @property
+    def has_first_tokens(self) -> bool:
+        """Some row samples its first token in this step (read it at once: early token zero)."""
+        return any(seq.num_generated == 0 for seq in self.rows)
+
+    @property
+    def must_be_read_first(self) -> bool:
+        """Some row needs this step's token before the next step can be built."""
+        return any(seq.needs_token_before_next_step for seq in self.rows)
