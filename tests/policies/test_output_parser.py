@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -109,6 +108,7 @@ def test_a_parse_call_that_raises_value_error_is_reported_not_raised():
 def test_a_parse_call_failing_with_any_exception_is_reported_not_raised():
     """Regression: only ValueError/TypeError were caught; mlx-lm's longcat parser raises
     AttributeError on a malformed body, which escaped into the runtime's task group."""
+
     def parse_call(body: str) -> dict:
         # What mlx_lm.tool_parsers.longcat does with a body lacking its markup.
         return {"name": re.search(r"<longcat_tool_call>(.*?)\n", body).group(1)}
