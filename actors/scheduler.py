@@ -86,11 +86,8 @@ class SchedulerActor:
 
     def _enqueue(self, message: AddRequest) -> None:
         rid = message.admit.request_id
-        if self.policy.is_tracked(rid):
-            message.session.send_nowait(
-                RequestRejected(request_id=rid, code="duplicate_request", message=f"request {rid!r} is still running", field="request_id")
-            )
-            return
+        # Ids are unique among live requests: the runtime claims them (`runtime.streams`).
+        assert not self.policy.is_tracked(rid), f"request {rid!r} submitted twice"
         if not self.policy.can_enqueue():
             message.session.send_nowait(RequestRejected(request_id=rid, code="busy", message="admission queue is full"))
             return

@@ -34,7 +34,7 @@ from engine.batch import DecodeBatch, LayerGeometry, compile_decode_step
 from engine.known import KnownTokens
 from engine.sampler import BatchSampler, RowSampling, SampleResult
 from engine.sequence import EngineInvariantError, InFlight, Sequence
-from policies.fill import FillSession
+from policies.fill_session import FillSession
 from protocols.api import FillStats, TokenLogprob, TopLogprob
 from protocols.model import (
     AdmitRequest,

@@ -18,7 +18,7 @@ import structlog
 
 from engine.batch import DecodeBatch
 from engine.sequence import InFlight, Sequence
-from policies.fill import Proposal, trace_record
+from policies.fill_session import Proposal, trace_record
 
 log = structlog.get_logger(actor="engine")
 

@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 
 from engine.sampler import SampleResult
-from policies.fill import FillSession, Proposal
+from policies.fill_session import FillSession, Proposal
 from protocols.model import AdmitRequest
 
 

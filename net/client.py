@@ -11,7 +11,6 @@ same exception types the embedding API raises.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,7 +21,7 @@ from anyio.abc import SocketStream
 
 from actors.mailbox import CoalescingInbox, join_optional
 from net.framing import FrameReader, encode_frame
-from protocols.api import Event, Finished, GenerateRequest, TokenDelta
+from protocols.api import Event, Finished, GenerateRequest, TokenDelta, new_request_id
 from protocols.errors import ConnectionLostError, ServerError, error_for
 from protocols.wire import PROTOCOL_VERSION, Cancel, Error, Generate, GetStats, Hello, Resume, ServerMessage, Stats, Welcome
 from runtime.errors import DuplicateRequestError, RequestTooLargeError, single_errors
@@ -75,7 +74,7 @@ class Client:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """The request's events, exactly as `Runtime.generate` yields them."""
-        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        rid = request.request_id or new_request_id()
         async for event in self._request(rid, Generate(request=msgspec.structs.replace(request, request_id=rid))):
             yield event
 

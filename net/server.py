@@ -148,9 +148,8 @@ class Connection:
         self._server = server
         self._runtime = server.runtime
         self._stream = stream
+        # This connection's live requests (their ids are unique runtime-wide: `Runtime.submit`).
         self._requests: LiveSet[str] = LiveSet()
-        # Cancels received for this connection's requests; re-sent once a request is running.
-        self._cancelled: set[str] = set()
         self._outbox_send, self._outbox_receive = anyio.create_memory_object_stream[bytes](server.config.send_buffer_frames)
         self._reading = anyio.CancelScope()
         self._writer_done = anyio.Event()
@@ -254,12 +253,11 @@ class Connection:
     async def _dispatch(self, message, tg: TaskGroup) -> None:
         match message:
             case Generate(request=request):
-                await self._start(request.request_id, tg, lambda: self._runtime.generate(request))
+                await self._start(request.request_id, tg, lambda: self._runtime.submit(request))
             case Resume(request_id=rid):
-                await self._start(rid, tg, lambda: self._runtime.resume(rid))
+                await self._start(rid, tg, lambda: self._runtime.submit_resume(rid))
             case Cancel(request_id=rid):
                 if rid in self._requests:
-                    self._cancelled.add(rid)
                     await self._runtime.cancel(rid)
                 else:
                     await self.send(Error(code="unknown_request", message="no such request on this connection", request_id=rid))
@@ -269,27 +267,30 @@ class Connection:
             case Hello():
                 await self.send(Error(code="protocol_error", message="Hello was already received"))
 
-    async def _start(self, rid: str | None, tg: TaskGroup, events) -> None:
+    async def _start(self, rid: str | None, tg: TaskGroup, submit) -> None:
+        """Submit now (the runtime claims the id, and refuses a live one, before anything else
+        is read), then forward the request's events from a task of its own."""
         if not rid:
             await self.send(Error(code="invalid_request", message="request_id is required on the socket", field="request_id"))
-        elif rid in self._requests:
-            await self.send(Error(code="duplicate_request", message="request_id already in use", request_id=rid, field="request_id"))
-        else:
-            self._requests.add(rid)
-            tg.start_soon(self._forward, rid, events, name=f"forward-{rid}")
+            return
+        try:
+            stream = submit()
+        except MlxrtError as exc:
+            await self.send(_refusal(rid, exc))
+            return
+        self._requests.add(rid)
+        tg.start_soon(self._forward, stream, name=f"forward-{rid}")
 
-    async def _forward(self, rid: str, events) -> None:
+    async def _forward(self, stream) -> None:
+        rid = stream.request_id
         try:
             refusal = None
             try:
-                async for event in events():
-                    if rid in self._cancelled:
-                        # The cancel may have arrived before the runtime knew the request.
-                        self._cancelled.discard(rid)
-                        await self._runtime.cancel(rid)
-                    await self.send(event)
-                    if isinstance(event, Finished):
-                        break
+                async with stream:
+                    async for event in stream:
+                        await self.send(event)
+                        if isinstance(event, Finished):
+                            break
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 raise
             except MlxrtError as exc:
@@ -303,7 +304,6 @@ class Connection:
             pass  # the client is gone; its requests are being cancelled
         finally:
             self._requests.discard(rid)
-            self._cancelled.discard(rid)
 
 
 def _refusal(rid: str, exc: MlxrtError) -> Error:

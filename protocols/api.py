@@ -8,6 +8,7 @@ or anyio; validation of values happens in the runtime, which raises
 
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal
 
 import msgspec
@@ -15,6 +16,11 @@ import msgspec
 from protocols.base import Message, Record
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+def new_request_id() -> str:
+    """An id for a request submitted without one."""
+    return f"req-{uuid.uuid4().hex[:16]}"
 
 
 class SamplingParams(Record, frozen=True):

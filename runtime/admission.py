@@ -23,7 +23,7 @@ import anyio.to_thread
 import msgspec
 import structlog
 
-from policies import fill
+from policies import fill_plan as fill
 from policies import validation as requests
 from protocols.api import FillStats, GenerateRequest
 from protocols.model import AdmitRequest, GrammarSpec, ModelInfo, ResumeState

@@ -26,6 +26,7 @@ import structlog
 import xgrammar as xgr
 
 from actors.mlx_thread import loop_caller
+from policies.tools import tool_function
 from protocols.api import GenerateRequest
 from protocols.model import GrammarSpec
 from runtime.errors import InvalidRequestError, ServerBusyError
@@ -116,13 +117,8 @@ def _forced_tools(request: GenerateRequest) -> list[dict] | None:
 
 
 def _function(tool: Any) -> dict:
-    function = tool.get("function") if isinstance(tool, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise InvalidRequestError('tools must be [{"type": "function", "function": {"name": ..., "parameters": {...}}}]', field="tools")
-    parameters = function.get("parameters") or {"type": "object"}
-    if not isinstance(parameters, dict):
-        raise InvalidRequestError(f"tool {function['name']!r}: parameters must be a JSON schema object", field="tools")
-    return {"name": function["name"], "parameters": _strict_strings(parameters, "tools")}
+    function = tool_function(tool)
+    return {"name": function["name"], "parameters": _strict_strings(function["parameters"], "tools")}
 
 
 def spec_field(spec: GrammarSpec) -> str:

@@ -9,8 +9,6 @@ actor, and streams that session's events; leaving the stream early cancels it.
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -28,20 +26,19 @@ from policies.detokenize import make_detokenizer
 from policies.ledger import KvLedger
 from policies.output_parser import OutputParser
 from policies.scheduling import SchedulePolicy
-from protocols.api import Event, Finished, GenerateRequest
-from protocols.errors import error_for
+from protocols.api import Event, GenerateRequest, new_request_id
 from protocols.kv import DrainFiles, GetKvStats, KvStats
 from protocols.model import ModelInfo
-from protocols.scheduler import AddRequest, CancelRequest, GetSchedulerStats, SchedulerStats
-from protocols.session import RequestRejected
+from protocols.scheduler import GetSchedulerStats, SchedulerStats
 from runtime import blas, env
 from runtime.admission import Admission, Prepared, checkpoint_directory_problem
 from runtime.checkpoints import CheckpointStore
 from runtime.config import RuntimeConfig
-from runtime.errors import ConfigError, DuplicateRequestError, RuntimeClosedError, ServerBusyError, single_errors
+from runtime.errors import ConfigError, RuntimeClosedError, single_errors
 from runtime.grammar import GrammarCache
 from runtime.logging import configure_logging
 from runtime.progress import Progress
+from runtime.streams import Requests, RequestStream
 
 log = structlog.get_logger(actor="runtime")
 
@@ -69,14 +66,10 @@ class Runtime:
         self._admission = admission
         self._scheduler = scheduler
         self._kv = kv
-        self._task_group = task_group
-        self._sessions: dict[str, SessionActor] = {}
-        self._no_sessions = anyio.Event()
-        self._no_sessions.set()
+        self._requests = Requests(
+            scheduler=scheduler.inbox, task_group=task_group, make_session=self._make_session, release=admission.release, buffer=EVENT_BUFFER
+        )
         self._closed = False
-        # Requests still being tokenized, and cancels that arrived for them meanwhile.
-        self._preparing: set[str] = set()
-        self._early_cancels: set[str] = set()
 
     @classmethod
     @asynccontextmanager
@@ -144,19 +137,34 @@ class Runtime:
     def tokenizer(self):
         return self._tokenizer
 
+    def submit(self, request: GenerateRequest) -> RequestStream:
+        """Claim the request's id now and return its stream; the request is prepared (checked,
+        tokenized) and started when the stream is first iterated.
+
+        Raises `DuplicateRequestError` at once for an id that is live, `RuntimeClosedError`
+        during shutdown; iterating raises `InvalidRequestError` for bad input and
+        `ServerBusyError` when the queue is full.
+        """
+        self._check_open()
+        request_id = request.request_id or new_request_id()
+        claim = self._requests.claim(request_id)
+        return RequestStream(self._requests, claim, lambda: self._admission.prepare(request, request_id))
+
+    def submit_resume(self, request_id: str) -> RequestStream:
+        """As `submit`, for a checkpointed request (`resume`)."""
+        self._check_open()
+        claim = self._requests.claim(request_id)
+        return RequestStream(self._requests, claim, lambda: self._admission.prepare_resume(request_id))
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """Stream a request's events: `TokenDelta`s (and `PrefillProgress` if asked), then one `Finished`.
 
         Raises `InvalidRequestError` for bad input, `ServerBusyError` when the
         queue is full, `RuntimeClosedError` during shutdown.
         """
-        rid = request.request_id or f"req-{uuid.uuid4().hex[:16]}"
-        async with self._claim(rid):
-            self._check_open()
-            prepared = await self._admission.prepare(request, rid)
-            session, events = self._submit(prepared)
-        async for event in self._stream(session, events):
-            yield event
+        async with self.submit(request) as stream:
+            async for event in stream:
+                yield event
 
     async def resume(self, request_id: str) -> AsyncIterator[Event]:
         """Continue a checkpointed request: one `TokenDelta` re-delivering what it generated
@@ -164,63 +172,17 @@ class Runtime:
 
         Raises a `CheckpointError` subclass when there is no usable checkpoint.
         """
-        async with self._claim(request_id):
-            self._check_open()
-            prepared = await self._admission.prepare_resume(request_id)
-            session, events = self._submit(prepared)
-        async for event in self._stream(session, events):
-            yield event
+        async with self.submit_resume(request_id) as stream:
+            async for event in stream:
+                yield event
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeClosedError("the runtime is shutting down")
 
-    @asynccontextmanager
-    async def _claim(self, request_id: str):
-        """Hold `request_id` while a request is prepared; a cancel meanwhile applies once it starts."""
-        if request_id in self._sessions or request_id in self._preparing:
-            raise DuplicateRequestError(f"request_id {request_id!r} is already in use")
-        self._preparing.add(request_id)
-        try:
-            yield
-        finally:
-            self._preparing.discard(request_id)
-            cancelled_early = request_id in self._early_cancels
-            self._early_cancels.discard(request_id)
-        if cancelled_early and request_id in self._sessions:
-            self._task_group.start_soon(self._cancel_session, self._sessions[request_id])
-
-    async def _stream(self, session: SessionActor, events) -> AsyncIterator[Event]:
-        finished = False
-        try:
-            async with events:
-                async for event in events:
-                    if isinstance(event, RequestRejected):
-                        finished = True
-                        raise _rejection_error(event)
-                    # Before yielding: a caller may stop at Finished and never resume us.
-                    finished = isinstance(event, Finished)
-                    yield event
-                    if finished:
-                        return
-            finished = True  # the session was abandoned at shutdown: nothing left to cancel
-            raise RuntimeClosedError("the runtime shut down before the request finished")
-        finally:
-            if not finished:
-                with anyio.CancelScope(shield=True):
-                    await self._cancel_session(session)
-
     async def cancel(self, request_id: str) -> None:
         """End a request at the next step boundary; its stream ends with `Finished(cancelled)`."""
-        if request_id in self._sessions:
-            await self._cancel_session(self._sessions[request_id])
-        elif request_id in self._preparing:
-            self._early_cancels.add(request_id)
-
-    async def _cancel_session(self, session: SessionActor) -> None:
-        # Only while that very session is live: its id may already belong to a newer request.
-        if self._sessions.get(session.request_id) is session:
-            await self._scheduler.inbox.send(CancelRequest(request_id=session.request_id))
+        await self._requests.cancel(request_id)
 
     async def stats(self) -> RuntimeStats:
         try:
@@ -228,42 +190,21 @@ class Runtime:
             kv = await ask(self._kv.inbox, GetKvStats)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
             raise RuntimeClosedError("the runtime is closed") from None
-        return RuntimeStats(scheduler=scheduler, kv=kv, live_requests=len(self._sessions))
+        return RuntimeStats(scheduler=scheduler, kv=kv, live_requests=len(self._requests))
 
-    def _submit(self, prepared: Prepared):
-        """Start the request's session and hand the request to the scheduler; returns both ends."""
+    def _make_session(self, prepared: Prepared, events: EventChannel) -> SessionActor:
         admit, request = prepared.admit, prepared.request
-        rid = admit.request_id
-        send = receive = EventChannel[Event | RequestRejected](EVENT_BUFFER)
-        session = SessionActor(
-            request_id=rid,
+        return SessionActor(
+            request_id=admit.request_id,
             num_prompt_tokens=len(admit.prompt_ids),
             detokenizer=make_detokenizer(self._tokenizer),
             stop=list(request.stop),
             scheduler=self._scheduler.inbox,
-            events=send,
+            events=events,
             parser=self._output_parser(request),
             fill=prepared.fill_stats,
             max_pause_s=self.config.scheduler.max_pause_s,
         )
-        message = AddRequest(
-            admit=admit,
-            submitted=time.monotonic(),
-            session=session.inbox,
-            request=request,
-            priority=request.priority,
-            report_progress=request.report_progress,
-            checkpoint_every=prepared.checkpoint_every,
-        )
-        try:
-            self._scheduler.inbox.send_nowait(message)
-        except anyio.WouldBlock:
-            self._admission.release(prepared)
-            raise ServerBusyError("the scheduler's inbox is full") from None
-        self._sessions[rid] = session
-        self._no_sessions = anyio.Event()
-        self._task_group.start_soon(self._run_session, session, prepared, name=f"session-{rid}")
-        return session, receive
 
     def _output_parser(self, request: GenerateRequest) -> OutputParser | None:
         """Reasoning split when the model has think markers; tool calls when the request has tools."""
@@ -275,17 +216,6 @@ class Runtime:
         parser = tokenizer.tool_parser if tools is not None else None
         return OutputParser(think=think, tool_markers=tools, parse_call=(lambda body: parser(body, request.tools)) if parser else None)
 
-    async def _run_session(self, session: SessionActor, prepared: Prepared) -> None:
-        with structlog.contextvars.bound_contextvars(request_id=session.request_id):
-            try:
-                await session.run()
-            finally:
-                if self._sessions.get(session.request_id) is session:
-                    del self._sessions[session.request_id]
-                if not self._sessions:
-                    self._no_sessions.set()
-                self._admission.release(prepared)
-
     async def shutdown(self) -> None:
         """Refuse new requests, cancel live ones and give their callers a moment to hear it.
 
@@ -293,14 +223,8 @@ class Runtime:
         the end of its stream instead (`RuntimeClosedError`); the runtime never waits longer.
         """
         self._closed = True
-        for rid in list(self._sessions):
-            await self._scheduler.inbox.send(CancelRequest(request_id=rid, keep_checkpoint=True))
+        await self._requests.wind_down(SHUTDOWN_GRACE_S)
         with anyio.move_on_after(SHUTDOWN_GRACE_S):
-            await self._no_sessions.wait()
-        for session in list(self._sessions.values()):
-            session.abandon()
-        with anyio.move_on_after(SHUTDOWN_GRACE_S):
-            await self._no_sessions.wait()
             # Pending checkpoint writes and deletes reach the disk before the actors stop.
             await ask(self._kv.inbox, DrainFiles)
 
@@ -311,7 +235,3 @@ def _report_blas() -> None:
         log.warning("slow_blas", state=status.state, message=status.warning())
     else:
         log.debug("blas", state=status.state, library=status.library)
-
-
-def _rejection_error(event: RequestRejected) -> Exception:
-    return error_for(event.code, event.message, event.field)

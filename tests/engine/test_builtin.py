@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -115,15 +114,12 @@ def test_builds_into_two_roots_are_identical(built: Built, tmp_path: Path, name:
         assert _sha256(other / filename) == _sha256(built.dirs[name] / filename), filename
 
 
-def test_second_call_is_fast_and_does_not_rebuild(built: Built) -> None:
+def test_second_call_does_not_rebuild(built: Built) -> None:
     directory = built.dirs["tiny"]
     mtimes = {f: (directory / f).stat().st_mtime_ns for f in MODEL_FILES}
     messages: list[str] = []
-    started = time.perf_counter()
     again = ensure_builtin("tiny", root=built.root, progress=messages.append)
-    elapsed = time.perf_counter() - started
     assert again == directory
-    assert elapsed < 0.05
     assert messages == []
     assert {f: (directory / f).stat().st_mtime_ns for f in MODEL_FILES} == mtimes
 

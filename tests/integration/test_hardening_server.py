@@ -340,3 +340,12 @@ async def test_sigterm_with_a_paused_client_exits_promptly(tmp_path):
     assert code == 0, process.stderr()
     # Bounded by the 2 s grace for callers plus the connection flush, not by stacked timeouts.
     assert elapsed < 10.0, f"exit took {elapsed:.1f} s"
+
+
+def test_an_unsafe_request_id_is_an_invalid_request_not_a_duplicate(server):
+    """Regression: the server's own mapping sent an unsafe id (a/b) back as duplicate_request."""
+    with RawConnection(server.socket) as raw:
+        raw.hello()
+        raw.send(Generate(request=GenerateRequest(prompt_ids=[1, 2], max_tokens=2, request_id="a/b", checkpoint_every=4)))
+        error = read_error(raw, "a/b")
+    assert (error.code, error.field) == ("invalid_request", "request_id"), error

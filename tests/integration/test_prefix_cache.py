@@ -146,3 +146,18 @@ async def test_snapshot_at_keeps_the_system_prompt_while_the_request_runs():
         _, finished = await _run(rt, system + _ids(5, 42))
         assert finished.usage.cached_tokens == len(system)
         await first.aclose()
+
+
+async def test_timings_split_prefill_and_decode_and_rate_only_what_was_prefilled():
+    system = _ids(100, 11)
+    async with Runtime.open(_config()) as rt:
+        _, cold = await _run(rt, system + _ids(10, 12), max_tokens=8, ignore_eos=True)
+        _, warm = await _run(rt, system + _ids(10, 13), max_tokens=8, ignore_eos=True)
+    for finished in (cold, warm):
+        t, u = finished.timings, finished.usage
+        assert t.prefill_s > 0 and t.decode_s > 0
+        assert t.ttft_s >= t.prefill_s and t.total_s >= t.ttft_s + t.decode_s - 1e-6
+        # The seeds' definition: tokens actually prefilled (not cached ones) per prefill second.
+        prefilled = u.prompt_tokens - u.cached_tokens
+        assert abs(t.prefill_tokens_per_s * t.prefill_s - prefilled) < 1e-6 * max(1, prefilled) + 1e-6
+    assert warm.usage.cached_tokens == len(system) and cold.usage.cached_tokens == 0

@@ -83,3 +83,29 @@ async def test_an_early_cancel_for_a_refused_request_does_not_linger(tiny_config
             await rt.cancel("E")  # arrives while the request is still being prepared
         tokens, reason = await _collect(rt, _short("E"))
     assert reason == "length" and len(tokens) == 4
+
+
+async def test_submit_claims_the_id_at_once_and_closing_gives_it_back(tiny_config):
+    from runtime.errors import DuplicateRequestError
+
+    async with Runtime.open(tiny_config) as rt:
+        first = rt.submit(_short("claimed"))
+        with pytest.raises(DuplicateRequestError) as info:
+            rt.submit(_short("claimed"))  # no await: the claim is synchronous
+        assert info.value.field == "request_id" and info.value.code == "duplicate_request"
+        await first.aclose()  # never iterated: the id is free again
+        async with rt.submit(_short("claimed")) as again:
+            events = [event async for event in again]
+        assert isinstance(events[-1], Finished) and events[-1].finish_reason == "length"
+        assert (await rt.stats()).live_requests == 0
+
+
+async def test_a_cancel_before_the_stream_starts_ends_it_cancelled(tiny_config):
+    async with Runtime.open(tiny_config) as rt:
+        stream = rt.submit(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=500, ignore_eos=True, request_id="early"))
+        await rt.cancel("early")  # the request is not even prepared yet
+        async with stream:
+            events = [event async for event in stream]
+        finished = events[-1]
+        assert isinstance(finished, Finished) and finished.finish_reason == "cancelled"
+        assert sum(len(e.token_ids) for e in events if isinstance(e, TokenDelta)) < 500

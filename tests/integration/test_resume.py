@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import anyio
@@ -79,6 +80,8 @@ async def test_shutdown_keeps_the_checkpoint_and_resume_continues_exactly(tmp_pa
     assert len(replayed) >= 16 and replayed == uninterrupted[: len(replayed)]
     assert [t for d in deltas for t in d] == uninterrupted
     assert finished.finish_reason == "length" and finished.usage.completion_tokens == MAX_TOKENS
+    # The checkpoint brought the prompt's KV and the output's; only the prompt's counts as cached.
+    assert finished.usage.cached_tokens == finished.usage.prompt_tokens
 
 
 async def test_resume_errors_are_typed(tmp_path):
@@ -118,3 +121,44 @@ async def test_bfloat16_models_checkpoint_and_resume_exactly(tmp_path):
     async with Runtime.open(config(directory)) as rt:
         deltas, finished = await _tokens(rt.resume("r"))
     assert [t for d in deltas for t in d] == uninterrupted and finished.finish_reason == "length"
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 40}},
+    "required": ["values"],
+}
+
+
+async def _interrupted(directory, request: GenerateRequest, min_tokens: int = 12) -> None:
+    """Stream until a checkpoint exists past `min_tokens`, then shut down under the open stream."""
+    async with Runtime.open(_config(directory)) as rt:
+        stream = rt.generate(request).__aiter__()
+        seen = 0
+        while seen < min_tokens or not path_for(directory, request.request_id).exists():
+            event = await stream.__anext__()
+            seen += len(event.token_ids) if isinstance(event, TokenDelta) else 0
+
+
+@pytest.mark.parametrize("jump_forward", [False, True])
+async def test_a_resumed_request_keeps_its_grammar(tmp_path, jump_forward):
+    """The seeds' rule: a resume replays the output through a fresh matcher, never runs unconstrained."""
+    request = GenerateRequest(
+        prompt_ids=[5, 6, 7, 8, 9],
+        max_tokens=200,
+        request_id="json",
+        checkpoint_every=4,
+        jump_forward=jump_forward,
+        response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}},
+    )
+    async with Runtime.open(_config(tmp_path / "a")) as rt:
+        deltas, uninterrupted_end = await _tokens(rt.generate(request))
+    uninterrupted = [t for d in deltas for t in d]
+    await _interrupted(tmp_path / "b", request)
+    async with Runtime.open(_config(tmp_path / "b")) as rt:
+        deltas, finished = await _tokens(rt.resume("json"))
+        text = rt.tokenizer.decode([t for d in deltas for t in d])
+    assert [t for d in deltas for t in d] == uninterrupted
+    assert finished.finish_reason == uninterrupted_end.finish_reason
+    if finished.finish_reason == "stop":
+        assert len(json.loads(text)["values"]) >= 40

@@ -7,7 +7,6 @@ Uses the ~125M built-in model so that a 64-token generation lasts long enough
 from __future__ import annotations
 
 import random
-import time
 
 import anyio
 import msgspec
@@ -110,8 +109,7 @@ async def test_resume_over_the_socket_rejects_bad_checkpoints(tmp_path):
             with pytest.raises(CheckpointError):
                 async for _ in client.resume("broken"):
                     pass
-            started = time.monotonic()
             outcome = [e async for e in client.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=3))]
-            assert isinstance(outcome[-1], Finished) and time.monotonic() - started < 10
+            assert isinstance(outcome[-1], Finished)
     finally:
         server.stop()

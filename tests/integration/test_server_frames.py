@@ -239,9 +239,9 @@ def test_silent_connections_are_closed_after_the_handshake_timeout(server):
         partial.send_bytes(HEADER.pack(20) + b"\x81")  # a Hello that never completes
         assert silent.read_until_eof() == []  # the server closes without a word (move_on_after)
         elapsed = time.monotonic() - start
-        assert HANDSHAKE_TIMEOUT_S * 0.8 <= elapsed < HANDSHAKE_TIMEOUT_S + 3, elapsed
+        # Not before the timeout (the socket's own read deadline bounds the wait from above).
+        assert elapsed >= HANDSHAKE_TIMEOUT_S * 0.8, elapsed
         assert codes(partial.read_until_eof()) in ([], ["protocol_error"])
-        assert time.monotonic() - start < HANDSHAKE_TIMEOUT_S + 3
         # A connection past its handshake may stay idle for longer than the timeout.
         greeted.send(GetStats())
         assert isinstance(greeted.read(), Stats)

@@ -167,6 +167,11 @@ async def test_bad_formats_get_typed_errors(tiny_config):
         assert info.value.field == "tool_choice"
         with pytest.raises(InvalidRequestError):
             await _run(rt, GenerateRequest(prompt="x", response_format={"type": "json_object"}, ignore_eos=True))
+        # A forced tool call is a grammar too: it ends with end of sequence, so ignore_eos is refused.
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            with pytest.raises(InvalidRequestError) as info:
+                await _run(rt, GenerateRequest(messages=[{"role": "user", "content": "hi"}], tools=[WEATHER], tool_choice=choice, ignore_eos=True))
+            assert info.value.field == "ignore_eos"
         # Still serving.
         fmt = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}
         text, *_ = await _run(rt, GenerateRequest(prompt="x", max_tokens=100, response_format=fmt))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from policies.fill import EchoSource, FillSession, compile_plan, echo_refusal, refusal
+from policies.fill_plan import compile_plan, echo_refusal, refusal
+from policies.fill_session import EchoSource, FillSession
 from protocols import FillStats, GenerateRequest, SamplingParams
 from protocols.model import FillPlan
 from tests.integration.reference import load_reference

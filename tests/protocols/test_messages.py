@@ -276,3 +276,25 @@ def test_records_are_untagged_and_messages_tagged():
     assert "type" not in msgspec.json.decode(msgspec.json.encode(PrefillWork(request_id="a", num_tokens=1)))
     raw = msgspec.json.decode(msgspec.json.encode(TokensGenerated(request_id="a", token_ids=[])))
     assert raw["type"] == "TokensGenerated"
+
+
+def test_every_error_class_round_trips_through_the_one_code_table():
+    from protocols import errors
+
+    for cls in (
+        errors.InvalidRequestError,
+        errors.RequestTooLargeError,
+        errors.DuplicateRequestError,
+        errors.ServerBusyError,
+        errors.RuntimeClosedError,
+        errors.InternalError,
+        errors.CheckpointError,
+        errors.CheckpointNotFoundError,
+    ):
+        original = cls("message", field="f") if issubclass(cls, errors.InvalidRequestError) else cls("message")
+        again = errors.error_for(errors.error_code(original), "message", getattr(original, "field", None))
+        assert type(again) is cls and getattr(again, "field", None) == getattr(original, "field", None)
+    # Subclasses without codes of their own travel as their family's code.
+    assert errors.error_code(errors.CorruptCheckpointError("x")) == "checkpoint_invalid"
+    assert errors.error_code(ValueError("a bug")) == "internal"
+    assert isinstance(errors.error_for("frame_too_large", "m"), errors.ServerError)
