@@ -118,26 +118,29 @@ class KvStoreActor:
                     await self._run_job(job)
 
     async def _run_job(self, job: _FileJob) -> None:
+        if isinstance(job, _Sync):
+            answer(job.reply, True)
+            return
+        files = self._checkpoints
+        assert files is not None  # writes and deletes are queued only when checkpoints are available
         match job:
             case _Write(request_id=rid):
                 message = self._pending.pop(rid, None)
                 if message is not None:
-                    await self._write(message)
+                    await self._write(files, message)
             case _Delete(request_id=rid):
                 try:
-                    await anyio.to_thread.run_sync(self._checkpoints.delete, rid)
+                    await anyio.to_thread.run_sync(files.delete, rid)
                 except OSError as exc:
                     log.error("checkpoint_delete_failed", request_id=rid, error=str(exc))
-            case _Sync(reply=reply):
-                answer(reply, True)
             case _:
                 assert_never(job)
 
-    async def _write(self, message: SaveCheckpoint) -> None:
+    async def _write(self, files: CheckpointFiles, message: SaveCheckpoint) -> None:
         rid = message.data.request_id
         m = message
         try:
-            await anyio.to_thread.run_sync(self._checkpoints.write, m.request, m.prompt_ids, m.seed, m.max_tokens, m.stop_token_ids, m.data)
+            await anyio.to_thread.run_sync(files.write, m.request, m.prompt_ids, m.seed, m.max_tokens, m.stop_token_ids, m.data)
         except Exception as exc:  # a full or read-only disk: that request's checkpoint, nobody else's
             self._num_failed += 1
             error = f"{type(exc).__name__}: {exc.strerror}" if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"

@@ -25,7 +25,7 @@ _STOP = object()
 
 def loop_caller(token: anyio.lowlevel.EventLoopToken) -> Callable[[Callable[[], None]], None]:
     """A non-blocking way to run a callback on the event loop from another thread."""
-    native = token.native_token
+    native: Any = token.native_token
     if hasattr(native, "call_soon_threadsafe"):  # asyncio loop
         return native.call_soon_threadsafe
     return native.run_sync_soon  # trio token

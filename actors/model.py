@@ -21,7 +21,7 @@ from actors.mlx_thread import MlxThread
 from engine.engine import Engine, Grammars
 from engine.loader import load_model
 from protocols.config import ModelConfig
-from protocols.model import DropPrefixes, ModelInbox, ModelInfo, RunStep, StepFailed
+from protocols.model import DropPrefixes, ModelInbox, ModelInfo, RunStep, StepFailed, StepOutcome, StepPlan
 
 log = structlog.get_logger(actor="model")
 
@@ -56,13 +56,12 @@ class ModelActor:
         self._make_grammars = make_grammars
         self._thread = thread
         self._progress = progress
-        self._engine: Engine | None = None
         self.inbox: Mailbox[ModelInbox] = Mailbox(16)
 
     async def run(self, *, task_status) -> None:
         loaded = await self._thread.run(load_model, self._config, self._builtin_root, self._progress)
         grammars = await anyio.to_thread.run_sync(self._make_grammars, loaded.tokenizer, loaded.info)
-        self._engine = await self._thread.run(Engine, loaded.model, loaded.geometry, grammars, loaded.tokenizer.decode)
+        engine = await self._thread.run(Engine, loaded.model, loaded.geometry, grammars, loaded.tokenizer.decode)
         log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
         with self.inbox:
             task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer, grammars=grammars))
@@ -70,16 +69,16 @@ class ModelActor:
                 message = await self.inbox.receive()
                 match message:
                     case RunStep(plan=plan, reply=reply):
-                        answer(reply, await self._step(plan))
+                        answer(reply, await self._step(engine, plan))
                     case DropPrefixes(entry_ids=entry_ids):
-                        await self._thread.run(self._engine.drop_prefixes, entry_ids)
+                        await self._thread.run(engine.drop_prefixes, entry_ids)
                     case _:
                         assert_never(message)
 
-    async def _step(self, plan):
+    async def _step(self, engine: Engine, plan: StepPlan) -> StepOutcome | StepFailed:
         try:
-            return await self._thread.run(self._engine.step, plan)
+            return await self._thread.run(engine.step, plan)
         except Exception as exc:
             log.exception("step_failed")
-            await self._thread.run(self._engine.reset)
+            await self._thread.run(engine.reset)
             return StepFailed(error=f"{type(exc).__name__}: {exc}")

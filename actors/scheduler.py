@@ -202,7 +202,7 @@ class SchedulerActor:
         tracked.session.send_nowait(
             RequestFinished(
                 request_id=tracked.request_id,
-                finish_reason="error" if ended.error and tracked.release_reason is None else ended.reason,
+                finish_reason="error" if ended.error and tracked.release_reason is None else ended.reason,  # type: ignore[arg-type]
                 timeline=tracked.make_timeline(),
                 stop_token_id=ended.stop_token_id,
                 cached_tokens=tracked.cached_tokens,

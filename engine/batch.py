@@ -52,7 +52,9 @@ class SlotLayer:
 
     @property
     def offset(self) -> mx.array:
-        return self._batch.positions
+        positions = self._batch.positions
+        assert positions is not None, "a forward outside begin_step/end_step"
+        return positions
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return self._batch.write(self._index, keys, values)
@@ -129,8 +131,9 @@ class DecodeBatch:
         self.num_layers = num_layers = len(self.geometry)
         self.row_ids: list[str] = []
         self.lengths: list[int] = []
-        self._keys: list[mx.array] | None = None
-        self._values: list[mx.array] | None = None
+        # Per-layer buffers; empty until the first row joins (and again once the last leaves).
+        self._keys: list[mx.array] = []
+        self._values: list[mx.array] = []
         self._layers = [SlotLayer(self, i) for i in range(num_layers)]
         # Per-step geometry, set by begin_step.
         self.positions: mx.array | None = None
@@ -152,14 +155,14 @@ class DecodeBatch:
 
     @property
     def capacity(self) -> tuple[int, int]:
-        if self._keys is None:
+        if not self._keys:
             return 0, 0
         rows, _, length, _ = self._keys[0].shape
         return rows, length
 
     @property
     def nbytes(self) -> int:
-        if self._keys is None:
+        if not self._keys:
             return 0
         return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values))
 
@@ -168,7 +171,7 @@ class DecodeBatch:
 
     def add_row(self, request_id: str, caches: Sequence, length: int) -> None:
         """Copy the first `length` positions of per-layer `KVCache`s into a new last row."""
-        if self._keys is None:
+        if not self._keys:
             self._allocate()
         row = len(self.row_ids)
         self._reserve(row + 1, length + 1)
@@ -210,7 +213,7 @@ class DecodeBatch:
         self.row_ids.pop()
         self.lengths.pop()
         if not self.row_ids:
-            self._keys = self._values = None
+            self._keys, self._values = [], []
         else:
             self._maybe_shrink()
         return order
@@ -308,9 +311,6 @@ class DecodeBatch:
         flat = buffer.reshape(rows * heads * capacity, dim)
         flat[self._write_index] = new.reshape(-1, dim)
         return flat.reshape(rows, heads, capacity, dim)
-
-    def state(self) -> list[mx.array]:
-        return [] if self._keys is None else [*self._keys, *self._values]
 
     def _allocate(self) -> None:
         self._keys = [mx.zeros((1, g.num_heads, LEN_STEP, g.key_dim), g.dtype) for g in self.geometry]

@@ -8,6 +8,7 @@ run on the MLX thread and return evaluated arrays.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -18,7 +19,7 @@ from engine.batch import LayerGeometry
 from engine.sequence import EngineInvariantError
 
 
-def trimmed(caches: Sequence[KVCache], length: int) -> list[KVCache]:
+def trimmed(caches: Sequence[Any], length: int) -> list[KVCache]:
     """Contiguous copies of the first `length` positions (a prefix entry of its own)."""
     out = []
     for cache in caches:
@@ -31,7 +32,7 @@ def trimmed(caches: Sequence[KVCache], length: int) -> list[KVCache]:
     return out
 
 
-def prefix_view(entry: Sequence[KVCache], length: int) -> list[KVCache]:
+def prefix_view(entry: Sequence[Any], length: int) -> list[KVCache]:
     """Caches that read an entry's first `length` positions without copying them.
 
     Each cache gets its own array objects (slices): `a[...] = b` rebinds the array object
@@ -47,11 +48,11 @@ def prefix_view(entry: Sequence[KVCache], length: int) -> list[KVCache]:
     return out
 
 
-def nbytes(caches: Sequence[KVCache]) -> int:
+def nbytes(caches: Sequence[Any]) -> int:
     return sum(c.nbytes for c in caches)
 
 
-def to_tensors(caches: Sequence[KVCache], length: int) -> bytes:
+def to_tensors(caches: Sequence[Any], length: int) -> bytes:
     """safetensors bytes of the first `length` positions: keys_<layer>, values_<layer>.
 
     Stored as float32: numpy has no bfloat16, and the widening is exact (restore narrows back).

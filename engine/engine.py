@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 import numpy as np
@@ -94,7 +94,7 @@ class Engine:
             raise EngineInvariantError("the engine was called off its MLX thread")
         started = time.perf_counter()
         released = [rid for rid in plan.release if self._release(rid)]
-        outputs = [failed for admit in plan.admit if (failed := self._admit(admit)) is not None]
+        outputs = [refused for admit in plan.admit if (refused := self._admit(admit)) is not None]
         for rid in plan.park:
             self._park(rid)
         for rid in plan.unpark:
@@ -369,7 +369,7 @@ class Engine:
     def _append_known(self, rows: list[Sequence], appending: list[int], pending: mx.array) -> tuple[mx.array, mx.array]:
         """Forward the known tokens of some rows but the last of each, which becomes their
         pending input; returns the new pending inputs and the appended positions' logits."""
-        firsts = pending.tolist()
+        firsts = _host(pending)
         width = max(len(rows[i].extra) for i in appending)
         inputs = [[firsts[i], *rows[i].extra[:-1]] + [0] * (width - len(rows[i].extra)) for i in appending]
         self._batch.begin_step([len(rows[i].extra) for i in appending], rows=appending)
@@ -402,10 +402,10 @@ class Engine:
     def _collect(self, in_flight: InFlight) -> list[RowOutput]:
         assert in_flight.result is not None
         result = in_flight.result
-        tokens = result.tokens.tolist()
+        tokens = _host(result.tokens)
         logprobs = _read_logprobs(result, tokens)
-        choices = dict(zip(map(id, in_flight.appended), in_flight.choices.tolist())) if in_flight.choices is not None else {}
-        accepted = dict(zip(map(id, in_flight.verified), in_flight.accepted.tolist())) if in_flight.accepted is not None else {}
+        choices = dict(zip(map(id, in_flight.appended), _host(in_flight.choices))) if in_flight.choices is not None else {}
+        accepted = dict(zip(map(id, in_flight.verified), _host(in_flight.accepted))) if in_flight.accepted is not None else {}
         outputs = []
         for i, seq in enumerate(in_flight.rows):
             if self._sequences.get(seq.request_id) is not seq:
@@ -480,13 +480,18 @@ class Engine:
         return taken
 
 
+def _host(array: mx.array) -> list[Any]:
+    """A device array's values as a Python list (the one host round trip of a step)."""
+    return cast(list[Any], array.tolist())
+
+
 def _read_logprobs(result: SampleResult, tokens: list[int]) -> list[TokenLogprob] | None:
     if result.logprobs is None:
         return None
-    chosen = result.logprobs.tolist()
+    chosen = _host(result.logprobs)
     if result.top_ids is None or result.top_logprobs is None:
         return [TokenLogprob(token_id=t, logprob=lp) for t, lp in zip(tokens, chosen)]
-    top_ids, top_lps = result.top_ids.tolist(), result.top_logprobs.tolist()
+    top_ids, top_lps = _host(result.top_ids), _host(result.top_logprobs)
     out = []
     for t, lp, ids, lps in zip(tokens, chosen, top_ids, top_lps):
         top = sorted((TopLogprob(token_id=i, logprob=v) for i, v in zip(ids, lps)), key=lambda x: -x.logprob)

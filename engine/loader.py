@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -59,7 +60,7 @@ def load_model(config: ModelConfig, builtin_root: Path, progress: Callable[[str]
     if progress:
         progress(f"loading {directory}")
     try:
-        model, tokenizer = mlx_lm_load(str(directory), trust_remote_code=config.trust_remote_code)
+        model, tokenizer = cast(tuple[nn.Module, TokenizerWrapper], mlx_lm_load(str(directory), trust_remote_code=config.trust_remote_code))
     except (ValueError, FileNotFoundError) as exc:
         raise ModelLoadError(f"{directory}: {exc}") from exc
     dtype = _target_dtype(config.dtype)
@@ -78,7 +79,7 @@ def load_model(config: ModelConfig, builtin_root: Path, progress: Callable[[str]
         dtype=str(geometry[0].dtype).removeprefix("mlx.core."),
         device=str(mx.default_device()),
         eos_token_ids=sorted(tokenizer.eos_token_ids),
-        num_parameters=sum(v.size for _, v in tree_flatten(model.parameters())),
+        num_parameters=sum(v.size for _, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters()))),
         load_s=time.perf_counter() - started,
         model_id=model_digest(directory),
         tokenizer_id=tokenizer_digest(directory),

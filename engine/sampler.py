@@ -167,6 +167,7 @@ class BatchSampler:
 
     def _apply_penalties(self, logits: mx.array) -> mx.array:
         window = self._window
+        assert window is not None
         num_rows, width = window.shape
         age = mx.arange(width - 1, -1, -1, dtype=mx.int32)[None, :]
         valid = (window >= 0) & (age < self._param("context")[:, None])

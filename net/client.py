@@ -18,6 +18,7 @@ from pathlib import Path
 import anyio
 import msgspec
 from anyio.abc import SocketStream
+from anyio.streams.memory import MemoryObjectSendStream
 
 from actors.mailbox import CoalescingInbox, join_optional
 from net.framing import FrameReader, encode_frame
@@ -37,7 +38,7 @@ class Client:
         self._send_lock = anyio.Lock()
         self._streams: dict[str, CoalescingInbox] = {}
         self._stats_lock = anyio.Lock()
-        self._stats: anyio.abc.ObjectSendStream | None = None
+        self._stats: MemoryObjectSendStream[Stats] | None = None
         self._closed = False
 
     @classmethod
@@ -46,7 +47,7 @@ class Client:
         with anyio.fail_after(timeout):
             stream = await anyio.connect_unix(str(path))
         async with stream:
-            reader = FrameReader(stream, ServerMessage, MAX_FRAME_BYTES)
+            reader: FrameReader[ServerMessage] = FrameReader(stream, ServerMessage, MAX_FRAME_BYTES)  # type: ignore[arg-type]
             with anyio.fail_after(timeout):
                 try:
                     await stream.send(encode_frame(Hello(protocol_version=PROTOCOL_VERSION, client=name)))

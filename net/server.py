@@ -24,7 +24,7 @@ from actors.mailbox import LiveSet
 from net import socket_path
 from net.framing import FrameReader, FrameTooLarge, encode_frame
 from protocols.api import Finished
-from protocols.errors import MlxrtError, error_code
+from protocols.errors import ErrorCode, MlxrtError, error_code
 from protocols.wire import (
     PROTOCOL_VERSION,
     Cancel,
@@ -96,7 +96,7 @@ class Server:
                 await _send_quietly(stream, Error(code="protocol_error", message=f"uid {uid} is not allowed"))
                 return
             if len(self.connections) >= self.config.max_connections or self._stopping.is_set():
-                code = "shutting_down" if self._stopping.is_set() else "busy"
+                code: ErrorCode = "shutting_down" if self._stopping.is_set() else "busy"
                 await _send_quietly(stream, Error(code=code, message="no more connections accepted"))
                 return
             # A small kernel buffer keeps what a stalled client holds bounded and makes its
@@ -196,7 +196,7 @@ class Connection:
 
     async def _read_loop(self, tg: TaskGroup) -> None:
         config = self._server.config
-        reader = FrameReader(self._stream, ClientMessage, config.max_frame_bytes)
+        reader: FrameReader[ClientMessage] = FrameReader(self._stream, ClientMessage, config.max_frame_bytes)  # type: ignore[arg-type]
         if not await self._handshake(reader):
             return
         while True:

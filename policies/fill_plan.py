@@ -75,7 +75,7 @@ def compile_plan(
     if tools and request.tool_choice != "none":
         if markers is None:
             raise InvalidRequestError("this model's chat template has no tool-call format to fast-forward", field="tools")
-        if request.messages is not None:
+        if request.messages is not None and request.tools is not None:
             rows, delimiters = _strict_rows(tokenizer, request.messages, request.tools, tools, markers)
     echo, echo_refused = mode == "echo", None
     if echo and request.tool_choice not in (None, "auto", "none"):

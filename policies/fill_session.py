@@ -121,8 +121,9 @@ class ToolCallContext:
     def _check(self, row: FillRow) -> tuple[bool, bool]:
         """(whether the row may fire now, whether no row ever can in this output again: the
         output only grows, so prose, a malformed call or unclosed reasoning stay)."""
-        plan = self._plan
-        start, end = plan.tool_markers
+        plan, markers = self._plan, self._plan.tool_markers
+        assert markers is not None  # allows() checked it
+        start, end = markers
         text = self._decode(self._ids)
         if plan.think_markers is not None:
             think_start, think_end = plan.think_markers
@@ -150,7 +151,7 @@ class ToolCallContext:
             stop = text.find(end, len(start))
             if stop < 0:
                 break
-            if parse_strict_call(text[: stop + len(end)], plan.tools, plan.tool_markers) is None:
+            if parse_strict_call(text[: stop + len(end)], plan.tools, markers) is None:
                 return False, True
             text = text[stop + len(end) :].lstrip()
         if text.find(start, len(start)) != -1:
@@ -161,7 +162,7 @@ class ToolCallContext:
             return at >= 0 and text == trigger[at:], False
         if row.kind != "close":
             return False, False
-        call = parse_strict_call(text + self._decode(row.emit), plan.tools, plan.tool_markers)
+        call = parse_strict_call(text + self._decode(row.emit), plan.tools, markers)
         if call is None:
             return False, False
         tool = next(t for t in plan.tools if t["name"] == call["name"])

@@ -7,6 +7,8 @@ admitted), which prefix entries to evict for room, and the figures `KvStats` rep
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from policies.prefix_index import PrefixIndex
 from protocols.kv import KvReservation, KvStats
 from protocols.model import SavedPrefix
@@ -31,7 +33,7 @@ class KvLedger:
     def reserved_bytes(self) -> int:
         return sum(self._reserved.values()) * self.bytes_per_token
 
-    def reserve(self, request_id: str, num_tokens: int, prompt_ids: list[int] = (), max_prefix_tokens: int = 0) -> tuple[KvReservation, list[str]]:
+    def reserve(self, request_id: str, num_tokens: int, prompt_ids: Sequence[int] = (), max_prefix_tokens: int = 0) -> tuple[KvReservation, list[str]]:
         """A reservation, and the prefix entries evicted to make room for it.
 
         The request's own prefix match is pinned before anything is evicted, and

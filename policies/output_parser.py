@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -45,7 +46,7 @@ class OutputParser:
     def flush(self) -> Parsed:
         """End of output: whatever is held is content (an unfinished call stays visible text)."""
         out = Parsed()
-        prefix = self._tools[0] if self._state == "call" else ""
+        prefix = self._tools[0] if self._tools is not None and self._state == "call" else ""
         target = "reasoning" if self._state == "think" else "content"
         setattr(out, target, prefix + self._buffer)
         self._buffer = ""
@@ -53,10 +54,11 @@ class OutputParser:
 
     def _step(self, out: Parsed) -> bool:
         """Consume what can be decided now; True if progress was made and more may follow."""
-        buffer = self._buffer
+        buffer, think, tools = self._buffer, self._think, self._tools
         if self._state == "start":
+            assert think is not None
             stripped = buffer.lstrip()
-            start = self._think[0]
+            start = think[0]
             if stripped.startswith(start):
                 self._buffer, self._state = stripped[len(start) :], "think"
                 return True
@@ -65,19 +67,20 @@ class OutputParser:
             self._state = "content"
             return True
         if self._state == "think":
-            return self._until(self._think[1], out, "reasoning", next_state="content")
-        if self._state == "call":
-            index = buffer.find(self._tools[1])
-            if index < 0:
-                return False
-            out.calls.extend(self._calls(buffer[:index]))
-            self._buffer, self._state = buffer[index + len(self._tools[1]) :], "content"
-            return True
-        if self._tools is None:
+            assert think is not None
+            return self._until(think[1], out, "reasoning", next_state="content")
+        if tools is None:
             out.content += buffer
             self._buffer = ""
             return False
-        return self._until(self._tools[0], out, "content", next_state="call")
+        if self._state == "call":
+            index = buffer.find(tools[1])
+            if index < 0:
+                return False
+            out.calls.extend(self._calls(buffer[:index]))
+            self._buffer, self._state = buffer[index + len(tools[1]) :], "content"
+            return True
+        return self._until(tools[0], out, "content", next_state="call")
 
     def _until(self, marker: str, out: Parsed, target: str, next_state: str) -> bool:
         """Move text before `marker` to `target`; on the marker switch state. Holds partial markers."""
@@ -99,7 +102,7 @@ class OutputParser:
             parsed = self._parse_call(body) if self._parse_call else json.loads(body)
         except Exception as exc:
             return [{"error": f"unparseable tool call: {exc}", "raw": body}]
-        calls = parsed if isinstance(parsed, list) and parsed else [parsed]
+        calls: list[Any] = parsed if isinstance(parsed, list) and parsed else [parsed]
         if not all(isinstance(call, dict) and "name" in call for call in calls):
             return [{"error": "a tool call needs a name", "raw": body}]
         return [{"name": str(call["name"]), "arguments": _arguments(call.get("arguments", {}))} for call in calls]

@@ -10,6 +10,7 @@ request not yet admitted) are never evicted.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -78,7 +79,7 @@ class PrefixIndex:
                 child = self._split(node, child, common)
             node, i = child, i + common
 
-    def lookup(self, tokens: list[int] | tuple[int, ...], max_tokens: int) -> PrefixMatch | None:
+    def lookup(self, tokens: Sequence[int], max_tokens: int) -> PrefixMatch | None:
         """The longest prefix of `tokens` (at most `max_tokens`) some entry holds."""
         node, depth, best = self._root, 0, None
         while depth < min(len(tokens), max_tokens):
@@ -152,7 +153,7 @@ class PrefixIndex:
         return middle
 
 
-def _common_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:

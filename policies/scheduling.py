@@ -194,11 +194,11 @@ class SchedulePolicy:
                 self._to_admit.remove(tracked)
                 tracked.keep_checkpoint = keep_checkpoint
                 return Ended(tracked, reason)
-        tracked = self._active.get(request_id)
-        if tracked is not None and tracked.release_reason is None:
-            tracked.keep_checkpoint = keep_checkpoint
-            tracked.release_reason = reason
-            tracked.phase = Phase.RELEASING
+        active = self._active.get(request_id)
+        if active is not None and active.release_reason is None:
+            active.keep_checkpoint = keep_checkpoint
+            active.release_reason = reason
+            active.phase = Phase.RELEASING
         return None
 
     # -- stepping ------------------------------------------------------------
@@ -265,7 +265,7 @@ class SchedulePolicy:
         prefilling = [t for t in self._active.values() if t.phase is Phase.PREFILLING]
         # Requests skipped max_skips times go first, the longest-starved first.
         prefilling.sort(key=self._prefill_order)
-        work = []
+        work: list[PrefillWork] = []
         for tracked in prefilling:
             chunk = min(self.chunk_size, tracked.prefill_left)
             snapshot = tracked.admit.snapshot_at
@@ -296,9 +296,10 @@ class SchedulePolicy:
             tracked = self._active.pop(rid)
             ended.append(Ended(tracked, tracked.release_reason or "cancelled"))
         for row in outcome.outputs:
-            tracked = self._active.get(row.request_id)
-            if tracked is None:
+            running = self._active.get(row.request_id)
+            if running is None:
                 continue
+            tracked = running
             tracked.num_generated += len(row.token_ids) + (row.stop_token_id is not None)
             if row.token_ids or row.finish_reason:
                 tracked.stamp("first_token", now)

@@ -7,7 +7,7 @@ it (`error_for`). Pure data: no mlx, no anyio.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 ErrorCode = Literal[
     "invalid_request",  # the request failed validation (message names the field)
@@ -29,7 +29,7 @@ ErrorCode = Literal[
 class MlxrtError(Exception):
     """Base of every error the runtime raises on purpose."""
 
-    code: ClassVar[ErrorCode] = "internal"
+    code: ErrorCode = "internal"
 
 
 class ConfigError(MlxrtError, ValueError):
@@ -39,7 +39,7 @@ class ConfigError(MlxrtError, ValueError):
 class InvalidRequestError(MlxrtError, ValueError):
     """A request was rejected before any compute; `field` names the culprit."""
 
-    code: ClassVar[ErrorCode] = "invalid_request"
+    code: ErrorCode = "invalid_request"
 
     def __init__(self, message: str, *, field: str | None = None):
         super().__init__(message)
@@ -49,13 +49,13 @@ class InvalidRequestError(MlxrtError, ValueError):
 class RequestTooLargeError(InvalidRequestError):
     """The request can never fit (context length, prompt size or KV budget)."""
 
-    code: ClassVar[ErrorCode] = "too_large"
+    code: ErrorCode = "too_large"
 
 
 class DuplicateRequestError(InvalidRequestError):
     """The request id belongs to a request that is still live."""
 
-    code: ClassVar[ErrorCode] = "duplicate_request"
+    code: ErrorCode = "duplicate_request"
 
     def __init__(self, message: str, *, field: str | None = "request_id"):
         super().__init__(message, field=field)
@@ -64,7 +64,7 @@ class DuplicateRequestError(InvalidRequestError):
 class ServerBusyError(MlxrtError):
     """The admission queue is full; retry later."""
 
-    code: ClassVar[ErrorCode] = "busy"
+    code: ErrorCode = "busy"
 
 
 class ModelLoadError(MlxrtError):
@@ -74,23 +74,23 @@ class ModelLoadError(MlxrtError):
 class RuntimeClosedError(MlxrtError):
     """The runtime is shutting down or has failed; no new requests are taken."""
 
-    code: ClassVar[ErrorCode] = "shutting_down"
+    code: ErrorCode = "shutting_down"
 
 
 class InternalError(MlxrtError):
     """Something failed that is not the caller's fault; details are in the log."""
 
-    code: ClassVar[ErrorCode] = "internal"
+    code: ErrorCode = "internal"
 
 
 class CheckpointError(MlxrtError):
     """A checkpoint cannot be used to resume."""
 
-    code: ClassVar[ErrorCode] = "checkpoint_invalid"
+    code: ErrorCode = "checkpoint_invalid"
 
 
 class CheckpointNotFoundError(CheckpointError):
-    code: ClassVar[ErrorCode] = "checkpoint_not_found"
+    code: ErrorCode = "checkpoint_not_found"
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -110,7 +110,7 @@ class ServerError(MlxrtError):
 
     def __init__(self, code: ErrorCode, message: str):
         super().__init__(f"{code}: {message}")
-        self.code = code  # type: ignore[misc]  (per instance: several codes share this class)
+        self.code = code  # per instance: several connection-level codes share this class
 
 
 class ConnectionLostError(ServerError):

@@ -161,12 +161,13 @@ class Admission:
 
     def checkpoint_every(self, request: GenerateRequest) -> int:
         every = request.checkpoint_every if request.checkpoint_every is not None else self._config.checkpoints.every_tokens
-        if every and request.request_id is None:
+        if not every:
+            return 0
+        if request.request_id is None:
             raise InvalidRequestError("checkpoints need a request_id to resume by", field="request_id")
-        if every:
-            checkpoints.check_request_id(request.request_id)
-            if self._checkpoints_unavailable is not None:
-                raise InvalidRequestError(f"checkpoints are unavailable: {self._checkpoints_unavailable}", field="checkpoint_every")
+        checkpoints.check_request_id(request.request_id)
+        if self._checkpoints_unavailable is not None:
+            raise InvalidRequestError(f"checkpoints are unavailable: {self._checkpoints_unavailable}", field="checkpoint_every")
         return every
 
     async def _prepare_resume(self, request_id: str) -> Prepared:

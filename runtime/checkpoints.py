@@ -239,7 +239,7 @@ def delete(directory: Path, request_id: str) -> None:
 def expire(directory: Path, max_age_s: float, now: float | None = None) -> list[str]:
     """Remove checkpoints (and leftover temporary files) older than `max_age_s`."""
     now = time.time() if now is None else now
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(directory.iterdir())
     except OSError:

@@ -91,7 +91,8 @@ class RuntimeConfig(Section, frozen=True):
     @classmethod
     def for_model(cls, path: str, **sections: Section) -> RuntimeConfig:
         """A config built in code, checked like one loaded from a file."""
-        return cls.from_tree(msgspec.to_builtins(cls(model=ModelConfig(path=path), **sections)), source="<arguments>")
+        tree = {name: msgspec.to_builtins(section) for name, section in sections.items()}
+        return cls.from_tree({"model": {"path": path}, **tree}, source="<arguments>")
 
     def resolve_relative_to(self, base: Path) -> RuntimeConfig:
         """Model paths in a file are relative to the file's directory."""

@@ -106,7 +106,9 @@ def _forced_tools(request: GenerateRequest) -> list[dict] | None:
     functions = [_function(tool) for tool in tools]
     if choice == "required":
         return functions
-    function = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict):
+        raise InvalidRequestError('tool_choice must be {"type": "function", "function": {"name": ...}}', field="tool_choice")
+    function = choice.get("function")
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or choice.get("type", "function") != "function":
         raise InvalidRequestError('tool_choice must be {"type": "function", "function": {"name": ...}}', field="tool_choice")

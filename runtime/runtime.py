@@ -130,7 +130,9 @@ class Runtime:
         )
         scheduler = SchedulerActor(policy, model=model.inbox, kv=kv.inbox, capacity=s.max_queued_requests + 2 * s.max_batch_size + 16)
         await tg.start(scheduler.run)
-        admission = Admission(config, info, ready.tokenizer, ready.grammars, checkpoints_unavailable=problem)
+        grammars = ready.grammars
+        assert isinstance(grammars, GrammarCache)  # what make_grammars built
+        admission = Admission(config, info, ready.tokenizer, grammars, checkpoints_unavailable=problem)
         return cls(config, ready, scheduler, kv, tg, admission)
 
     @property

@@ -88,7 +88,7 @@ class Baseline:
         import mlx.core as mx
         from mlx_lm.utils import load
 
-        self.model, _ = load(path)
+        self.model = load(path)[0]
         if mx.default_device() == mx.cpu:
             self.model.set_dtype(mx.float32)
 
@@ -124,7 +124,7 @@ class Baseline:
         generator = BatchGenerator(self.model, max_tokens=4)
         start = time.perf_counter()
         (long_uid,) = generator.insert([long_prompt], max_tokens=[4])
-        short_uid = None
+        short_uid: int | None = None
         first: dict[int, float] = {}
         while len(first) < 2:
             responses = generator.next_generated() if short_uid is not None else generator.next()[1]
@@ -133,6 +133,7 @@ class Baseline:
             for r in responses:
                 first.setdefault(r.uid, time.perf_counter() - start)
         generator.close()
+        assert short_uid is not None
         return {"long_prefill_s": first[long_uid], "short_ttft_s": first[short_uid] - arrival_s}
 
 
@@ -238,10 +239,10 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
             long_prompt, short_prompt = _prompts(2, options.long_prompt_tokens, info.vocab_size, options.seed + 99)
             short_prompt = short_prompt[: options.short_prompt_tokens]
             progress.step("long-prefill interference: mlxrt")
-            ours = await _mlxrt_interference(rt, long_prompt, short_prompt)
+            interference = await _mlxrt_interference(rt, long_prompt, short_prompt)
             progress.step("long-prefill interference: mlx-lm")
-            ref = await thread.run(baseline.interference, long_prompt, short_prompt, ours.get("arrival_s", 0.05))
-            results["mlxrt"]["interference"] = ours
+            ref = await thread.run(baseline.interference, long_prompt, short_prompt, interference.get("arrival_s", 0.05))
+            results["mlxrt"]["interference"] = interference
             results["mlx_lm"]["interference"] = ref
             constrained, free = [], []
             for rep in range(options.repeats):

@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -308,7 +308,7 @@ def _write_weights(spec: BuiltinSpec, config: dict[str, object], path: Path, say
     module = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
     mx.random.seed(spec.seed)
     model = module.Model(module.ModelArgs.from_dict(config))
-    shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    shapes = {name: tuple(p.shape) for name, p in cast(list[tuple[str, Any]], tree_flatten(model.parameters()))}
     num_parameters = sum(int(np.prod(shape)) for shape in shapes.values())
     say(f"initializing {num_parameters / 1e6:.1f}M weights")
     rng = np.random.default_rng(spec.seed)
