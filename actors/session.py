@@ -161,13 +161,17 @@ class SessionActor:
         except anyio.WouldBlock:
             pass
         await self._scheduler.send(SetPaused(request_id=self.request_id, paused=True))
-        with anyio.move_on_after(self._max_pause_s):
-            await events.wait_room(events.capacity // 2)
-        if len(events) > events.capacity // 2:
-            log.warning("caller_stalled", seconds=self._max_pause_s)
-            self._stalled = True
-            await self._scheduler.send(CancelRequest(request_id=self.request_id))
-            await events.wait_room()
+        # Each event the caller takes re-arms the deadline: only a caller that reads nothing
+        # for `max_pause_s` is given up on.
+        while len(events) > events.capacity // 2:
+            with anyio.move_on_after(self._max_pause_s) as deadline:
+                await events.wait_room(len(events) - 1)
+            if deadline.cancelled_caught:
+                log.warning("caller_stalled", seconds=self._max_pause_s)
+                self._stalled = True
+                await self._scheduler.send(CancelRequest(request_id=self.request_id))
+                await events.wait_room()
+                break
         events.send_nowait(event)
         if not self._stalled:
             await self._scheduler.send(SetPaused(request_id=self.request_id, paused=False))

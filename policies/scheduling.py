@@ -184,16 +184,13 @@ class SchedulePolicy:
 
     def end_early(self, request_id: str, reason: str, *, keep_checkpoint: bool = False) -> Ended | None:
         """Cancel (or stop) a request. Waiting ones end now; admitted ones after a release step."""
-        for tracked in self._waiting:
-            if tracked.request_id == request_id:
-                self._waiting.remove(tracked)
-                tracked.keep_checkpoint = keep_checkpoint
-                return Ended(tracked, reason)
-        for tracked in self._to_admit:
-            if tracked.request_id == request_id:
-                self._to_admit.remove(tracked)
-                tracked.keep_checkpoint = keep_checkpoint
-                return Ended(tracked, reason)
+        for queue in (self._waiting, self._to_admit):
+            for tracked in queue:
+                if tracked.request_id == request_id:
+                    queue.remove(tracked)
+                    tracked.keep_checkpoint = keep_checkpoint
+                    self.num_finished += 1
+                    return Ended(tracked, reason)
         active = self._active.get(request_id)
         if active is not None and active.release_reason is None:
             active.keep_checkpoint = keep_checkpoint
@@ -324,8 +321,9 @@ class SchedulePolicy:
 
     def fail_all(self, error: str) -> list[Ended]:
         """The engine dropped everything: every admitted request ends in error."""
-        # Requests already ending keep their reason (a cancel stays a cancel).
-        ended = [Ended(t, t.release_reason or "error", error=error) for t in self._active.values()]
+        # Requests already ending keep their reason and have no error (a cancel stays a cancel,
+        # and deletes its checkpoint as a cancel does).
+        ended = [Ended(t, t.release_reason or "error", error=None if t.release_reason else error) for t in self._active.values()]
         self._active.clear()
         self.num_finished += len(ended)
         return ended

@@ -206,6 +206,25 @@ async def test_a_reader_that_reads_nothing_for_max_pause_s_gets_its_request_canc
     assert harness.sent() == []  # never resumed
 
 
+async def test_a_slow_reader_that_keeps_reading_is_not_cancelled(make_harness):
+    """Each event taken re-arms `max_pause_s`: draining 8 events takes ~4x the limit here, but no
+    single wait between reads comes near it."""
+    harness = make_harness(capacity=16, max_pause_s=1.0)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(harness.run)
+            await harness.feed(*(tokens(i) for i in range(17)))
+            assert await harness.scheduler.receive() == SetPaused(request_id="r", paused=True)
+            for _ in range(9):
+                await anyio.sleep(0.45)
+                await harness.events.receive()
+            assert await harness.scheduler.receive() == SetPaused(request_id="r", paused=False)
+            await harness.feed(finished())
+            rest = await harness.read_all()
+    assert rest[-1].finish_reason == "length" and rest[-1].error is None
+    assert harness.sent() == []  # no CancelRequest
+
+
 async def test_a_reader_that_leaves_cancels_the_request_and_the_session_waits_for_its_end(make_harness):
     harness = make_harness()
     with anyio.fail_after(10):

@@ -780,3 +780,26 @@ def test_random_workloads_complete_and_respect_invariants(workload, sync_after_p
             assert sync_after_prefill or timeline.prefill_started < timeline.first_token
     assert sim.policy.num_finished == len(requests)
     assert sim.engine.seqs == {} and sim.engine.batch == []
+
+
+def test_requests_ended_before_admission_count_as_finished():
+    sim = Sim(make_policy(max_batch_size=1))
+    for rid in ["running", "queued"]:
+        sim.add(make_tracked(rid, prompt_len=20, max_tokens=5))
+    sim.admit_all()
+    ended = sim.policy.end_early("queued", "cancelled")
+    assert ended is not None and ended.reason == "cancelled"
+    assert sim.policy.num_finished == 1
+
+
+def test_a_failed_step_keeps_an_ending_requests_reason_without_an_error():
+    """A request the client cancelled ends as a cancel (its checkpoint goes as a cancel's does)."""
+    sim = Sim(make_policy(max_batch_size=2))
+    for rid in ["a", "b"]:
+        sim.add(make_tracked(rid, prompt_len=20, max_tokens=5))
+    sim.admit_all()
+    sim.step()
+    sim.policy.end_early("a", "cancelled")
+    ended = {e.tracked.request_id: e for e in sim.policy.fail_all("boom")}
+    assert (ended["a"].reason, ended["a"].error) == ("cancelled", None)
+    assert (ended["b"].reason, ended["b"].error) == ("error", "boom")
