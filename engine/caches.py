@@ -1,8 +1,10 @@
-"""One request's KV out of the decode batch: trimmed copies, prefix views, checkpoint tensors.
+"""One request's caches out of the decode batch: copies, prefix views, checkpoint tensors.
 
-A request's KV outside the batch (prefilling, parked, a saved prefix entry) is a list of
-per-layer mlx-lm caches. These helpers copy, slice and (de)serialize such lists; they
-run on the MLX thread and return evaluated arrays.
+A request's state outside the batch (prefilling, parked, a saved prefix entry) is a list of
+mlx-lm caches, one per layer, of the layer's kind: `KVCache` (full attention), a
+`RotatingKVCache` (sliding window), an `ArraysCache` (recurrent state) or a `CacheList` of
+those. Only full attention can be cut at any position; windows and states are used at
+their own length. These run on the MLX thread and return evaluated arrays.
 """
 
 from __future__ import annotations
@@ -13,67 +15,138 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import safetensors.numpy
-from mlx_lm.models.cache import KVCache
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-from engine.batch import LayerGeometry
+from engine.layout import DTYPES
 from engine.sequence import EngineInvariantError
+from policies.layout import leaves, tensor_shapes
+from protocols.model import LayerLayout
 
 
-def trimmed(caches: Sequence[Any], length: int) -> list[KVCache]:
-    """Contiguous copies of the first `length` positions (a prefix entry of its own)."""
-    out = []
-    for cache in caches:
-        copy = KVCache()
-        copy.keys = mx.contiguous(cache.keys[..., :length, :])
-        copy.values = mx.contiguous(cache.values[..., :length, :])
-        copy.offset = length
-        out.append(copy)
-    mx.eval([c.state for c in out])
+def evaluate(caches: Sequence[Any]) -> None:
+    states: Any = tree_flatten([c.state for c in caches])
+    mx.eval([a for _, a in states if isinstance(a, mx.array)])
+
+
+def length_of(cache) -> int:
+    """Positions a cache has consumed (0 for a state, which has no positions of its own)."""
+    if type(cache) is CacheList:
+        return max((length_of(c) for c in cache.caches), default=0)
+    return int(getattr(cache, "offset", 0) or 0)
+
+
+def _cut(source: Any, length: int, copy: bool) -> Any:
+    """The cache over its first `length` positions: sliced (full attention), else as it is
+    (a window or a state is only ever used at its own length)."""
+    cache: Any = source  # (mlx-lm's caches type their arrays as None until first written)
+    if type(cache) is KVCache:
+        full = KVCache()
+        keys, values = source.keys[..., :length, :], source.values[..., :length, :]
+        full.keys, full.values = (mx.contiguous(keys), mx.contiguous(values)) if copy else (keys, values)
+        full.offset = length
+        return full
+    if type(cache) is CacheList:
+        return CacheList(*(_cut(c, length, copy) for c in cache.caches))
+    if type(cache) is RotatingKVCache:
+        window: Any = RotatingKVCache(max_size=cache.max_size, keep=cache.keep)
+        if source.keys is not None:
+            window.keys, window.values = mx.array(source.keys), mx.array(source.values)
+        window.offset, window._idx = cache.offset, cache._idx
+        return window
+    if isinstance(cache, ArraysCache):
+        state = ArraysCache(len(cache.cache))
+        state.cache = [mx.array(a) if a is not None else None for a in cache.cache]
+        return state
+    raise EngineInvariantError(f"cannot copy a {type(cache).__name__}")
+
+
+def trimmed(caches: Sequence[Any], length: int) -> list:
+    """Copies of the caches over their first `length` positions (a prefix entry of its own)."""
+    out = [_cut(c, length, copy=True) for c in caches]
+    evaluate(out)
     return out
 
 
-def prefix_view(entry: Sequence[Any], length: int) -> list[KVCache]:
-    """Caches that read an entry's first `length` positions without copying them.
-
-    Each cache gets its own array objects (slices): `a[...] = b` rebinds the array object
-    `a` in place, so sharing the entry's objects would let a request's writes leak into
-    the entry. The slices end exactly at the prefix, so the first write reallocates and
-    the entry's buffers are never touched.
-    """
-    out = []
-    for saved in entry:
-        cache = KVCache()
-        cache.keys, cache.values, cache.offset = saved.keys[..., :length, :], saved.values[..., :length, :], length
-        out.append(cache)
-    return out
+def prefix_view(entry: Sequence[Any], length: int) -> list:
+    """Caches that start a request from an entry's first `length` positions, never writing
+    into the entry: full attention reads slices of it (`a[...] = b` rebinds the array object,
+    and a slice ending at `length` makes the first write reallocate); windows and states are
+    copied (mlx-lm updates them in place)."""
+    return [_cut(c, length, copy=False) for c in entry]
 
 
 def nbytes(caches: Sequence[Any]) -> int:
     return sum(c.nbytes for c in caches)
 
 
-def to_tensors(caches: Sequence[Any], length: int) -> bytes:
-    """safetensors bytes of the first `length` positions: keys_<layer>, values_<layer>.
+def to_tensors(caches: Sequence[Any], layout: Sequence[LayerLayout], length: int) -> bytes:
+    """safetensors bytes of caches covering `length` positions, named by `policies.layout`.
 
     Stored as float32: numpy has no bfloat16, and the widening is exact (restore narrows back).
     """
+    flat = dict(_leaf_caches(caches, layout))
     tensors = {}
-    for layer, cache in enumerate(caches):
-        tensors[f"keys_{layer}"] = np.array(cache.keys[..., :length, :].astype(mx.float32))
-        tensors[f"values_{layer}"] = np.array(cache.values[..., :length, :].astype(mx.float32))
+    for name, shape in tensor_shapes(layout, length).items():
+        layer, _, field = name.rpartition(".")
+        cache = flat[layer]
+        if field in ("keys", "values"):
+            keys, values = _in_order(cache)
+            array = keys if field == "keys" else values
+            # Full attention: the first `length` positions; a window: its last ones, up to `length`.
+            array = array[..., :length, :] if type(cache) is KVCache else array[..., array.shape[2] - shape[2] :, :]
+        else:
+            array = cache[int(field.removeprefix("state"))]
+        tensors[name] = np.array(array.astype(mx.float32))
     return safetensors.numpy.save(tensors)
 
 
-def from_tensors(data: bytes, geometry: Sequence[LayerGeometry], length: int) -> list[KVCache]:
-    """Per-layer caches of `length` positions from `to_tensors` bytes, in the model's dtype."""
+def from_tensors(data: bytes, layout: Sequence[LayerLayout], length: int) -> list:
+    """Per-layer caches of `length` positions from `to_tensors` bytes, in the model's dtypes."""
     tensors = safetensors.numpy.load(data)
-    caches = []
-    for layer, shape in enumerate(geometry):
-        cache = KVCache()
-        cache.keys = mx.array(tensors[f"keys_{layer}"]).astype(shape.dtype)
-        cache.values = mx.array(tensors[f"values_{layer}"]).astype(shape.dtype)
-        cache.offset = length
-        if cache.keys.shape != (1, shape.num_heads, length, shape.key_dim):
-            raise EngineInvariantError(f"checkpoint layer {layer} has shape {cache.keys.shape}")
-        caches.append(cache)
-    return caches
+    for name, shape in tensor_shapes(layout, length).items():
+        if name not in tensors or tuple(tensors[name].shape) != shape:
+            raise EngineInvariantError(f"checkpoint tensor {name} is missing or not shaped {shape}")
+    return [_restore(tensors, str(i), layer, length) for i, layer in enumerate(layout)]
+
+
+def _restore(tensors: dict, name: str, layer: LayerLayout, length: int) -> Any:
+    if layer.kind == "list":
+        return CacheList(*(_restore(tensors, f"{name}.{j}", part, length) for j, part in enumerate(layer.parts)))
+    if layer.kind == "state":
+        cache = ArraysCache(len(layer.states))
+        for j, spec in enumerate(layer.states):
+            if spec.dtype:
+                cache[j] = mx.array(tensors[f"{name}.state{j}"]).astype(DTYPES[spec.dtype])
+        return cache
+    keys = mx.array(tensors[f"{name}.keys"]).astype(DTYPES[layer.dtype])
+    values = mx.array(tensors[f"{name}.values"]).astype(DTYPES[layer.dtype])
+    if layer.kind == "window":
+        window: Any = RotatingKVCache(max_size=layer.window, keep=0)
+        window.keys, window.values, window.offset, window._idx = keys, values, length, keys.shape[2]
+        return window
+    full = KVCache()
+    full.keys, full.values, full.offset = keys, values, length
+    return full
+
+
+def _leaf_caches(caches: Sequence[Any], layout: Sequence[LayerLayout]):
+    """(name, cache) of every non-list layer, named as `policies.layout.leaves` names them."""
+    by_name = {}
+
+    def walk(cache, name: str) -> None:
+        if type(cache) is CacheList:
+            for j, child in enumerate(cache.caches):
+                walk(child, f"{name}.{j}")
+        else:
+            by_name[name] = cache
+
+    for i, cache in enumerate(caches):
+        walk(cache, str(i))
+    return [(name, by_name[name]) for name, _ in leaves(layout)]
+
+
+def _in_order(cache) -> tuple[mx.array, mx.array]:
+    if type(cache) is RotatingKVCache:
+        return cache._temporal_order(cache.keys), cache._temporal_order(cache.values)
+    return cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]

@@ -27,19 +27,21 @@ import mlx.core as mx
 import numpy as np
 import structlog
 import torch
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from engine import caches
-from engine.batch import DecodeBatch, LayerGeometry, compile_decode_step
+from engine.batch import DecodeBatch, compile_decode_step
 from engine.known import KnownTokens
 from engine.sampler import BatchSampler, RowSampling, SampleResult
 from engine.sequence import EngineInvariantError, InFlight, Sequence
 from policies.fill_session import FillSession
+from policies.layout import RING_MARGIN, is_trimmable
 from protocols.api import FillStats, TokenLogprob, TopLogprob
 from protocols.model import (
     AdmitRequest,
     CheckpointData,
     GrammarSpec,
+    LayerLayout,
     PrefillReport,
     PrefillWork,
     RowOutput,
@@ -67,24 +69,29 @@ class Grammars(Protocol):
 class Engine:
     """Runs plans against one model. Not thread-safe: the MLX thread only."""
 
-    def __init__(self, model, geometry: list[LayerGeometry], grammars: Grammars | None = None, decode=None):
+    def __init__(self, model, layout: list[LayerLayout], grammars: Grammars | None = None, decode=None):
         self._model = model
         self._grammars = grammars
         # Token ids to text, for fast-forwarding's tool-call context and trace.
         self._to_text = decode
         self._known = KnownTokens(decode)
-        self._geometry = geometry
+        self._layout = layout
+        # Any prefix of a saved sequence can seed a request only when every layer keeps every
+        # position; otherwise prefix entries are used whole, and one is kept at each prompt's end.
+        self._trimmable = is_trimmable(layout)
         self._thread = threading.current_thread()
         self._sequences: dict[str, Sequence] = {}
-        self._batch = DecodeBatch(geometry)
-        self._decode_step = compile_decode_step(model, len(geometry))
+        self._batch = DecodeBatch(layout)
+        self._decode_step = compile_decode_step(model, len(layout)) if self._trimmable else None
         self._sampler = BatchSampler()
         self._pending: mx.array | None = None
         self._in_flight: InFlight | None = None
         self._num_steps = 0
         # Saved prefixes by entry id: per-layer KVCaches whose length is the entry's.
-        self._prefixes: dict[str, list[KVCache]] = {}
+        # Saved prefixes by entry id: per-layer caches, and the positions they cover.
+        self._prefixes: dict[str, tuple[list, int]] = {}
         self._saved: list[SavedPrefix] = []
+        self._checkpoints: list[CheckpointData] = []
         self._num_saved = 0
         self._prefix_bytes = 0
 
@@ -119,22 +126,27 @@ class Engine:
             kv_bytes=self.kv_bytes(),
             step_s=time.perf_counter() - started,
             saved_prefixes=saved,
-            checkpoints=self._take_checkpoints(),
+            checkpoints=self._take_checkpoint_list(),
         )
+
+    def _take_checkpoint_list(self) -> list[CheckpointData]:
+        taken, self._checkpoints = self._checkpoints, []
+        return taken
 
     def drop_prefixes(self, entry_ids: list[str]) -> None:
         for entry_id in entry_ids:
             entry = self._prefixes.pop(entry_id, None)
             if entry is not None:
-                self._prefix_bytes -= caches.nbytes(entry)
+                self._prefix_bytes -= caches.nbytes(entry[0])
 
     def reset(self) -> None:
         """Drop every request (after a failed step)."""
         self._sequences.clear()
-        self._batch = DecodeBatch(self._geometry)
+        self._batch = DecodeBatch(self._layout)
         self._sampler = BatchSampler()
         self._pending = None
         self._in_flight = None
+        self._checkpoints = []
         mx.clear_cache()
 
     def kv_tokens(self) -> dict[str, int]:
@@ -181,13 +193,13 @@ class Engine:
             seq.num_generated = len(resumed)
             if admit.resume.num_kv_tokens != len(admit.context_ids) - 1:
                 raise EngineInvariantError(f"checkpoint covers {admit.resume.num_kv_tokens} tokens, expected {len(admit.context_ids) - 1}")
-            seq.cache = caches.from_tensors(admit.resume.kv_tensors, self._geometry, admit.resume.num_kv_tokens)
+            seq.cache = caches.from_tensors(admit.resume.kv_tensors, self._layout, admit.resume.num_kv_tokens)
             seq.num_prefilled = admit.resume.num_kv_tokens
         elif admit.prefix_entry is not None:
             entry, n = self._prefixes.get(admit.prefix_entry), admit.prefix_tokens
-            if entry is None or not 0 < n <= min(entry[0].offset, len(admit.prompt_ids) - 1):
+            if entry is None or not 0 < n <= min(entry[1], len(admit.prompt_ids) - 1) or (not self._trimmable and n != entry[1]):
                 raise EngineInvariantError(f"prefix {admit.prefix_entry!r} cannot seed {n} tokens")
-            seq.cache, seq.num_prefilled = caches.prefix_view(entry, n), n
+            seq.cache, seq.num_prefilled = caches.prefix_view(entry[0], n), n
         return seq
 
     def _park(self, request_id: str) -> None:
@@ -219,18 +231,19 @@ class Engine:
         if not seq.admit.save_prefix:
             return
         if seq.in_batch:
-            self._save_prefix(seq, self._batch.extract(seq.request_id))
+            length = self._batch.lengths[self._batch.index(seq.request_id)]
+            self._save_prefix(seq, self._batch.extract(seq.request_id), length)
         elif seq.cache is not None and seq.num_prefilled:
-            self._save_prefix(seq, caches.trimmed(seq.cache, seq.num_prefilled))
+            self._save_prefix(seq, caches.trimmed(seq.cache, seq.num_prefilled), seq.num_prefilled)
 
-    def _save_prefix(self, seq: Sequence, kept: list[KVCache]) -> None:
+    def _save_prefix(self, seq: Sequence, kept: list, length: int) -> None:
         """Keep KV as a prefix entry; the KV store decides whether it stays."""
         self._num_saved += 1
         entry_id = f"{seq.request_id}#{self._num_saved}"
-        self._prefixes[entry_id] = kept
+        self._prefixes[entry_id] = (kept, length)
         num_bytes = caches.nbytes(kept)
         self._prefix_bytes += num_bytes
-        self._saved.append(SavedPrefix(entry_id=entry_id, tokens=seq.tokens_with_kv(kept[0].offset), num_bytes=num_bytes))
+        self._saved.append(SavedPrefix(entry_id=entry_id, tokens=seq.tokens_with_kv(length), num_bytes=num_bytes))
 
     # -- prefill -----------------------------------------------------------------------------
 
@@ -239,7 +252,7 @@ class Engine:
         forward; later chunks extend their request's own cache one at a time."""
         seqs = [self._prefill_target(work) for work in works]
         first = [(s, w.num_tokens) for s, w in zip(seqs, works) if s.num_prefilled == 0]
-        if len(first) < 2:
+        if len(first) < 2 or not self._trimmable:  # mlx-lm's batch caches: full attention only here
             first = []
         batched = {id(s) for s, _ in first}
         for seq, work in zip(seqs, works):
@@ -248,8 +261,10 @@ class Engine:
         if first:
             self._prefill_together(first)
         for seq in seqs:
-            if seq.admit.save_prefix and seq.admit.snapshot_at == seq.num_prefilled and seq.cache is not None:
-                self._save_prefix(seq, caches.trimmed(seq.cache, seq.num_prefilled))
+            # A snapshot where asked, and (when entries are used whole) at the end of the prompt.
+            wanted = seq.admit.snapshot_at == seq.num_prefilled or (not self._trimmable and seq.num_prefilled == seq.prompt_len - 1)
+            if seq.admit.save_prefix and wanted and seq.cache is not None:
+                self._save_prefix(seq, caches.trimmed(seq.cache, seq.num_prefilled), seq.num_prefilled)
         return [PrefillReport(request_id=s.request_id, processed_tokens=s.num_prefilled, total_tokens=s.prompt_len) for s in seqs]
 
     def _prefill_target(self, work: PrefillWork) -> Sequence:
@@ -273,7 +288,7 @@ class Engine:
         tokens = [seq.admit.prompt_ids[:n] for seq, n in chunks]
         width = max(n for _, n in chunks)
         padding = [width - n for _, n in chunks]
-        cache = [BatchKVCache(padding) for _ in self._geometry]
+        cache = [BatchKVCache(padding) for _ in self._layout]
         self._model(mx.array([[0] * pad + t for pad, t in zip(padding, tokens)]), cache=cache)
         mx.eval([c.state for c in cache])
         for row, (seq, n) in enumerate(chunks):
@@ -292,6 +307,7 @@ class Engine:
             self._in_flight = None
         self._retire_exhausted()
         self._join_ready()
+        self._capture_checkpoints()
         dispatched = self._dispatch() if len(self._batch) else None
         if self._in_flight is not None:
             outputs += self._collect(self._in_flight)
@@ -343,7 +359,7 @@ class Engine:
         pending, sub_logits = self._pending, None
         if appending:
             pending, sub_logits = self._append_known(rows, appending, pending)
-        if len(rows) == 1:
+        if len(rows) == 1 and self._decode_step is not None:
             # A lone row: the compiled step (no per-step graph build) is ~6-10% faster per token
             # on CPU. Batches build the graph: attending over the whole capacity costs them more
             # KV reads than the build saves (c16 0.90x vs 1.01x of mlx-lm, measured).
@@ -370,16 +386,33 @@ class Engine:
         """Forward the known tokens of some rows but the last of each, which becomes their
         pending input; returns the new pending inputs and the appended positions' logits."""
         firsts = _host(pending)
-        width = max(len(rows[i].extra) for i in appending)
-        inputs = [[firsts[i], *rows[i].extra[:-1]] + [0] * (width - len(rows[i].extra)) for i in appending]
-        self._batch.begin_step([len(rows[i].extra) for i in appending], rows=appending)
-        sub_logits = self._model(mx.array(inputs, dtype=mx.uint32), cache=self._batch.layers)
-        self._batch.end_step()
+        inputs = [[firsts[i], *rows[i].extra[:-1]] for i in appending]
+        for i, tokens in zip(appending, inputs):
+            seq = rows[i]
+            if seq.verify is not None and self._batch.has_state:
+                # A recurrent state cannot be rewound: keep it to replay an accepted prefix.
+                seq.snapshot, seq.replay = self._batch.snapshot(seq.request_id), [tokens[0], *seq.extra]
+        sub_logits = self._forward_rows(appending, inputs)
         for i in appending:
             firsts[i] = rows[i].extra[-1]
         # Penalties see appended tokens like sampled ones (an echo span's only once accepted).
         self._sampler.advance({i: rows[i].extra for i in appending if rows[i].verify is None})
         return mx.array(firsts, dtype=mx.uint32), sub_logits
+
+    def _forward_rows(self, rows: list[int], inputs: list[list[int]]) -> mx.array:
+        """Forward each batch row's tokens (right-padded) in a step over just those rows; returns
+        `[rows, width, vocab]` logits. With sliding windows, in pieces a ring can take."""
+        width = max(len(tokens) for tokens in inputs)
+        piece = width if self._batch.all_full else RING_MARGIN
+        logits = []
+        for start in range(0, width, piece):
+            counts = [max(0, min(piece, len(tokens) - start)) for tokens in inputs]
+            size = max(counts)
+            padded = [tokens[start : start + size] + [0] * (size - count) for tokens, count in zip(inputs, counts)]
+            self._batch.begin_step(counts, rows=rows)
+            logits.append(self._model(mx.array(padded, dtype=mx.uint32), cache=self._batch.layers))
+            self._batch.end_step()
+        return logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=1)
 
     def _grammar_mask(self, rows: list[Sequence]) -> mx.array | None:
         """Allowed-token bitmask rows from each grammar's state (all allowed elsewhere). A row
@@ -414,11 +447,26 @@ class Engine:
                 if seq.failure is not None:
                     raise RuntimeError(seq.failure)
                 agreed = self._known.settle(seq, self._batch, accepted, choices)
+                if seq.snapshot is not None:
+                    self._replay(seq, len(agreed))
                 outputs.append(self._account(seq, tokens[i], logprobs[i] if logprobs else None, agreed))
             except Exception as exc:  # this request's grammar or fill session: it alone ends
                 log.exception("request_failed", request_id=seq.request_id)
                 outputs.append(self._fail(seq, exc))
         return outputs
+
+    def _replay(self, seq: Sequence, accepted: int) -> None:
+        """After an echo span on a recurrent model: the state must have seen only the accepted
+        prefix. Restore the state from before the span and forward that prefix again (its KV is
+        rewritten unchanged); nothing to do when the whole span was accepted."""
+        saved, forwarded = seq.snapshot, seq.replay
+        seq.snapshot, seq.replay = None, []
+        if saved is None or accepted + 1 == len(forwarded):  # the whole span: the state is right
+            return
+        tokens, rid = forwarded[: accepted + 1], seq.request_id
+        self._batch.restore(rid, saved)
+        self._batch.rewind(rid, len(tokens))
+        self._forward_rows([self._batch.index(rid)], [tokens])
 
     def _account(self, seq: Sequence, token: int, logprob: TokenLogprob | None, agreed: list[int]) -> RowOutput:
         """Record a sampled token (after the echo tokens the model agreed with, if any)."""
@@ -461,23 +509,25 @@ class Engine:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def _take_checkpoints(self) -> list[CheckpointData]:
-        """Capture the checkpoints that are due and possible now; a failed capture skips that
-        checkpoint and is logged, it never fails the step."""
-        taken = []
+    def _capture_checkpoints(self) -> None:
+        """Capture the checkpoints that are due and possible now, between a step's read and the
+        next dispatch: a row's state then covers exactly its context but the last token (the
+        pending input). A row with a token in flight or known tokens waiting is taken at the
+        next chance. A failed capture skips that checkpoint and is logged, never fails the step."""
+        in_flight = {id(seq) for seq in self._in_flight.rows} if self._in_flight is not None else set()
         for seq in self._sequences.values():
-            # Known tokens not yet forwarded: the cache lacks them; the next step end takes it.
-            if not (seq.checkpoint_due and seq.in_batch and seq.generated and not seq.extra):
+            if not (seq.checkpoint_due and seq.in_batch and seq.generated and not seq.extra) or id(seq) in in_flight:
                 continue
             seq.checkpoint_due = False
             num_kv = len(seq.context) - 1
             try:
-                tensors = caches.to_tensors(self._batch.extract(seq.request_id), num_kv)
+                if self._batch.lengths[self._batch.index(seq.request_id)] != num_kv:
+                    raise EngineInvariantError(f"row holds {self._batch.lengths[self._batch.index(seq.request_id)]} positions, expected {num_kv}")
+                tensors = caches.to_tensors(self._batch.extract(seq.request_id), self._layout, num_kv)
             except Exception:
                 log.exception("checkpoint_failed", request_id=seq.request_id)
                 continue
-            taken.append(CheckpointData(request_id=seq.request_id, generated=list(seq.generated), num_kv_tokens=num_kv, kv_tensors=tensors))
-        return taken
+            self._checkpoints.append(CheckpointData(request_id=seq.request_id, generated=list(seq.generated), num_kv_tokens=num_kv, kv_tensors=tensors))
 
 
 def _host(array: mx.array) -> list[Any]:

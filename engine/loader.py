@@ -18,15 +18,16 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from engine.batch import LayerGeometry
 from engine.builtin import builtin_name, ensure_builtin
+from engine.layout import dtype_name, probe_layout
+from engine.quantized import apply_cpu_policy
+from policies.layout import full_token_bytes
 from protocols.config import ModelConfig
 from protocols.errors import ModelLoadError
-from protocols.model import ModelInfo
+from protocols.model import LayerLayout, ModelInfo
 
 DEFAULT_CONTEXT = 4096
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -36,7 +37,7 @@ _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16
 class LoadedModel:
     model: nn.Module
     tokenizer: TokenizerWrapper
-    geometry: list[LayerGeometry]
+    layout: list[LayerLayout]
     info: ModelInfo
 
 
@@ -61,32 +62,45 @@ def load_model(config: ModelConfig, builtin_root: Path, progress: Callable[[str]
         progress(f"loading {directory}")
     try:
         model, tokenizer = cast(tuple[nn.Module, TokenizerWrapper], mlx_lm_load(str(directory), trust_remote_code=config.trust_remote_code))
-    except (ValueError, FileNotFoundError) as exc:
-        raise ModelLoadError(f"{directory}: {exc}") from exc
+    except Exception as exc:  # mlx-lm reports unknown types, missing files and bad weights variously
+        raise ModelLoadError(f"{directory}: mlx-lm cannot load it: {type(exc).__name__}: {exc}") from exc
+    try:
+        return _inspect(model, tokenizer, directory, config, started)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # a model mlx-lm loads must never fail here untyped
+        raise ModelLoadError(f"{directory}: cannot serve this model: {type(exc).__name__}: {exc}") from exc
+
+
+def _inspect(model: nn.Module, tokenizer: TokenizerWrapper, directory: Path, config: ModelConfig, started: float) -> LoadedModel:
+    """Dtype and quantization policy applied, layers probed, facts gathered."""
     dtype = _target_dtype(config.dtype)
     if dtype is not None:
         model.set_dtype(dtype)
+    quantization = apply_cpu_policy(model, config.cpu_dequantize, dtype or mx.float32)
     mx.eval(model.parameters())
-    geometry = probe_geometry(model)
+    layout = probe_layout(model)
     hf_config = json.loads((directory / "config.json").read_text())
+    text_config = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else {}
     info = ModelInfo(
         path=str(directory),
         model_type=str(hf_config.get("model_type", "unknown")),
-        vocab_size=int(_vocab_size(model, hf_config)),
-        max_context=config.max_context or int(hf_config.get("max_position_embeddings") or DEFAULT_CONTEXT),
-        num_layers=len(geometry),
-        kv_bytes_per_token=sum(g.bytes_per_token for g in geometry),
-        dtype=str(geometry[0].dtype).removeprefix("mlx.core."),
+        vocab_size=_output_size(model),
+        max_context=config.max_context or int(hf_config.get("max_position_embeddings") or text_config.get("max_position_embeddings") or DEFAULT_CONTEXT),
+        num_layers=len(layout),
+        kv_bytes_per_token=full_token_bytes(layout),
+        dtype=_float_dtype(model),
         device=str(mx.default_device()),
         eos_token_ids=sorted(tokenizer.eos_token_ids),
         num_parameters=sum(v.size for _, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters()))),
         load_s=time.perf_counter() - started,
         model_id=model_digest(directory),
         tokenizer_id=tokenizer_digest(directory),
-        kv_shapes=[(g.num_heads, g.key_dim, g.value_dim) for g in geometry],
+        layers=layout,
         max_token_bytes=max_token_bytes(tokenizer),
+        quantization=quantization.reason if quantization.quantized_modules else "",
     )
-    return LoadedModel(model=model, tokenizer=tokenizer, geometry=geometry, info=info)
+    return LoadedModel(model=model, tokenizer=tokenizer, layout=layout, info=info)
 
 
 def max_token_bytes(tokenizer) -> int:
@@ -103,21 +117,18 @@ def _target_dtype(name: str) -> mx.Dtype | None:
     return mx.float32 if mx.default_device() == mx.cpu else None
 
 
-def _vocab_size(model: nn.Module, hf_config: dict) -> int:
-    if "vocab_size" in hf_config:
-        return hf_config["vocab_size"]
-    return model.args.vocab_size
+def _output_size(model: nn.Module) -> int:
+    """The number of logits the model produces per position: its vocabulary as sampled (read
+    from the model, not config.json, where nested layouts keep it under `text_config`)."""
+    logits = model(mx.array([[0]]))
+    return int(logits.shape[-1])
 
 
-def probe_geometry(model: nn.Module) -> list[LayerGeometry]:
-    """Run one token through a fresh cache and read every layer's KV shape."""
-    cache = make_prompt_cache(model)
-    unsupported = {type(c).__name__ for c in cache if type(c) is not KVCache}
-    if unsupported:
-        raise ModelLoadError(f"unsupported cache types for batched decoding: {sorted(unsupported)}")
-    model(mx.array([[0]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    return [LayerGeometry(num_heads=c.keys.shape[1], key_dim=c.keys.shape[3], value_dim=c.values.shape[3], dtype=c.keys.dtype) for c in cache]
+def _float_dtype(model: nn.Module) -> str:
+    for _, value in cast(list[tuple[str, Any]], tree_flatten(model.parameters())):
+        if mx.issubdtype(value.dtype, mx.floating):
+            return dtype_name(value.dtype)
+    return "float32"
 
 
 def digest_files(paths: list[Path]) -> str:

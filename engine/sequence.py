@@ -45,6 +45,10 @@ class Sequence:
     # Why this request failed on its own (its grammar, its fill session); it ends with
     # `error` when its in-flight token is collected, and the batch goes on.
     failure: str | None = None
+    # An echo span on a model with recurrent state: the state before the span and the tokens
+    # forwarded from there, to replay the accepted prefix if the span's tail is rejected.
+    snapshot: list | None = None
+    replay: list[int] = field(default_factory=list)
 
     def tokens_with_kv(self, length: int) -> list[int]:
         """The tokens whose KV the first `length` cache positions hold."""
@@ -74,8 +78,11 @@ class Sequence:
     @property
     def needs_token_before_next_step(self) -> bool:
         """Its next step depends on the token in flight: a grammar mask, a fast-forward span,
-        an echo span's verdict (the rejected tail is rewound before anything else is written)."""
-        return self.matcher is not None or (self.fill is not None and self.fill.active) or self.verify is not None
+        an echo span's verdict (the rejected tail is rewound before anything else is written),
+        or a checkpoint that is due."""
+        needs = self.matcher is not None or (self.fill is not None and self.fill.active) or self.verify is not None
+        # A checkpoint is captured between a step's read and the next dispatch.
+        return needs or self.checkpoint_due
 
 
 @dataclass

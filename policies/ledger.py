@@ -9,16 +9,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from policies.layout import is_trimmable, request_bytes
 from policies.prefix_index import PrefixIndex
 from protocols.kv import KvReservation, KvStats
-from protocols.model import SavedPrefix
+from protocols.model import LayerLayout, SavedPrefix
 
 
 class KvLedger:
     """Reservations and prefix entries against one byte budget (0 = unlimited)."""
 
-    def __init__(self, *, bytes_per_token: int, budget_bytes: int = 0, prefix_cache_bytes: int = 0, prefix_min_tokens: int = 1):
+    def __init__(
+        self,
+        *,
+        bytes_per_token: int,
+        budget_bytes: int = 0,
+        prefix_cache_bytes: int = 0,
+        prefix_min_tokens: int = 1,
+        layers: Sequence[LayerLayout] | None = None,
+    ):
         self.bytes_per_token = bytes_per_token
+        # The model's layers, when not all are full attention: windows are bounded, states fixed,
+        # and a saved prefix seeds a request only whole (neither can be cut back).
+        self.layers = list(layers) if layers is not None else None
+        self.whole_entries = layers is not None and not is_trimmable(layers)
         self.budget_bytes = budget_bytes
         self.prefix_cache_bytes = prefix_cache_bytes
         self.prefix_min_tokens = prefix_min_tokens
@@ -29,9 +42,13 @@ class KvLedger:
         self._hits = 0
         self._tokens_reused = 0
 
+    def request_bytes(self, num_tokens: int) -> int:
+        """The KV bytes a request of `num_tokens` tokens holds."""
+        return request_bytes(self.layers, num_tokens) if self.layers is not None else num_tokens * self.bytes_per_token
+
     @property
     def reserved_bytes(self) -> int:
-        return sum(self._reserved.values()) * self.bytes_per_token
+        return sum(self.request_bytes(n) for n in self._reserved.values())
 
     def reserve(self, request_id: str, num_tokens: int, prompt_ids: Sequence[int] = (), max_prefix_tokens: int = 0) -> tuple[KvReservation, list[str]]:
         """A reservation, and the prefix entries evicted to make room for it.
@@ -39,10 +56,10 @@ class KvLedger:
         The request's own prefix match is pinned before anything is evicted, and
         entries are evicted only when that makes the request fit.
         """
-        need = num_tokens * self.bytes_per_token
+        need = self.request_bytes(num_tokens)
         if self.budget_bytes and need > self.budget_bytes:
             return KvReservation(request_id=request_id, granted=False, reason="never_fits"), []
-        match = self.prefixes.lookup(prompt_ids, max_prefix_tokens) if max_prefix_tokens > 0 else None
+        match = self.prefixes.lookup(prompt_ids, max_prefix_tokens, whole=self.whole_entries) if max_prefix_tokens > 0 else None
         if match is not None:
             self.prefixes.pin(match.entry_id)
         evicted = []
@@ -73,7 +90,7 @@ class KvLedger:
         dropped = []
         for entry in entries:
             keep = self.prefix_cache_bytes > 0 and len(entry.tokens) >= self.prefix_min_tokens
-            if not (keep and self.prefixes.insert(entry.entry_id, entry.tokens, entry.num_bytes)):
+            if not (keep and self.prefixes.insert(entry.entry_id, entry.tokens, entry.num_bytes, whole=self.whole_entries)):
                 dropped.append(entry.entry_id)
         over_cap = self.prefixes.num_bytes - self.prefix_cache_bytes
         if over_cap > 0:
@@ -89,7 +106,7 @@ class KvLedger:
         return KvStats(
             live_requests=len(self._live_tokens),
             live_tokens=live,
-            live_bytes=live * self.bytes_per_token,
+            live_bytes=sum(self.request_bytes(n) for n in self._live_tokens.values()),
             reserved_tokens=sum(self._reserved.values()),
             physical_bytes=self._physical_bytes,
             bytes_per_token=self.bytes_per_token,

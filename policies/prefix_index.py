@@ -19,8 +19,9 @@ class _Node:
     # Edge label from the parent: the tokens between the parent and this node.
     label: tuple[int, ...] = ()
     children: dict[int, _Node] = field(default_factory=dict)
-    # Entries whose sequence passes through (or ends at) this node.
+    # Entries whose sequence passes through (or ends at) this node, and those ending here.
     entries: set[str] = field(default_factory=set)
+    ends: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,13 @@ class PrefixIndex:
     def tokens(self, entry_id: str) -> tuple[int, ...]:
         return self._entries[entry_id].tokens
 
-    def insert(self, entry_id: str, tokens: list[int] | tuple[int, ...], num_bytes: int) -> bool:
-        """Add an entry; False (and nothing added) if an entry already covers `tokens`."""
+    def insert(self, entry_id: str, tokens: list[int] | tuple[int, ...], num_bytes: int, *, whole: bool = False) -> bool:
+        """Add an entry; False (and nothing added) if an entry already covers `tokens` (with
+        `whole`: if one already ends exactly there; a longer one cannot seed them)."""
         tokens = tuple(tokens)
         if not tokens or entry_id in self._entries:
             return False
-        match = self.lookup(tokens, len(tokens))
+        match = self.lookup(tokens, len(tokens), whole=whole)
         if match is not None and match.num_tokens == len(tokens):
             return False
         self._entries[entry_id] = _Entry(tokens, num_bytes)
@@ -69,18 +71,20 @@ class PrefixIndex:
         while True:
             node.entries.add(entry_id)
             if i == len(tokens):
+                node.ends.add(entry_id)
                 return True
             child = node.children.get(tokens[i])
             if child is None:
-                node.children[tokens[i]] = _Node(label=tokens[i:], entries={entry_id})
+                node.children[tokens[i]] = _Node(label=tokens[i:], entries={entry_id}, ends={entry_id})
                 return True
             common = _common_length(child.label, tokens[i:])
             if common < len(child.label):
                 child = self._split(node, child, common)
             node, i = child, i + common
 
-    def lookup(self, tokens: Sequence[int], max_tokens: int) -> PrefixMatch | None:
-        """The longest prefix of `tokens` (at most `max_tokens`) some entry holds."""
+    def lookup(self, tokens: Sequence[int], max_tokens: int, *, whole: bool = False) -> PrefixMatch | None:
+        """The longest prefix of `tokens` (at most `max_tokens`) some entry holds; with `whole`,
+        the longest one that is an entire entry."""
         node, depth, best = self._root, 0, None
         while depth < min(len(tokens), max_tokens):
             child = node.children.get(tokens[depth])
@@ -90,15 +94,17 @@ class PrefixIndex:
             if common == 0:
                 break
             depth += common
-            best = (child, depth)
             if common < len(child.label):
+                if not whole:
+                    best = (child.entries, depth)
                 break
+            if child.ends or not whole:
+                best = (child.ends if whole else child.entries, depth)
             node = child
         if best is None:
             return None
-        node, depth = best
-        entry_id = self._most_recent(node.entries)
-        return PrefixMatch(entry_id, depth)
+        candidates, depth = best
+        return PrefixMatch(self._most_recent(candidates), depth)
 
     def touch(self, entry_id: str) -> None:
         self._entries.move_to_end(entry_id)
@@ -122,6 +128,7 @@ class PrefixIndex:
             i += len(node.label)
         for node in path:
             node.entries.discard(entry_id)
+            node.ends.discard(entry_id)
         for parent, child in zip(reversed(path[:-1]), reversed(path[1:])):
             if not child.entries:
                 del parent.children[child.label[0]]
@@ -147,7 +154,7 @@ class PrefixIndex:
         raise AssertionError("a node's entries are always indexed")
 
     def _split(self, parent: _Node, child: _Node, at: int) -> _Node:
-        middle = _Node(label=child.label[:at], children={child.label[at]: child}, entries=set(child.entries))
+        middle = _Node(label=child.label[:at], children={child.label[at]: child}, entries=set(child.entries))  # ends stay below
         child.label = child.label[at:]
         parent.children[middle.label[0]] = middle
         return middle

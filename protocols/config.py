@@ -28,6 +28,9 @@ class ModelConfig(Section, frozen=True):
     # Longest prompt + generation; default: the model's max_position_embeddings.
     max_context: Annotated[int, msgspec.Meta(ge=2)] | None = None
     trust_remote_code: bool = False
+    # Quantized weights on the CPU backend, where MLX's quantized matmul is slow: turned into
+    # float32 at load ("always"), kept ("never"), or "auto": when they fit half the memory.
+    cpu_dequantize: Literal["auto", "always", "never"] = "auto"
 
 
 class SchedulerConfig(Section, frozen=True):

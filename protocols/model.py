@@ -178,6 +178,35 @@ class StepOutcome(Record, frozen=True):
     checkpoints: list[CheckpointData] = msgspec.field(default_factory=list)
 
 
+class StateArray(Record, frozen=True):
+    """One array of a recurrent layer's state: its shape without the batch axis, and dtype
+    ("" and no shape: the model leaves it unset)."""
+
+    shape: list[int]
+    dtype: str
+
+
+class LayerLayout(Record, frozen=True):
+    """What one layer keeps per request, as the model's own `make_cache()` says.
+
+    - "full": attention over every position (mlx-lm `KVCache`): `heads` x (`key_dim` +
+      `value_dim`) per token;
+    - "window": sliding-window attention (`RotatingKVCache`): the same per token, for at
+      most `window` positions;
+    - "state": recurrent or convolution state (`ArraysCache`): `states`, fixed per request;
+    - "list": several of the above in one layer (`CacheList`): `parts`.
+    """
+
+    kind: Literal["full", "window", "state", "list"]
+    heads: int = 0
+    key_dim: int = 0
+    value_dim: int = 0
+    dtype: str = ""
+    window: int = 0
+    states: list[StateArray] = msgspec.field(default_factory=list)
+    parts: list[LayerLayout] = msgspec.field(default_factory=list)
+
+
 class ModelInfo(Record, frozen=True):
     """Facts about the loaded model that the async side needs."""
 
@@ -195,10 +224,12 @@ class ModelInfo(Record, frozen=True):
     # Digests that tie checkpoints to this model and tokenizer.
     model_id: str = ""
     tokenizer_id: str = ""
-    # Per layer: (kv heads, key dim, value dim).
-    kv_shapes: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
+    # What each layer keeps per request (attention KV, sliding windows, recurrent state).
+    layers: list[LayerLayout] = msgspec.field(default_factory=list)
     # The most UTF-8 bytes one token's text can have (bounds prompt text by the context).
     max_token_bytes: int = 0
+    # What the load did with quantized weights ("" for a model that is not quantized).
+    quantization: str = ""
 
 
 class StepFailed(Record, frozen=True):

@@ -59,8 +59,7 @@ class Admission:
         self._eos_ids = list(info.eos_token_ids)
         self._tool_markers = (tokenizer.tool_call_start, tokenizer.tool_call_end) if getattr(tokenizer, "has_tool_calling", False) else None
         self._max_prompt_bytes = requests.max_prompt_bytes(info, config.limits)
-        f32_bytes_per_token = sum(heads * (k + v) * 4 for heads, k, v in info.kv_shapes)
-        self._max_checkpoint_bytes = checkpoints.max_file_bytes(info.max_context, f32_bytes_per_token)
+        self._max_checkpoint_bytes = checkpoints.max_file_bytes(info.max_context, info.layers)
         # Requests being prepared at once (tokenizing, compiling): beyond this, busy.
         self._preparing = anyio.Semaphore(config.scheduler.max_queued_requests)
 
@@ -205,7 +204,7 @@ class Admission:
             )
         except (OSError, RecursionError, ValueError) as exc:
             raise CorruptCheckpointError(f"checkpoint of {request_id!r} cannot be read: {type(exc).__name__}") from None
-        checkpoints.check_tensors(header, tensors, info.kv_shapes)
+        checkpoints.check_tensors(header, tensors, info.layers)
         return header, tensors
 
     def _check_header(self, header: checkpoints.CheckpointHeader) -> None:

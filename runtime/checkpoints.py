@@ -17,16 +17,19 @@ directory that no one else may write. Blocking I/O: call from a worker thread.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 import stat
 import struct
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 import safetensors.numpy
 
+from policies.layout import tensor_shapes
 from protocols.api import GenerateRequest
 from protocols.base import Record
 from protocols.errors import (
@@ -37,8 +40,9 @@ from protocols.errors import (
     InvalidRequestError,
     UnsupportedCheckpointError,
 )
+from protocols.model import LayerLayout
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _MAGIC_PREFIX = b"MLXRTCK"
 MAGIC = _MAGIC_PREFIX + str(FORMAT_VERSION).encode()
 _LENGTH = struct.Struct(">I")
@@ -78,9 +82,11 @@ def path_for(directory: Path, request_id: str) -> Path:
     return directory / f"{request_id}{_SUFFIX}"
 
 
-def max_file_bytes(max_context: int, kv_bytes_per_token_f32: int) -> int:
-    """The largest checkpoint a model can have written: every position's KV, the ids, the request."""
-    return _PREFIX + HEADER_BYTES + 32 * max_context + max_context * kv_bytes_per_token_f32 + 1024 * 1024
+def max_file_bytes(max_context: int, layers: Sequence[LayerLayout]) -> int:
+    """The largest checkpoint a model can have written: its tensors at the longest context (as
+    float32), the ids, the request."""
+    tensor_bytes = sum(4 * math.prod(shape) for shape in tensor_shapes(layers, max_context).values())
+    return _PREFIX + HEADER_BYTES + 32 * max_context + tensor_bytes + 1024 * 1024
 
 
 def encode(header: CheckpointHeader, tensors: bytes) -> bytes:
@@ -208,8 +214,8 @@ def decode(data: bytes, *, source: str = "<checkpoint>") -> tuple[CheckpointHead
     return header, data[_PREFIX + length :]
 
 
-def check_tensors(header: CheckpointHeader, tensors: bytes, kv_shapes: list[tuple[int, int, int]]) -> None:
-    """The tensors hold a cache of `num_kv_tokens` positions shaped for this model."""
+def check_tensors(header: CheckpointHeader, tensors: bytes, layers: Sequence[LayerLayout]) -> None:
+    """The tensors hold `num_kv_tokens` positions of every layer, shaped for this model."""
     expected_len = len(header.prompt_ids) + len(header.generated) - 1
     if not header.generated or header.num_kv_tokens != expected_len:
         raise CorruptCheckpointError(f"checkpoint covers {header.num_kv_tokens} tokens, expected {expected_len}")
@@ -217,13 +223,12 @@ def check_tensors(header: CheckpointHeader, tensors: bytes, kv_shapes: list[tupl
         arrays = safetensors.numpy.load(tensors)
     except Exception as exc:  # safetensors reports malformed data with several exception types
         raise CorruptCheckpointError(f"unreadable checkpoint tensors: {type(exc).__name__}") from None
-    if len(arrays) != 2 * len(kv_shapes):
-        raise CorruptCheckpointError(f"checkpoint has {len(arrays)} tensors, the model needs {2 * len(kv_shapes)}")
-    for layer, (heads, key_dim, value_dim) in enumerate(kv_shapes):
-        keys, values = arrays.get(f"keys_{layer}"), arrays.get(f"values_{layer}")
-        n = header.num_kv_tokens
-        if keys is None or values is None or keys.shape != (1, heads, n, key_dim) or values.shape != (1, heads, n, value_dim):
-            raise CorruptCheckpointError(f"checkpoint layer {layer} does not fit the model")
+    expected = tensor_shapes(layers, header.num_kv_tokens)
+    if set(arrays) != set(expected):
+        raise CorruptCheckpointError(f"checkpoint has {len(arrays)} tensors, the model needs {len(expected)} ({', '.join(sorted(expected)[:4])}, ...)")
+    for name, shape in expected.items():
+        if tuple(arrays[name].shape) != shape:
+            raise CorruptCheckpointError(f"checkpoint tensor {name} is {tuple(arrays[name].shape)}, the model needs {shape}")
 
 
 def delete(directory: Path, request_id: str) -> None:

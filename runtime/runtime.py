@@ -113,6 +113,7 @@ class Runtime:
         progress.done(f"{ready.info.model_type} {ready.info.num_parameters / 1e6:.1f}M params, {ready.info.dtype} on {ready.info.device}")
         ledger = KvLedger(
             bytes_per_token=ready.info.kv_bytes_per_token,
+            layers=ready.info.layers,
             budget_bytes=config.kv.budget_bytes,
             prefix_cache_bytes=config.kv.prefix_cache_bytes,
             prefix_min_tokens=config.kv.prefix_min_tokens,

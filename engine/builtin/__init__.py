@@ -2,20 +2,34 @@
 
 ``ensure_builtin("tiny")`` returns a directory that ``mlx_lm.utils.load`` loads offline
 (model + tokenizer with a ChatML chat template), building and caching it on first use.
+``ensure_model(spec, root=...)`` does the same for any `BuiltinSpec` (any mlx-lm model
+type, optionally quantized), e.g. the test suite's table of model families.
 """
 
 from engine.builtin.models import (
+    BENCH_TOKENIZER,
     BUILTIN_MODELS,
+    TINY_TOKENIZER,
     BuiltinSpec,
     UnknownBuiltinModelError,
     builtin_name,
+    config_fields,
     ensure_builtin,
+    ensure_model,
+    parameter_count,
 )
+from engine.builtin.tokenizer import TokenizerSpec
 
 __all__ = [
+    "BENCH_TOKENIZER",
     "BUILTIN_MODELS",
+    "TINY_TOKENIZER",
     "BuiltinSpec",
+    "TokenizerSpec",
     "UnknownBuiltinModelError",
     "builtin_name",
+    "config_fields",
     "ensure_builtin",
+    "ensure_model",
+    "parameter_count",
 ]

@@ -3,8 +3,11 @@
 This module owns `BUILTIN_MODELS`, the cache layout under a root directory (the runtime
 passes ``$MLXRT_HOME``, default ``~/.cache/mlxrt``), the lock-then-rename protocol that keeps builds atomic across
 processes, deterministic weight initialisation, and the config.json / manifest that
-make a directory loadable by ``mlx_lm.utils.load``. The tokenizer itself comes from
-``engine.builtin.tokenizer``; here it is only trained on demand and cached.
+make a directory loadable by ``mlx_lm.utils.load``. A `BuiltinSpec` describes a model
+of any mlx-lm model type (its family's own config fields in `extra`), optionally
+quantized; `ensure_model` builds any spec, `ensure_builtin` the named ones. The
+tokenizer itself comes from ``engine.builtin.tokenizer``; here it is only trained on
+demand and cached, once per vocabulary size.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ import dataclasses
 import fcntl
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -47,17 +51,95 @@ MODEL_FILES: tuple[str, ...] = (
     "special_tokens_map.json",
     MANIFEST,
 )
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# Hugging Face class names for config.json's "architectures"; other types get
+# "<CamelCase model_type>ForCausalLM" unless a spec's `extra` names one.
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "mistral3": "Mistral3ForConditionalGeneration",
+    "ministral3": "Ministral3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+}
+# Config entries that stay at the top level of a "text_config" layout; the rest of
+# the language model's fields move into config["text_config"].
+_TOP_LEVEL_KEYS = ("architectures", "model_type", "eos_token_id", "pad_token_id", "torch_dtype")
+# Affine quantization as mlx supports it.
+_QUANT_BITS = (2, 3, 4, 5, 6, 8)
+_QUANT_GROUP_SIZES = (32, 64, 128)
 
 Progress = Callable[[str], None]
+Layout = Literal["flat", "text_config"]
+
+
+class FrozenMapping(tuple[tuple[str, Any], ...]):
+    """A JSON object frozen into (key, value) pairs sorted by key, so that a spec
+    holding one stays hashable and compares by content; `thaw` gives the dict back."""
+
+    __slots__ = ()
+
+
+ConfigFields = tuple[tuple[str, Any], ...]
+
+
+def freeze(value: Any) -> Any:
+    """JSON-like data (dicts, lists, scalars) -> hashable nested tuples."""
+    if isinstance(value, FrozenMapping):
+        return value
+    if isinstance(value, Mapping):
+        items = ((str(key), freeze(item)) for key, item in value.items())
+        return FrozenMapping(sorted(items, key=lambda pair: pair[0]))
+    if isinstance(value, list | tuple):
+        return tuple(freeze(item) for item in value)
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"not JSON-like config data: {value!r}")
+
+
+def thaw(value: Any) -> Any:
+    """Inverse of `freeze`: frozen mappings -> dicts, tuples -> lists."""
+    if isinstance(value, FrozenMapping):
+        return {key: thaw(item) for key, item in value}
+    if isinstance(value, tuple):
+        return [thaw(item) for item in value]
+    return value
+
+
+def config_fields(**fields: Any) -> ConfigFields:
+    """``config_fields(sliding_window=32, text_config={...})``: a spec's `extra`."""
+    return cast(ConfigFields, freeze(fields))
 
 
 @dataclasses.dataclass(frozen=True)
 class BuiltinSpec:
-    """Everything that determines a built-in model directory's contents."""
+    """Everything that determines a built-in model directory's contents.
+
+    The named fields are the ones every decoder has, written into config.json under
+    their Hugging Face names (with ``head_dim = hidden_size // num_attention_heads``).
+    `extra` is merged over them (nested dicts merge key by key), so a family's own
+    fields (sliding windows, layer types, SSM and MoE sizes, ``rope_parameters``...)
+    go there; read the family's ``mlx_lm.models.<model_type>.ModelArgs`` for them.
+    With ``layout="text_config"`` the language model's fields sit only inside
+    ``config["text_config"]`` (as in multimodal checkpoints such as Mistral 3);
+    `extra` then names ``text_config`` itself for the entries that belong there.
+    `omit_weights` names modules (e.g. ``"lm_head"``) left out of the weights file,
+    for families whose loader ties the head to the embeddings when it is missing.
+    `quantize` is ``(bits, group_size)``: the initialised model is quantized (affine,
+    as ``mlx_lm.utils.quantize_model`` does) and config.json records it.
+    """
 
     name: str
-    model_type: Literal["llama", "qwen2"]
+    model_type: str
     hidden_size: int
     num_hidden_layers: int
     intermediate_size: int
@@ -70,30 +152,90 @@ class BuiltinSpec:
     seed: int
     tokenizer: TokenizerSpec
     rms_norm_eps: float = 1e-6
+    extra: ConfigFields = ()
+    layout: Layout = "flat"
+    omit_weights: tuple[str, ...] = ()
+    quantize: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        if self.model_type not in _ARCHITECTURES:
-            raise ValueError(f"{self.name}: unsupported model_type {self.model_type!r}")
-        if self.hidden_size % self.num_attention_heads:
+        extra = self.extra if isinstance(self.extra, Mapping) else dict(self.extra)
+        object.__setattr__(self, "extra", freeze(extra))
+        object.__setattr__(self, "omit_weights", tuple(self.omit_weights))
+        if not _model_module_exists(self.model_type):
+            raise ValueError(f"{self.name}: unsupported model_type {self.model_type!r} (no mlx_lm.models.{self.model_type})")
+        if self.layout not in ("flat", "text_config"):
+            raise ValueError(f"{self.name}: unknown layout {self.layout!r}")
+        extra_dict = thaw(self.extra)
+        text_extra = extra_dict.get("text_config", {}) if self.layout == "text_config" else extra_dict
+        if "head_dim" not in text_extra and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"{self.name}: hidden_size not divisible by num_attention_heads")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"{self.name}: num_attention_heads not divisible by kv heads")
         if self.tokenizer.vocab_size > self.vocab_size:
             raise ValueError(f"{self.name}: tokenizer vocab exceeds model vocab_size")
+        if self.quantize is not None:
+            bits, group_size = self.quantize
+            if bits not in _QUANT_BITS or group_size not in _QUANT_GROUP_SIZES:
+                raise ValueError(f"{self.name}: unsupported quantization {self.quantize!r} (bits {_QUANT_BITS}, group sizes {_QUANT_GROUP_SIZES})")
+            object.__setattr__(self, "quantize", (int(bits), int(group_size)))
+
+    def fields(self) -> dict[str, Any]:
+        """The spec as JSON data. Fields added after the first built-in models are left
+        out at their defaults, so those models keep their digests and directories."""
+        data = dataclasses.asdict(self)
+        data["extra"] = thaw(self.extra)
+        data["omit_weights"] = list(self.omit_weights)
+        data["quantize"] = list(self.quantize) if self.quantize is not None else None
+        for name, default in (("extra", {}), ("layout", "flat"), ("omit_weights", []), ("quantize", None)):
+            if data[name] == default:
+                del data[name]
+        return data
 
     def digest(self) -> str:
         """sha256 over the spec's fields and every constant that shapes the build."""
         payload = {
             "format": BUILD_FORMAT,
-            "spec": dataclasses.asdict(self),
+            "spec": self.fields(),
             "tokenizer_digest": self.tokenizer.digest(),
             "chat_template": CHAT_TEMPLATE,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
+    def directory_name(self) -> str:
+        """The model's directory under ``<root>/models``."""
+        return f"{self.name}-{self.digest()[:12]}"
 
-_TINY_TOKENIZER = TokenizerSpec(vocab_size=1024, corpus_chars=400_000)
-_BENCH_TOKENIZER = TokenizerSpec(vocab_size=32768, corpus_chars=4_000_000)
+
+def _model_module_exists(model_type: str) -> bool:
+    """Whether ``mlx_lm.models.<model_type>`` exists, found without importing MLX."""
+    if not model_type.isidentifier():
+        return False
+    package = importlib.util.find_spec("mlx_lm")
+    if package is None or not package.submodule_search_locations:
+        return False
+    return any((Path(location) / "models" / f"{model_type}.py").is_file() for location in package.submodule_search_locations)
+
+
+# Every model of a vocabulary size shares its tokenizer (trained once per root).
+TINY_TOKENIZER = TokenizerSpec(vocab_size=1024, corpus_chars=400_000)
+BENCH_TOKENIZER = TokenizerSpec(vocab_size=32768, corpus_chars=4_000_000)
+
+# SmolLM-135M shape.
+_BENCH = BuiltinSpec(
+    name="bench",
+    model_type="llama",
+    hidden_size=576,
+    num_hidden_layers=30,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=32768,
+    max_position_embeddings=8192,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    seed=2,
+    tokenizer=BENCH_TOKENIZER,
+)
 
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     spec.name: spec
@@ -111,7 +253,7 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
             rope_theta=10000.0,
             tie_word_embeddings=True,
             seed=0,
-            tokenizer=_TINY_TOKENIZER,
+            tokenizer=TINY_TOKENIZER,
         ),
         BuiltinSpec(
             name="tiny-qwen2",
@@ -126,24 +268,97 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
             rope_theta=1000000.0,
             tie_word_embeddings=False,
             seed=1,
-            tokenizer=_TINY_TOKENIZER,
+            tokenizer=TINY_TOKENIZER,
         ),
-        # SmolLM-135M shape.
+        # Sliding-window attention (window 16) on layers 0, 1 and 3, global on layer 2;
+        # the head is tied to the embeddings as in Gemma 3 checkpoints.
         BuiltinSpec(
-            name="bench",
-            model_type="llama",
-            hidden_size=576,
-            num_hidden_layers=30,
-            intermediate_size=1536,
-            num_attention_heads=9,
-            num_key_value_heads=3,
-            vocab_size=32768,
-            max_position_embeddings=8192,
-            rope_theta=10000.0,
+            name="tiny-gemma3",
+            model_type="gemma3_text",
+            hidden_size=64,
+            num_hidden_layers=4,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            vocab_size=1024,
+            max_position_embeddings=2048,
+            rope_theta=1000000.0,
             tie_word_embeddings=True,
-            seed=2,
-            tokenizer=_BENCH_TOKENIZER,
+            seed=4,
+            tokenizer=TINY_TOKENIZER,
+            extra=config_fields(
+                head_dim=16,
+                query_pre_attn_scalar=16,
+                sliding_window=16,
+                sliding_window_pattern=3,
+                rope_local_base_freq=10000.0,
+                hidden_activation="gelu_pytorch_tanh",
+            ),
+            omit_weights=("lm_head",),
         ),
+        # Three gated-delta (linear attention) layers, then one full attention layer;
+        # every MLP a mixture of 4 experts (2 active) plus a shared expert.
+        BuiltinSpec(
+            name="tiny-qwen3next",
+            model_type="qwen3_next",
+            hidden_size=64,
+            num_hidden_layers=4,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1024,
+            max_position_embeddings=2048,
+            rope_theta=10000000.0,
+            tie_word_embeddings=False,
+            seed=5,
+            tokenizer=TINY_TOKENIZER,
+            extra=config_fields(
+                head_dim=16,
+                partial_rotary_factor=0.25,
+                full_attention_interval=4,
+                linear_num_value_heads=4,
+                linear_num_key_heads=2,
+                linear_key_head_dim=16,
+                linear_value_head_dim=16,
+                linear_conv_kernel_dim=4,
+                num_experts=4,
+                num_experts_per_tok=2,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=64,
+                norm_topk_prob=True,
+            ),
+        ),
+        # Short-convolution layers with one attention layer (index 2), as in LFM2.
+        BuiltinSpec(
+            name="tiny-lfm2",
+            model_type="lfm2",
+            hidden_size=64,
+            num_hidden_layers=4,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1024,
+            max_position_embeddings=2048,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            seed=6,
+            tokenizer=TINY_TOKENIZER,
+            extra=config_fields(
+                norm_eps=1e-5,
+                conv_bias=False,
+                conv_L_cache=3,
+                block_dim=64,
+                block_ff_dim=128,
+                block_multiple_of=16,
+                block_ffn_dim_multiplier=1.0,
+                block_auto_adjust_ff_dim=True,
+                layer_types=["conv", "conv", "full_attention", "conv"],
+                full_attn_idxs=[2],
+            ),
+        ),
+        _BENCH,
         BuiltinSpec(
             name="bench-qwen2",
             model_type="qwen2",
@@ -157,8 +372,63 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
             rope_theta=1000000.0,
             tie_word_embeddings=False,
             seed=3,
-            tokenizer=_BENCH_TOKENIZER,
+            tokenizer=BENCH_TOKENIZER,
         ),
+        # Gemma-3-270M shape (vocab 32768, window 128): 5 sliding layers to 1 global.
+        BuiltinSpec(
+            name="bench-gemma3",
+            model_type="gemma3_text",
+            hidden_size=640,
+            num_hidden_layers=18,
+            intermediate_size=2048,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            vocab_size=32768,
+            max_position_embeddings=8192,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            seed=7,
+            tokenizer=BENCH_TOKENIZER,
+            extra=config_fields(
+                head_dim=256,
+                query_pre_attn_scalar=256,
+                sliding_window=128,
+                sliding_window_pattern=6,
+                rope_local_base_freq=10000.0,
+                hidden_activation="gelu_pytorch_tanh",
+            ),
+            omit_weights=("lm_head",),
+        ),
+        # LFM2-350M layer pattern, narrower: 8 short-convolution and 4 attention layers.
+        BuiltinSpec(
+            name="bench-lfm2",
+            model_type="lfm2",
+            hidden_size=768,
+            num_hidden_layers=12,
+            intermediate_size=3840,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            vocab_size=32768,
+            max_position_embeddings=8192,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            seed=8,
+            tokenizer=BENCH_TOKENIZER,
+            extra=config_fields(
+                norm_eps=1e-5,
+                conv_bias=False,
+                conv_L_cache=3,
+                block_dim=768,
+                block_ff_dim=3840,
+                block_multiple_of=256,
+                block_ffn_dim_multiplier=1.0,
+                block_auto_adjust_ff_dim=True,
+                layer_types=[("full_attention" if i in (2, 5, 8, 10) else "conv") for i in range(12)],
+                full_attn_idxs=[2, 5, 8, 10],
+            ),
+        ),
+        # `bench` with the same initial weights, quantized like mlx-community's 4-bit models.
+        dataclasses.replace(_BENCH, name="bench-4bit", quantize=(4, 64)),
     )
 }
 
@@ -185,9 +455,15 @@ def ensure_builtin(name: str, *, root: Path | str, progress: Progress | None = N
     spec = BUILTIN_MODELS.get(name)
     if spec is None:
         raise UnknownBuiltinModelError(name)
+    return ensure_model(spec, root=root, progress=progress)
+
+
+def ensure_model(spec: BuiltinSpec, *, root: Path | str, progress: Progress | None = None) -> Path:
+    """Return the directory of any `spec` under `root` (``<root>/models/<name>-<digest>``),
+    building it first if needed; `BUILTIN_MODELS` need not list it."""
     root = Path(root)
     say = progress or (lambda _message: None)
-    target = root / "models" / f"{spec.name}-{spec.digest()[:12]}"
+    target = root / "models" / spec.directory_name()
     return _ensure_dir(target, MODEL_FILES, lambda tmp: _build_model(spec, root, tmp, say))
 
 
@@ -252,27 +528,31 @@ def _build_model(spec: BuiltinSpec, root: Path, out: Path, say: Progress) -> Non
     if max(ids.values()) >= spec.vocab_size:
         raise ValueError(f"{spec.name}: tokenizer ids exceed vocab_size {spec.vocab_size}")
     config = _hf_config(spec, eos_ids=[ids[t] for t in EOS_TOKENS], pad_id=ids[ENDOFTEXT])
+    num_parameters, quantization = _write_weights(spec, config, out / "model.safetensors", say)
+    if quantization is not None:
+        # Where mlx-lm's loader looks (and what mlx_lm.convert writes).
+        config["quantization"] = quantization
+        config["quantization_config"] = quantization
     _write_json(out / "config.json", config)
-    num_parameters = _write_weights(spec, config, out / "model.safetensors", say)
-    _write_json(
-        out / MANIFEST,
-        {
-            "format": BUILD_FORMAT,
-            "name": spec.name,
-            "spec_digest": spec.digest(),
-            "spec": dataclasses.asdict(spec),
-            "num_parameters": num_parameters,
-            "tokenizer_sha256": _sha256(out / "tokenizer.json"),
-            "weights_sha256": _sha256(out / "model.safetensors"),
-        },
-    )
+    manifest: dict[str, object] = {
+        "format": BUILD_FORMAT,
+        "name": spec.name,
+        "spec_digest": spec.digest(),
+        "spec": spec.fields(),
+        "num_parameters": num_parameters,
+        "tokenizer_sha256": _sha256(out / "tokenizer.json"),
+        "weights_sha256": _sha256(out / "model.safetensors"),
+    }
+    if quantization is not None:
+        manifest["quantization"] = quantization
+    _write_json(out / MANIFEST, manifest)
     say(f"built {spec.name!r} ({num_parameters / 1e6:.1f}M params) in {time.perf_counter() - started:.1f}s")
 
 
-def _hf_config(spec: BuiltinSpec, eos_ids: list[int], pad_id: int) -> dict[str, object]:
+def _hf_config(spec: BuiltinSpec, eos_ids: list[int], pad_id: int) -> dict[str, Any]:
     """HF-style config.json; also the source of the mlx-lm ModelArgs used to build."""
-    config: dict[str, object] = {
-        "architectures": [_ARCHITECTURES[spec.model_type]],
+    config: dict[str, Any] = {
+        "architectures": [_architecture(spec.model_type)],
         "model_type": spec.model_type,
         "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_hidden_layers,
@@ -293,33 +573,112 @@ def _hf_config(spec: BuiltinSpec, eos_ids: list[int], pad_id: int) -> dict[str, 
     }
     if spec.model_type == "llama":
         config.update(attention_bias=False, mlp_bias=False)
-    else:
+    elif spec.model_type == "qwen2":
         config.update(use_sliding_window=False)
+    else:
+        # Families take their own defaults (transformers >= 5 also warns about a
+        # `rope_scaling` entry where it expects `rope_parameters`); the tokenizer has
+        # no BOS token, which transformers would otherwise default per family.
+        del config["rope_scaling"], config["hidden_act"]
+        config["bos_token_id"] = None
+    if spec.layout == "text_config":
+        text_config = {key: value for key, value in config.items() if key not in _TOP_LEVEL_KEYS}
+        config = {key: config[key] for key in _TOP_LEVEL_KEYS}
+        config["text_config"] = text_config
+    _merge(config, thaw(spec.extra))
     return config
 
 
-def _write_weights(spec: BuiltinSpec, config: dict[str, object], path: Path, say: Progress) -> int:
-    """Initialise the model's parameters deterministically, save them, return the count."""
+def _architecture(model_type: str) -> str:
+    camel = "".join(part[:1].upper() + part[1:] for part in model_type.split("_"))
+    return _ARCHITECTURES.get(model_type, f"{camel}ForCausalLM")
+
+
+def _merge(target: dict[str, Any], updates: dict[str, Any]) -> None:
+    """Merge `updates` into `target` in place, dicts key by key."""
+    for key, value in updates.items():
+        current = target.get(key)
+        if isinstance(current, dict) and isinstance(value, dict):
+            _merge(current, value)
+        else:
+            target[key] = value
+
+
+def parameter_count(spec: BuiltinSpec) -> int:
+    """Parameters the built model has (before quantization), counted on a lazily
+    initialised, never evaluated model."""
+    from mlx.utils import tree_flatten
+
+    model = _instantiate(spec, _hf_config(spec, eos_ids=[0], pad_id=0))
+    shapes = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    return sum(int(np.prod(p.shape)) for name, p in shapes if not _omitted(spec, name))
+
+
+def _instantiate(spec: BuiltinSpec, config: dict[str, Any]) -> Any:
     # Imported here so that `import engine.builtin` (e.g. to parse a model name)
     # stays cheap and does not load MLX.
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     module = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
     mx.random.seed(spec.seed)
-    model = module.Model(module.ModelArgs.from_dict(config))
+    return module.Model(module.ModelArgs.from_dict(config))
+
+
+def _omitted(spec: BuiltinSpec, name: str) -> bool:
+    return any(name == module or name.startswith(module + ".") for module in spec.omit_weights)
+
+
+def _write_weights(spec: BuiltinSpec, config: dict[str, Any], path: Path, say: Progress) -> tuple[int, dict[str, Any] | None]:
+    """Initialise the model's parameters deterministically (then quantize them if the
+    spec says so) and save them; return the parameter count and the quantization
+    entry for config.json (None when not quantized)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    model = _instantiate(spec, config)
     shapes = {name: tuple(p.shape) for name, p in cast(list[tuple[str, Any]], tree_flatten(model.parameters()))}
-    num_parameters = sum(int(np.prod(shape)) for shape in shapes.values())
+    num_parameters = sum(int(np.prod(shape)) for name, shape in shapes.items() if not _omitted(spec, name))
     say(f"initializing {num_parameters / 1e6:.1f}M weights")
     rng = np.random.default_rng(spec.seed)
     weights = {name: mx.array(_init_param(rng, name, shapes[name])) for name in sorted(shapes)}
+    quantization = None
+    if spec.quantize is not None:
+        bits, group_size = spec.quantize
+        say(f"quantizing to {bits} bits (group size {group_size})")
+        model.load_weights(list(weights.items()))
+        quantization = _quantize(model, bits, group_size)
+        weights = dict(cast(list[tuple[str, Any]], tree_flatten(model.parameters())))
+    weights = {name: weights[name] for name in sorted(weights) if not _omitted(spec, name)}
     say("writing weights")
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
-    return num_parameters
+    return num_parameters, quantization
+
+
+def _quantize(model: Any, bits: int, group_size: int) -> dict[str, Any]:
+    """Affine-quantize `model` in place as ``mlx_lm.utils.quantize_model`` does (every
+    layer that can be, honouring the model's own ``quant_predicate``), without its
+    printing; return the ``quantization`` entry for config.json."""
+    import mlx.nn as nn
+
+    quantization: dict[str, Any] = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    model_predicate = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module: nn.Module) -> bool | dict[str, Any]:
+        if not hasattr(module, "to_quantized") or module.weight.shape[-1] % group_size:
+            return False
+        verdict: bool | dict[str, Any] = model_predicate(path, module) if model_predicate is not None else True
+        if isinstance(verdict, dict):
+            quantization[path] = verdict
+        return verdict
+
+    nn.quantize(model, group_size, bits, mode="affine", class_predicate=predicate)
+    return quantization
 
 
 def _init_param(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Biases 0, norm scales 1, matrices (embeddings included) N(0, 1/fan_in).
+    """Biases 0, other vectors (norm scales...) 1, matrices (embeddings included)
+    N(0, 1/fan_in), fan_in being the last dimension (the input of a linear layer,
+    also of stacked experts) or, for convolutions, kernel size x input channels.
 
     Embeddings get std 1/sqrt(hidden) rather than 1: a large embedding dominates the
     residual stream and, with a tied head, greedy decoding just echoes its input.
@@ -330,7 +689,8 @@ def _init_param(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> 
     if len(shape) == 1:
         return np.zeros(shape, np.float32) if name.endswith("bias") else np.ones(shape, np.float32)
     gain = 2.0 if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
-    return rng.standard_normal(shape, dtype=np.float32) * np.float32(gain * shape[-1] ** -0.5)
+    fan_in = int(np.prod(shape[1:])) if len(shape) == 3 and "conv" in name else shape[-1]
+    return rng.standard_normal(shape, dtype=np.float32) * np.float32(gain * fan_in**-0.5)
 
 
 def _sha256(path: Path) -> str:

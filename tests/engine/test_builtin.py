@@ -12,12 +12,14 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as mx_nn
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, stream_generate
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
@@ -27,13 +29,29 @@ from engine.builtin import (
     BuiltinSpec,
     UnknownBuiltinModelError,
     builtin_name,
+    config_fields,
     ensure_builtin,
+    ensure_model,
+    parameter_count,
 )
 from engine.builtin.models import MANIFEST, MODEL_FILES, _hf_config
 from engine.builtin.tokenizer import ADDED_TOKENS, CONTROL_TOKENS, ENDOFTEXT, IM_END
 from runtime import env
 
 TINY_MODELS = ("tiny", "tiny-qwen2")
+# The other tiny built-ins and the caches make_prompt_cache gives them, one per layer.
+TINY_FAMILY_CACHES = {
+    "tiny-gemma3": (RotatingKVCache, RotatingKVCache, KVCache, RotatingKVCache),
+    "tiny-qwen3next": (ArraysCache, ArraysCache, ArraysCache, KVCache),
+    "tiny-lfm2": (ArraysCache, ArraysCache, KVCache, ArraysCache),
+}
+# Digests of the first built-in models: their directories (and bytes) must not change.
+LEGACY_DIGESTS = {
+    "tiny": "49c0e6f2404f",
+    "tiny-qwen2": "6f25a7a33dd2",
+    "bench": "25bef16d0201",
+    "bench-qwen2": "8b08e3ac6380",
+}
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 WEATHER_TOOL = {
@@ -276,22 +294,120 @@ def test_spec_digest_tracks_every_field() -> None:
     assert spec.digest() == BUILTIN_MODELS["tiny"].digest()
     assert dataclasses.replace(spec, seed=spec.seed + 1).digest() != spec.digest()
     assert dataclasses.replace(spec, rope_theta=500000.0).digest() != spec.digest()
+    assert dataclasses.replace(spec, extra=config_fields(attention_bias=True)).digest() != spec.digest()
+    assert dataclasses.replace(spec, quantize=(4, 64)).digest() != spec.digest()
+    assert dataclasses.replace(spec, quantize=(4, 64)).digest() != dataclasses.replace(spec, quantize=(4, 32)).digest()
+    assert dataclasses.replace(spec, omit_weights=("lm_head",)).digest() != spec.digest()
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.seed = 5  # type: ignore[misc]
+
+
+def test_first_models_keep_their_digests() -> None:
+    assert {name: BUILTIN_MODELS[name].digest()[:12] for name in LEGACY_DIGESTS} == LEGACY_DIGESTS
+
+
+def test_extra_fields_are_frozen_and_order_free() -> None:
+    tiny = BUILTIN_MODELS["tiny"]
+    one = dataclasses.replace(tiny, extra=config_fields(rope_scaling={"rope_type": "linear", "factor": 2.0}, layer_types=["full_attention"] * 2))
+    two = dataclasses.replace(tiny, extra=(("layer_types", ["full_attention"] * 2), ("rope_scaling", {"factor": 2.0, "rope_type": "linear"})))
+    assert one == two
+    assert hash(one) == hash(two)
+    assert one.digest() == two.digest()
+    config = _hf_config(one, eos_ids=[0], pad_id=0)
+    assert config["rope_scaling"] == {"factor": 2.0, "rope_type": "linear"}
+    assert config["layer_types"] == ["full_attention", "full_attention"]
+
+
+def test_text_config_layout_nests_the_language_model() -> None:
+    spec = dataclasses.replace(
+        BUILTIN_MODELS["tiny"],
+        model_type="mistral3",
+        layout="text_config",
+        extra=config_fields(text_config={"model_type": "mistral"}),
+    )
+    config = _hf_config(spec, eos_ids=[7], pad_id=8)
+    assert set(config) == {"architectures", "model_type", "eos_token_id", "pad_token_id", "torch_dtype", "text_config"}
+    assert config["model_type"] == "mistral3"
+    assert config["text_config"]["model_type"] == "mistral"
+    assert config["text_config"]["vocab_size"] == spec.vocab_size
+    assert config["text_config"]["hidden_size"] == spec.hidden_size
 
 
 def test_invalid_spec_is_rejected() -> None:
     with pytest.raises(ValueError, match="vocab"):
         dataclasses.replace(BUILTIN_MODELS["tiny"], vocab_size=512)
     with pytest.raises(ValueError, match="model_type"):
-        dataclasses.replace(BUILTIN_MODELS["tiny"], model_type="gpt2")  # type: ignore[arg-type]
+        dataclasses.replace(BUILTIN_MODELS["tiny"], model_type="no_such_architecture")
+    with pytest.raises(ValueError, match="quantization"):
+        dataclasses.replace(BUILTIN_MODELS["tiny"], quantize=(7, 64))
+    with pytest.raises(ValueError, match="layout"):
+        dataclasses.replace(BUILTIN_MODELS["tiny"], layout="nested")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("name", "low", "high"), [("bench", 100e6, 130e6), ("bench-qwen2", 90e6, 110e6)])
+@pytest.mark.parametrize(
+    ("name", "low", "high"),
+    [("bench", 100e6, 130e6), ("bench-qwen2", 90e6, 110e6), ("bench-gemma3", 100e6, 130e6), ("bench-lfm2", 100e6, 130e6), ("bench-4bit", 100e6, 130e6)],
+)
 def test_bench_specs_have_the_intended_size(name: str, low: float, high: float) -> None:
     """Counts parameters of the (lazily initialised, never evaluated) model only."""
     spec: BuiltinSpec = BUILTIN_MODELS[name]
-    module = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
-    model = module.Model(module.ModelArgs.from_dict(_hf_config(spec, eos_ids=[0], pad_id=0)))
-    count = sum(p.size for _, p in tree_flatten(model.parameters()))
+    count = parameter_count(spec)
     assert low <= count <= high
+    if spec.omit_weights == ():
+        module = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
+        model = module.Model(module.ModelArgs.from_dict(_hf_config(spec, eos_ids=[0], pad_id=0)))
+        assert count == sum(p.size for _, p in tree_flatten(model.parameters()))
+
+
+def test_bench_4bit_is_bench_quantized() -> None:
+    bench, quantized = BUILTIN_MODELS["bench"], BUILTIN_MODELS["bench-4bit"]
+    assert dataclasses.replace(quantized, name="bench", quantize=None) == bench
+    assert quantized.quantize == (4, 64)
+    assert _hf_config(quantized, eos_ids=[0], pad_id=0) == _hf_config(bench, eos_ids=[0], pad_id=0)
+
+
+@pytest.mark.parametrize("name", sorted(TINY_FAMILY_CACHES))
+def test_tiny_family_models_load_and_generate(built: Built, name: str) -> None:
+    spec = BUILTIN_MODELS[name]
+    directory = ensure_builtin(name, root=built.root)
+    model, tokenizer, config = load(str(directory), return_config=True)
+    assert config["model_type"] == spec.model_type
+    cache = make_prompt_cache(model)
+    assert tuple(type(c) for c in cache) == TINY_FAMILY_CACHES[name]
+    prompt = mx.array(np.random.default_rng(7).integers(0, 1000, 64))
+    eos = sorted(tokenizer.eos_token_ids)
+
+    def no_eos(_tokens: mx.array, logits: mx.array) -> mx.array:
+        logits[:, eos] = -float("inf")
+        return logits
+
+    responses = list(stream_generate(model, tokenizer, prompt, max_tokens=16, prompt_cache=cache, logits_processors=[no_eos]))
+    assert len(responses) == 16
+    # Past the sliding window (16 tokens for tiny-gemma3).
+    assert all(c.offset > c.max_size for c in cache if isinstance(c, RotatingKVCache))
+
+
+def test_quantized_copy_holds_the_same_weights(built: Built) -> None:
+    """A quantized spec starts from its unquantized twin's weights (same seed)."""
+    tiny = BUILTIN_MODELS["tiny"]
+    directory = ensure_model(dataclasses.replace(tiny, name="tiny-4bit", quantize=(4, 32)), root=built.root)
+    config = json.loads((directory / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
+    assert config["quantization_config"] == config["quantization"]
+    original = mx.load(str(built.dirs["tiny"] / "model.safetensors"))
+    quantized = mx.load(str(directory / "model.safetensors"))
+    assert {name for name in quantized if name.endswith(".scales")}
+    for name, weight in original.items():
+        prefix = name.removesuffix(".weight")
+        if f"{prefix}.scales" not in quantized:
+            assert mx.array_equal(quantized[name], weight), name
+            continue
+        restored = mx.dequantize(quantized[name], quantized[f"{prefix}.scales"], quantized[f"{prefix}.biases"], group_size=32, bits=4)
+        assert restored.shape == weight.shape
+        # Affine 4-bit: within a step, (max - min) / 15 of a group (mlx rounds its
+        # zero point too, so not always within half a step).
+        step = (weight.reshape(-1, 32).max(axis=1) - weight.reshape(-1, 32).min(axis=1)) / 15
+        error = mx.abs(restored - weight).reshape(-1, 32).max(axis=1)
+        assert bool(mx.all(error <= step + 1e-5)), name
+    model, _ = load(str(directory))
+    assert isinstance(model.model.layers[0].self_attn.q_proj, mx_nn.QuantizedLinear)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine.engine import Engine, EngineInvariantError
-from engine.loader import probe_geometry
+from engine.layout import probe_layout
 from protocols.api import SamplingParams
 from protocols.model import AdmitRequest, PrefillWork, StepPlan
 from tests.integration.reference import greedy_tokens, load_reference
@@ -23,7 +23,7 @@ def model_and_tokenizer():
 @pytest.fixture
 def engine(model_and_tokenizer):
     model, _ = model_and_tokenizer
-    return Engine(model, probe_geometry(model))
+    return Engine(model, probe_layout(model))
 
 
 def _admit(rid: str, prompt: list[int], max_tokens: int = 12, stop: list[int] | None = None, **kw) -> AdmitRequest:
@@ -201,7 +201,7 @@ def test_requests_seeded_from_one_prefix_never_change_it(engine, model_and_token
     driver.admit(_admit("a", prompt, max_tokens=10))
     driver.run()
     (entry,) = driver.saved
-    before = [np.array(c.keys) for c in engine._prefixes[entry.entry_id]]
+    before = [np.array(c.keys) for c in engine._prefixes[entry.entry_id][0]]
     # The shorter seed writes past position 20 first; the longer one must still see the original KV.
     for n in (20, len(prompt) - 1):
         rid = f"b{n}"
@@ -209,7 +209,7 @@ def test_requests_seeded_from_one_prefix_never_change_it(engine, model_and_token
         driver.left[rid] = len(prompt) - 1 - n
         driver.run()
         assert driver.tokens[rid] == driver.tokens["a"]
-    after = [np.array(c.keys) for c in engine._prefixes[entry.entry_id]]
+    after = [np.array(c.keys) for c in engine._prefixes[entry.entry_id][0]]
     assert all(np.array_equal(x, y) for x, y in zip(before, after))
 
 
@@ -262,7 +262,7 @@ def test_a_fill_append_leaves_the_cache_a_token_by_token_forward_builds(model_an
     import mlx.core as mx
 
     model, tokenizer = model_and_tokenizer
-    geometry = probe_geometry(model)
+    geometry = probe_layout(model)
     prompt, bystander = tokenizer.encode("def f(x):\n    return"), tokenizer.encode("import os\nprint(os.sep)")
     span = tokenizer.encode(' {"name": "get_weather", "arguments": {')
 
@@ -290,7 +290,7 @@ def test_a_rewound_tail_is_forgotten(model_and_tokenizer):
     import mlx.core as mx
 
     model, tokenizer = model_and_tokenizer
-    geometry = probe_geometry(model)
+    geometry = probe_layout(model)
     prompt = tokenizer.encode("class A:\n    pass")
     clean = _slot_batch(model, geometry, [prompt])
     expected = _step(model, clean, [prompt[-1]])
@@ -311,7 +311,7 @@ def test_the_compiled_one_token_step_matches_the_op_by_op_step(model_and_tokeniz
     from engine.batch import LEN_STEP, compile_decode_step
 
     model, tokenizer = model_and_tokenizer
-    geometry = probe_geometry(model)
+    geometry = probe_layout(model)
     prompts = [tokenizer.encode("x = 1\n" * 400)[: LEN_STEP - 6], tokenizer.encode("def g():\n    pass")]
     compiled_step = compile_decode_step(model, len(geometry))
     traced, built = _slot_batch(model, geometry, prompts), _slot_batch(model, geometry, prompts)

@@ -1,0 +1,87 @@
+"""Quantized weights on the CPU backend: dequantize at load when it fits.
+
+MLX's CPU `quantized_matmul` is ~3x slower than float32 for one row and ~35x slower for 16
+rows (shared/PLATFORM.md), while float32 matmul goes through BLAS. So on the CPU backend a
+quantized model's linear and embedding layers are turned back into float32 ones at load
+(`model.cpu_dequantize`): "always", "never", or "auto" = when the float32 weights take at
+most `AUTO_MEMORY_SHARE` of physical memory. On other backends quantized weights are kept.
+The dequantized weights are exactly `mx.dequantize` of the stored ones: the model computes
+the same function as mlx-lm's quantized forward, up to float rounding in the matmuls.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+AUTO_MEMORY_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class QuantizationReport:
+    """What the load did with quantized weights (for `ModelInfo` and the load log)."""
+
+    quantized_modules: int
+    dequantized: bool
+    reason: str
+    bits: int | None = None
+    group_size: int | None = None
+
+
+def _quantized(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)]
+
+
+def _float_bytes(modules: list[tuple[str, nn.Module]]) -> int:
+    total = 0
+    for _, module in modules:
+        rows, packed = module.weight.shape
+        total += rows * packed * 32 // module.bits * 4
+    return total
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def apply_cpu_policy(model: nn.Module, policy: str, dtype: mx.Dtype = mx.float32) -> QuantizationReport:
+    """Dequantize a quantized model's layers in place per `policy` ("auto", "always", "never")."""
+    modules = _quantized(model)
+    if not modules:
+        return QuantizationReport(0, False, "not quantized")
+    bits, group = modules[0][1].bits, modules[0][1].group_size
+    if mx.default_device() != mx.cpu:
+        return QuantizationReport(len(modules), False, "kept: not the CPU backend", bits, group)
+    if policy == "never":
+        return QuantizationReport(len(modules), False, "kept: model.cpu_dequantize = never", bits, group)
+    need, memory = _float_bytes(modules), _physical_memory()
+    if policy == "auto" and memory and need > AUTO_MEMORY_SHARE * memory:
+        reason = f"kept: float32 weights need {need / 2**30:.1f} GiB, over {AUTO_MEMORY_SHARE:.0%} of {memory / 2**30:.1f} GiB"
+        return QuantizationReport(len(modules), False, reason, bits, group)
+    model.update_modules(tree_unflatten([(name, _dequantized(module, dtype)) for name, module in modules]))
+    mx.eval(model.parameters())
+    return QuantizationReport(len(modules), True, f"dequantized to float32 ({need / 2**20:.0f} MiB) for the CPU backend", bits, group)
+
+
+def _dequantized(module: nn.Module, dtype: mx.Dtype) -> nn.Module:
+    biases = getattr(module, "biases", None)
+    mode = getattr(module, "mode", "affine")
+    weight = mx.dequantize(module.weight, module.scales, biases, module.group_size, module.bits, mode=mode).astype(dtype)
+    if isinstance(module, nn.QuantizedEmbedding):
+        embedding = nn.Embedding(weight.shape[0], weight.shape[1])
+        embedding.weight = weight
+        return embedding
+    out_dims, in_dims = weight.shape
+    has_bias = "bias" in module
+    linear = nn.Linear(in_dims, out_dims, bias=has_bias)
+    linear.weight = weight
+    if has_bias:
+        linear.bias = module.bias.astype(dtype)
+    return linear

@@ -1,0 +1,99 @@
+"""What a model keeps per request, in bytes and tensors, by layer kind (pure).
+
+A model's layers (`protocols.model.LayerLayout`) are full attention (bytes grow with every
+token), sliding windows (bytes grow up to the window), recurrent state (fixed bytes), or a
+list of those. The ledger budgets requests with `request_bytes`; checkpoints name and check
+their tensors with `tensor_shapes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from protocols.model import LayerLayout
+
+# Positions a sliding-window ring keeps beyond its window: the most tokens one forward may
+# append to a row (known tokens are appended in pieces of at most this many).
+RING_MARGIN = 64
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "uint32": 4, "int8": 1, "uint8": 1, "float64": 8, "int64": 8}
+
+
+def dtype_bytes(name: str) -> int:
+    return _DTYPE_BYTES.get(name, 4)
+
+
+def leaves(layers: Sequence[LayerLayout], prefix: str = "") -> Iterator[tuple[str, LayerLayout]]:
+    """Every non-list layer, named by its path ("3", "5.0", ...)."""
+    for index, layer in enumerate(layers):
+        name = f"{prefix}{index}"
+        if layer.kind == "list":
+            yield from leaves(layer.parts, f"{name}.")
+        else:
+            yield name, layer
+
+
+def token_bytes(layer: LayerLayout) -> int:
+    """Bytes one token's KV takes in an attention layer (0 for state layers)."""
+    if layer.kind not in ("full", "window"):
+        return 0
+    return layer.heads * (layer.key_dim + layer.value_dim) * dtype_bytes(layer.dtype)
+
+
+def state_bytes(layer: LayerLayout) -> int:
+    total = 0
+    for array in layer.states:
+        if array.dtype:
+            count = 1
+            for size in array.shape:
+                count *= size
+            total += count * dtype_bytes(array.dtype)
+    return total
+
+
+def ring_capacity(layer: LayerLayout) -> int:
+    return layer.window + RING_MARGIN
+
+
+def request_bytes(layers: Sequence[LayerLayout], num_tokens: int) -> int:
+    """The KV bytes one request of `num_tokens` tokens holds (a sliding window's ring is
+    bounded by its capacity, state is fixed)."""
+    total = 0
+    for _, layer in leaves(layers):
+        if layer.kind == "full":
+            total += token_bytes(layer) * num_tokens
+        elif layer.kind == "window":
+            total += token_bytes(layer) * min(num_tokens, ring_capacity(layer))
+        else:
+            total += state_bytes(layer)
+    return total
+
+
+def full_token_bytes(layers: Sequence[LayerLayout]) -> int:
+    """Bytes per token of the layers whose KV grows without bound."""
+    return sum(token_bytes(layer) for _, layer in leaves(layers) if layer.kind == "full")
+
+
+def is_trimmable(layers: Sequence[LayerLayout]) -> bool:
+    """Whether any prefix of a saved sequence can seed a request: only when every layer keeps
+    every position (a window forgets old ones, a state cannot be rewound)."""
+    return all(layer.kind == "full" for _, layer in leaves(layers))
+
+
+def has_state(layers: Sequence[LayerLayout]) -> bool:
+    return any(layer.kind == "state" for _, layer in leaves(layers))
+
+
+def tensor_shapes(layers: Sequence[LayerLayout], num_tokens: int) -> dict[str, tuple[int, ...]]:
+    """The tensors a checkpoint of `num_tokens` positions holds, by name, with their shapes."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, layer in leaves(layers):
+        if layer.kind in ("full", "window"):
+            length = num_tokens if layer.kind == "full" else min(num_tokens, layer.window)
+            shapes[f"{name}.keys"] = (1, layer.heads, length, layer.key_dim)
+            shapes[f"{name}.values"] = (1, layer.heads, length, layer.value_dim)
+        else:
+            for j, array in enumerate(layer.states):
+                if array.dtype:
+                    shapes[f"{name}.state{j}"] = (1, *array.shape)
+    return shapes
