@@ -59,11 +59,11 @@ class ModelActor:
         self.inbox: Mailbox[ModelInbox] = Mailbox(16)
 
     async def run(self, *, task_status) -> None:
-        loaded = await self._thread.run(load_model, self._config, self._builtin_root, self._progress)
-        grammars = await anyio.to_thread.run_sync(self._make_grammars, loaded.tokenizer, loaded.info)
-        engine = await self._thread.run(Engine, loaded.model, loaded.layout, grammars, loaded.tokenizer.decode)
-        log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
-        with self.inbox:
+        with self.inbox:  # closed however this ends, a failed load included
+            loaded = await self._thread.run(load_model, self._config, self._builtin_root, self._progress)
+            grammars = await anyio.to_thread.run_sync(self._make_grammars, loaded.tokenizer, loaded.info)
+            engine = await self._thread.run(Engine, loaded.model, loaded.layout, grammars, loaded.tokenizer.decode)
+            log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
             task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer, grammars=grammars))
             while True:
                 message = await self.inbox.receive()

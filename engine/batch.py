@@ -37,9 +37,13 @@ class _TracedSlot:
         return self._positions
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        i, rows = self._index, keys.shape[0]
+        i = self._index
         self._keys[i] = _scatter_one(self._keys[i], keys, self._positions)
         self._values[i] = _scatter_one(self._values[i], values, self._positions)
+        return self.keys_and_values()
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        i, rows = self._index, self._positions.shape[0]
         return self._keys[i][:rows], self._values[i][:rows]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -223,6 +227,8 @@ class DecodeBatch:
         """Every row forwards one token through `compiled` (from `compile_decode_step`, for
         full-attention models); returns the `[rows, vocab]` logits."""
         full = [s for s in self.slots if isinstance(s, FullSlots)]
+        if len(full) != len(self.slots):
+            raise NotImplementedError("the compiled step is for full-attention models only")
         lengths = self.lengths
         self._reserve(len(lengths), max(lengths) + 1)
         keys = [s.keys for s in full]

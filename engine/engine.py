@@ -210,8 +210,8 @@ class Engine:
         seq.parked = True
         self._known.withdraw(seq)
         if seq.in_batch:
+            seq.num_prefilled = self._batch.lengths[self._batch.index(request_id)]
             seq.cache = self._batch.extract(request_id)
-            seq.num_prefilled = seq.cache[0].offset
             self._remove_row(request_id)
             seq.joined = False
 

@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
+from engine.adapters import adapt_for_batches
 from engine.builtin import builtin_name, ensure_builtin
 from engine.layout import dtype_name, probe_layout
 from engine.quantized import apply_cpu_policy
@@ -79,6 +80,7 @@ def _inspect(model: nn.Module, tokenizer: TokenizerWrapper, directory: Path, con
         model.set_dtype(dtype)
     quantization = apply_cpu_policy(model, config.cpu_dequantize, dtype or mx.float32)
     mx.eval(model.parameters())
+    adapt_for_batches(model)
     layout = probe_layout(model)
     hf_config = json.loads((directory / "config.json").read_text())
     text_config = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else {}

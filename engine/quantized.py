@@ -1,10 +1,11 @@
 """Quantized weights on the CPU backend: dequantize at load when it fits.
 
 MLX's CPU `quantized_matmul` is ~3x slower than float32 for one row and ~35x slower for 16
-rows (shared/PLATFORM.md), while float32 matmul goes through BLAS. So on the CPU backend a
-quantized model's linear and embedding layers are turned back into float32 ones at load
-(`model.cpu_dequantize`): "always", "never", or "auto" = when the float32 weights take at
-most `AUTO_MEMORY_SHARE` of physical memory. On other backends quantized weights are kept.
+rows (shared/PLATFORM.md), while float32 matmul goes through BLAS; `gather_qmm` (experts) is
+~4x slower than `gather_mm`. So on the CPU backend a quantized model's linear, embedding and
+expert (switch) layers are turned back into float32 ones at load (`model.cpu_dequantize`):
+"always", "never", or "auto" = when the float32 weights take at most `AUTO_MEMORY_SHARE` of
+physical memory. On other backends quantized weights are kept.
 The dequantized weights are exactly `mx.dequantize` of the stored ones: the model computes
 the same function as mlx-lm's quantized forward, up to float rounding in the matmuls.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 AUTO_MEMORY_SHARE = 0.5
 
@@ -32,15 +34,22 @@ class QuantizationReport:
     group_size: int | None = None
 
 
+_QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
+
+
 def _quantized(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)]
+    """The quantized layers `mx.dequantize` can undo (not those with a global scale)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, _QUANTIZED) and getattr(m, "global_scale", None) is None]
 
 
 def _float_bytes(modules: list[tuple[str, nn.Module]]) -> int:
     total = 0
     for _, module in modules:
-        rows, packed = module.weight.shape
-        total += rows * packed * 32 // module.bits * 4
+        *outer, packed = module.weight.shape
+        count = packed * 32 // module.bits
+        for size in outer:
+            count *= size
+        total += count * 4
     return total
 
 
@@ -74,14 +83,19 @@ def _dequantized(module: nn.Module, dtype: mx.Dtype) -> nn.Module:
     biases = getattr(module, "biases", None)
     mode = getattr(module, "mode", "affine")
     weight = mx.dequantize(module.weight, module.scales, biases, module.group_size, module.bits, mode=mode).astype(dtype)
+    has_bias = "bias" in module
     if isinstance(module, nn.QuantizedEmbedding):
         embedding = nn.Embedding(weight.shape[0], weight.shape[1])
         embedding.weight = weight
         return embedding
-    out_dims, in_dims = weight.shape
-    has_bias = "bias" in module
-    linear = nn.Linear(in_dims, out_dims, bias=has_bias)
-    linear.weight = weight
+    layer: nn.Module
+    if isinstance(module, QuantizedSwitchLinear):  # experts: [num_experts, out, in]
+        num_experts, out_dims, in_dims = weight.shape
+        layer = SwitchLinear(in_dims, out_dims, num_experts, bias=has_bias)
+    else:
+        out_dims, in_dims = weight.shape
+        layer = nn.Linear(in_dims, out_dims, bias=has_bias)
+    layer.weight = weight
     if has_bias:
-        linear.bias = module.bias.astype(dtype)
-    return linear
+        layer.bias = module.bias.astype(dtype)
+    return layer

@@ -163,6 +163,12 @@ class FullSlots(_AttentionSlots):
             index = step.derive(("full", heads, capacity), lambda: _write_index(step, heads, capacity, self._positions(step)))
             self.keys = _scatter(self.keys, keys, index)
             self.values = _scatter(self.values, values, index)
+        return self.keys_and_values()
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """What the last `update_and_fetch` returned (layers that share another's KV read it)."""
+        step = self._batch.step
+        assert self.keys is not None and self.values is not None and step is not None
         width = step.width
         return step.select(self.keys)[:, :, :width], step.select(self.values)[:, :, :width]
 
@@ -224,7 +230,13 @@ class WindowSlots(_AttentionSlots):
         index = step.derive(("window", self.ring, heads, capacity), lambda: _write_index(step, heads, capacity, self._slots(FullSlots._positions(step))))
         self.keys = _scatter(self.keys, keys, index)
         self.values = _scatter(self.values, values, index)
-        fetched = min(capacity, step.width)
+        return self.keys_and_values()
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """What the last `update_and_fetch` returned (layers that share another's KV read it)."""
+        step = self._batch.step
+        assert self.keys is not None and self.values is not None and step is not None
+        fetched = min(self.keys.shape[2], step.width)
         return step.select(self.keys)[:, :, :fetched], step.select(self.values)[:, :, :fetched]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):

@@ -108,6 +108,7 @@ class KvLedger:
             live_tokens=live,
             live_bytes=sum(self.request_bytes(n) for n in self._live_tokens.values()),
             reserved_tokens=sum(self._reserved.values()),
+            reserved_bytes=self.reserved_bytes,
             physical_bytes=self._physical_bytes,
             bytes_per_token=self.bytes_per_token,
             budget_bytes=self.budget_bytes or None,

@@ -40,6 +40,8 @@ class KvStats(Record, frozen=True):
     checkpoints_available: bool = True
     checkpoints_written: int = 0
     checkpoints_failed: int = 0
+    # The bytes the reservations stand for, by layer kind (windows bounded, states fixed).
+    reserved_bytes: int = 0
 
 
 class ReserveKv(Message, frozen=True):

@@ -112,6 +112,7 @@ class Admission:
             stop_token_ids=stop_ids,
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
+            save_prefix=self._config.kv.prefix_cache_bytes > 0,
             # The last prompt token is never prefilled; a snapshot there is the end-of-request entry.
             snapshot_at=request.snapshot_at if request.snapshot_at and request.snapshot_at < len(prompt_ids) - 1 else None,
         )
@@ -190,6 +191,7 @@ class Admission:
             stop_token_ids=header.stop_token_ids,
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
+            save_prefix=self._config.kv.prefix_cache_bytes > 0,
             resume=ResumeState(generated=header.generated, num_kv_tokens=header.num_kv_tokens, kv_tensors=tensors),
         )
         prepared = Prepared(admit=admit, request=request, checkpoint_every=self.checkpoint_every(request))

@@ -39,6 +39,9 @@ class BenchOptions:
     # Each workload runs this many times, alternating mlx-lm and mlxrt; medians are reported.
     repeats: int = 5
     seed: int = 0
+    # Which workloads run: "concurrency" (the c1/c8/c16 table), "interference", "constrained",
+    # "prefix".
+    workloads: tuple[str, ...] = ("concurrency", "interference", "constrained", "prefix")
 
 
 @dataclass
@@ -220,46 +223,62 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
     try:
         async with Runtime.open(config) as rt:
             info = rt.model_info
-            results["model"] = {"path": info.path, "type": info.model_type, "params": info.num_parameters, "dtype": info.dtype, "device": info.device}
+            results["model"] = {
+                "path": info.path,
+                "type": info.model_type,
+                "params": info.num_parameters,
+                "dtype": info.dtype,
+                "device": info.device,
+                "quantization": info.quantization,
+            }
             progress.step("loading the mlx-lm baseline")
             await thread.run(baseline.load, info.path)
             await _warm_up(rt, thread, baseline, info.vocab_size)
-            for n in options.concurrency:
-                refs, ours = [], []
+            if "concurrency" in options.workloads:
+                await _concurrency(rt, thread, baseline, options, info.vocab_size, results, progress)
+            if "interference" in options.workloads:
+                long_prompt, short_prompt = _prompts(2, options.long_prompt_tokens, info.vocab_size, options.seed + 99)
+                short_prompt = short_prompt[: options.short_prompt_tokens]
+                progress.step("long-prefill interference: mlxrt")
+                interference = await _mlxrt_interference(rt, long_prompt, short_prompt)
+                progress.step("long-prefill interference: mlx-lm")
+                ref = await thread.run(baseline.interference, long_prompt, short_prompt, interference.get("arrival_s", 0.05))
+                results["mlxrt"]["interference"] = interference
+                results["mlx_lm"]["interference"] = ref
+            if "constrained" in options.workloads:
+                constrained, free = [], []
                 for rep in range(options.repeats):
-                    # Fresh prompts each run: mlxrt's prefix cache must not serve repeats.
-                    prompts = _prompts(n, options.prompt_tokens, info.vocab_size, options.seed + 1000 * rep + n)
-                    progress.step(f"concurrency {n} ({rep + 1}/{options.repeats}): mlx-lm")
-                    method = baseline.single if n == 1 else baseline.batch
-                    refs.append((await thread.run(method, prompts if n > 1 else prompts[0], options.new_tokens)).summary())
-                    progress.step(f"concurrency {n} ({rep + 1}/{options.repeats}): mlxrt")
-                    ours.append((await _mlxrt_run(rt, prompts, options.new_tokens)).summary())
-                results["mlx_lm"][f"c{n}"] = _median(refs)
-                results["mlxrt"][f"c{n}"] = _median(ours)
-            long_prompt, short_prompt = _prompts(2, options.long_prompt_tokens, info.vocab_size, options.seed + 99)
-            short_prompt = short_prompt[: options.short_prompt_tokens]
-            progress.step("long-prefill interference: mlxrt")
-            interference = await _mlxrt_interference(rt, long_prompt, short_prompt)
-            progress.step("long-prefill interference: mlx-lm")
-            ref = await thread.run(baseline.interference, long_prompt, short_prompt, interference.get("arrival_s", 0.05))
-            results["mlxrt"]["interference"] = interference
-            results["mlx_lm"]["interference"] = ref
-            constrained, free = [], []
-            for rep in range(options.repeats):
-                prompts = _prompts(8, options.prompt_tokens, info.vocab_size, options.seed + 500 + rep)
-                progress.step(f"constrained decoding ({rep + 1}/{options.repeats}): mlxrt, schema vs none")
-                constrained.append((await _mlxrt_run(rt, prompts, options.new_tokens, CONSTRAINED_FORMAT)).summary())
-                free.append((await _mlxrt_run(rt, [p[::-1] for p in prompts], options.new_tokens)).summary())
-            results["mlxrt"]["constrained_c8"] = _median(constrained)
-            results["mlxrt"]["unconstrained_c8"] = _median(free)
-            progress.step("prefix reuse: mlxrt")
-            prefix, *suffixes = _prompts(3, options.prefix_tokens, info.vocab_size, options.seed + 7)
-            results["mlxrt"]["prefix_reuse"] = await _mlxrt_prefix_reuse(rt, prefix, [x[:32] for x in suffixes])
+                    prompts = _prompts(8, options.prompt_tokens, info.vocab_size, options.seed + 500 + rep)
+                    progress.step(f"constrained decoding ({rep + 1}/{options.repeats}): mlxrt, schema vs none")
+                    constrained.append((await _mlxrt_run(rt, prompts, options.new_tokens, CONSTRAINED_FORMAT)).summary())
+                    free.append((await _mlxrt_run(rt, [p[::-1] for p in prompts], options.new_tokens)).summary())
+                results["mlxrt"]["constrained_c8"] = _median(constrained)
+                results["mlxrt"]["unconstrained_c8"] = _median(free)
+            if "prefix" in options.workloads:
+                progress.step("prefix reuse: mlxrt")
+                prefix, *suffixes = _prompts(3, options.prefix_tokens, info.vocab_size, options.seed + 7)
+                results["mlxrt"]["prefix_reuse"] = await _mlxrt_prefix_reuse(rt, prefix, [x[:32] for x in suffixes])
     finally:
         await thread.stop()
     progress.done("benchmark finished")
     results["ratios"] = _ratios(results)
     return results
+
+
+async def _concurrency(rt, thread: MlxThread, baseline: Baseline, options: BenchOptions, vocab: int, results: dict, progress: Progress) -> None:
+    """Each concurrency level, alternating mlx-lm and mlxrt on fresh prompts."""
+    for n in options.concurrency:
+        refs, ours = [], []
+        for rep in range(options.repeats):
+            # Fresh prompts each run: mlxrt's prefix cache must not serve repeats.
+            prompts = _prompts(n, options.prompt_tokens, vocab, options.seed + 1000 * rep + n)
+            progress.step(f"concurrency {n} ({rep + 1}/{options.repeats}): mlx-lm")
+            method = baseline.single if n == 1 else baseline.batch
+            refs.append((await thread.run(method, prompts if n > 1 else prompts[0], options.new_tokens)).summary())
+            progress.step(f"concurrency {n} ({rep + 1}/{options.repeats}): mlxrt")
+            ours.append((await _mlxrt_run(rt, prompts, options.new_tokens)).summary())
+        results["mlx_lm"][f"c{n}"] = _median(refs)
+        results["mlxrt"][f"c{n}"] = _median(ours)
 
 
 async def _warm_up(rt, thread: MlxThread, baseline: Baseline, vocab: int) -> None:

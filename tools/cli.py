@@ -79,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--long-prompt-tokens", type=int, default=2048)
     bench.add_argument("--prefix-tokens", type=int, default=1024, help="shared prefix of the prefix-reuse workload")
     bench.add_argument("--repeats", type=int, default=5, help="runs per workload; medians are reported")
+    bench.add_argument("--model", default=None, help="serve this model instead of the config's (a directory or builtin:<name>)")
+    bench.add_argument("--workloads", default="concurrency,interference,constrained,prefix", help="comma-separated subset")
     bench.add_argument("--json", dest="json_path", default=None, help="also write the results here")
     bench.set_defaults(func=_bench)
 
@@ -238,7 +240,15 @@ def _bench(args) -> int:
     from tools.bench import BenchOptions, dump, format_table, run_bench
 
     config = RuntimeConfig.load(args.config)
+    if args.model:
+        config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=args.model))
+    workloads = tuple(w for w in args.workloads.split(",") if w)
+    unknown = set(workloads) - set(BenchOptions.workloads)
+    if unknown:
+        print(f"mlxrt bench: unknown workloads {sorted(unknown)}; known: {', '.join(BenchOptions.workloads)}", file=sys.stderr)
+        return EXIT_USAGE
     options = BenchOptions(
+        workloads=workloads,
         prompt_tokens=args.prompt_tokens,
         new_tokens=args.new_tokens,
         concurrency=tuple(int(x) for x in args.concurrency.split(",")),

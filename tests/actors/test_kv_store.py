@@ -67,6 +67,7 @@ def test_record_usage_and_stats():
         physical_bytes=9000,
         bytes_per_token=64,
         budget_bytes=1 << 20,
+        reserved_bytes=150 * 64,
     )
     # A report replaces the previous one rather than adding to it.
     ledger.record_usage({"a": 31}, physical_bytes=5000)

@@ -12,14 +12,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.generate import stream_generate
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 from engine.builtin.models import MANIFEST, MODEL_FILES
 from engine.builtin.tokenizer import ENDOFTEXT, IM_END
 from tests.support.families import EXPECTED_CACHES, FAMILIES, SLIDING_WINDOW, build
 
-CACHE_KINDS = {"K": KVCache, "R": RotatingKVCache, "A": ArraysCache}
+CACHE_KINDS = {"K": KVCache, "R": RotatingKVCache, "A": ArraysCache, "L": CacheList}
 # A few hundred tokens of Python: longer than every sliding window.
 PROMPT = "\n".join(f"def step_{i}(value, scale={i}):\n    return [item * scale for item in value if item % {i + 2}]" for i in range(24))
 

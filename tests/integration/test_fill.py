@@ -57,21 +57,29 @@ async def test_strict_rows_append_the_scaffold_of_a_forced_tool_call(tiny_config
     jsonschema.validate(json.loads(call.arguments), tool["function"]["parameters"])
 
 
-@pytest.fixture(scope="module")
-def copying_model(tmp_path_factory) -> str:
-    """The tiny model with its attention outputs zeroed: each token's logits then depend on
-    that token alone, so greedy decoding repeats text it has seen, as a model asked to
-    repeat earlier text does (a random model never copies anything)."""
-    source = builtin_dir("tiny")
-    target = tmp_path_factory.mktemp("copying")
+# The output projections of each layer's token mixer (attention, gated delta, convolution).
+MIXER_OUTPUTS = ("self_attn.o_proj.weight", "self_attn.out_proj.weight", "linear_attn.out_proj.weight", "conv.out_proj.weight")
+
+
+def _damped(name: str, scale: float, target) -> str:
+    """A built-in model with its token mixers' outputs scaled by `scale`. At 0 each token's
+    logits depend on that token alone, so greedy decoding repeats text it has seen, as a model
+    asked to repeat earlier text does (a random model never copies anything); a small scale
+    keeps the context's (and the recurrent state's) influence, so copies break off somewhere."""
+    source = builtin_dir(name)
     for path in source.iterdir():
         if path.suffix != ".safetensors":
             shutil.copy(path, target / path.name)
     for path in source.glob("*.safetensors"):
         weights = safetensors.numpy.load_file(str(path))
-        zeroed = {name: np.zeros_like(w) if name.endswith("self_attn.o_proj.weight") else w for name, w in weights.items()}
-        safetensors.numpy.save_file(zeroed, str(target / path.name), metadata={"format": "mlx"})
+        damped = {key: w * np.asarray(scale, w.dtype) if key.endswith(MIXER_OUTPUTS) else w for key, w in weights.items()}
+        safetensors.numpy.save_file(damped, str(target / path.name), metadata={"format": "mlx"})
     return str(target)
+
+
+@pytest.fixture(scope="module")
+def copying_model(tmp_path_factory) -> str:
+    return _damped("tiny", 0.0, tmp_path_factory.mktemp("copying"))
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
@@ -95,6 +103,35 @@ async def test_echo_spans_never_change_greedy_output_and_save_forwards(copying_m
     assert stats.echo > 0 and stats.verify_events > 0 and stats.verify_accepted == stats.echo
     assert stats.decode_steps + stats.echo == len(ids)
     assert steps < plain_steps, f"{steps} forwards with echo, {plain_steps} without"
+
+
+# Scales at which each model copies part of an earlier answer and then departs from it.
+PARTIAL_COPIERS = {"tiny-gemma3": 0.1, "tiny-lfm2": 0.1, "tiny-qwen3next": 0.3}
+
+
+@pytest.mark.parametrize("name", list(PARTIAL_COPIERS))
+async def test_echo_spans_on_sliding_and_recurrent_layers_are_exact(name, tmp_path):
+    """Accepted spans and rejected tails on a model with 16-token sliding windows and on
+    hybrids whose recurrent layers cannot be trimmed (their state is restored from a snapshot
+    and the accepted prefix replayed): the output equals plain decoding, token for token."""
+    config = make_config(_damped(name, PARTIAL_COPIERS[name], tmp_path))
+    config = msgspec.structs.replace(config, generation=msgspec.structs.replace(config.generation, fill_echo_k=2))
+    async with Runtime.open(config) as rt:
+        text = rt.tokenizer.encode("def add(a, b):\n    return a + b\n")
+        answer, *_ = await _run(rt, GenerateRequest(prompt_ids=text, max_tokens=64, ignore_eos=True))
+        prompt = text + answer + text
+        others = [GenerateRequest(prompt=f"other {i}", max_tokens=40, ignore_eos=True) for i in range(2)]
+        runs = {}
+        for mode in ("off", "echo"):
+            async with anyio.create_task_group() as tg:
+                for other in others:
+                    tg.start_soon(_run, rt, other)
+                runs[mode] = await _run(rt, GenerateRequest(prompt_ids=prompt, max_tokens=64, ignore_eos=True, fill=mode))
+    (plain_ids, *_), (ids, _, finished, _) = runs["off"], runs["echo"]
+    assert ids == plain_ids
+    stats = finished.fill
+    assert stats.verify_accepted > 0 and stats.verify_rejected > 0, stats
+    assert stats.decode_steps + stats.echo == len(ids)
 
 
 async def test_rejected_echo_tokens_are_rewound(tiny_config):

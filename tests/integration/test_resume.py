@@ -13,7 +13,9 @@ from runtime import InvalidRequestError, Runtime
 from runtime.checkpoints import CheckpointNotFoundError, CorruptCheckpointError, path_for
 from runtime.config import CheckpointConfig, GenerationConfig, LoggingConfig, RuntimeConfig, SchedulerConfig
 
-MAX_TOKENS = 64
+# Long enough that a request cannot end before its first checkpoint reaches the disk, even on a
+# loaded machine (the writer is asynchronous; an ended request's checkpoint is deleted).
+MAX_TOKENS = 400
 
 
 def _config(directory) -> RuntimeConfig:

@@ -1,7 +1,8 @@
 """A server killed with SIGKILL mid-generation; a restarted one resumes exactly.
 
-Uses the ~125M built-in model so that a 64-token generation lasts long enough
-(~3 s on 2 cores) to be killed in the middle deterministically.
+On the ~125M built-in model a 64-token generation lasts long enough (~3 s on 2 cores) to be
+killed in the middle; the tiny sliding-window and hybrid recurrent models are fast, so they
+generate 1,500 tokens (far past their 16-token windows) and are killed as early.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from runtime import Runtime, RuntimeConfig
 from runtime.checkpoints import path_for
 from tests.integration.server_helpers import ServerProcess
 
-MAX_TOKENS = 64
+# model: (tokens to generate, prompt token range)
+MODELS = {"bench": (64, 30000), "tiny-gemma3": (1500, 1000), "tiny-lfm2": (1500, 1000), "tiny-qwen3next": (1500, 1000)}
 
 
-def _config(directory) -> tuple[dict, object]:
+def _config(directory, model: str = "bench") -> tuple[dict, object]:
     tree = {
-        "model": {"path": "builtin:bench"},
+        "model": {"path": f"builtin:{model}"},
         "generation": {"seed": 0},
         "logging": {"level": "warning", "format": "json"},
         "checkpoints": {"dir": str(directory / "checkpoints")},
@@ -33,22 +35,25 @@ def _config(directory) -> tuple[dict, object]:
     return tree, path
 
 
-def _request(sampling: SamplingParams) -> GenerateRequest:
-    prompt = [random.Random(9).randrange(100, 30000) for _ in range(40)]
-    return GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, request_id="job-1", checkpoint_every=8, sampling=sampling)
+def _request(sampling: SamplingParams, model: str = "bench") -> GenerateRequest:
+    max_tokens, vocab = MODELS[model]
+    prompt = [random.Random(9).randrange(100, vocab) for _ in range(40)]
+    return GenerateRequest(prompt_ids=prompt, max_tokens=max_tokens, ignore_eos=True, request_id="job-1", checkpoint_every=8, sampling=sampling)
 
 
 SAMPLINGS = {"greedy": SamplingParams(), "seeded": SamplingParams(temperature=0.9, top_k=50, seed=1234)}
+CASES = [("bench", "greedy"), ("bench", "seeded"), ("tiny-gemma3", "greedy"), ("tiny-lfm2", "seeded"), ("tiny-qwen3next", "greedy")]
 
 
-@pytest.mark.parametrize("kind", list(SAMPLINGS))
-async def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, kind):
+@pytest.mark.parametrize(("model", "kind"), CASES, ids=[f"{m}-{k}" for m, k in CASES])
+async def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, model, kind):
     sampling = SAMPLINGS[kind]
-    tree, config_path = _config(tmp_path)
+    max_tokens = MODELS[model][0]
+    tree, config_path = _config(tmp_path, model)
     reference_config = RuntimeConfig.from_tree({**tree, "checkpoints": {"dir": str(tmp_path / "reference")}}, source="test")
     async with Runtime.open(reference_config) as rt:
-        uninterrupted = [t async for e in rt.generate(_request(sampling)) if isinstance(e, TokenDelta) for t in e.token_ids]
-    assert len(uninterrupted) == MAX_TOKENS
+        uninterrupted = [t async for e in rt.generate(_request(sampling, model)) if isinstance(e, TokenDelta) for t in e.token_ids]
+    assert len(uninterrupted) == max_tokens
 
     checkpoint = path_for(tmp_path / "checkpoints", "job-1")
     socket = tmp_path / "run" / "s.sock"
@@ -58,7 +63,7 @@ async def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, kind):
         server.wait_ready()
         with pytest.raises(ConnectionLostError):
             async with Client.connect(socket) as client:
-                async for event in client.generate(_request(sampling)):
+                async for event in client.generate(_request(sampling, model)):
                     if isinstance(event, TokenDelta):
                         before += event.token_ids
                         if len(before) >= 20 and checkpoint.exists():
@@ -66,7 +71,7 @@ async def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, kind):
                             server.proc.wait()
     finally:
         server.stop()
-    assert server.returncode == -9 and len(before) < MAX_TOKENS
+    assert server.returncode == -9 and len(before) < max_tokens
     assert before == uninterrupted[: len(before)]
 
     restarted = ServerProcess(config_path, socket, tmp_path)
@@ -86,7 +91,7 @@ async def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, kind):
         restarted.stop()
     assert len(deltas[0]) >= 16, "the first delta re-delivers everything before the checkpoint"
     assert [t for d in deltas for t in d] == uninterrupted
-    assert finished.finish_reason == "length" and finished.usage.completion_tokens == MAX_TOKENS
+    assert finished.finish_reason == "length" and finished.usage.completion_tokens == max_tokens
 
 
 async def test_resume_over_the_socket_rejects_bad_checkpoints(tmp_path):
