@@ -17,71 +17,12 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from engine.slots import LEN_STEP, FullSlots, ListSlots, Slots, StateSlots, Step, make_slots, round_up
-from policies.layout import is_trimmable
+from policies.layout import RING_MARGIN, is_trimmable
 from protocols.model import LayerLayout
 
 
 def _next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
-
-
-class _TracedSlot:
-    """A full-attention layer's cache inside the compiled one-token step."""
-
-    def __init__(self, keys: list[mx.array], values: list[mx.array], index: int, positions: mx.array, mask: mx.array):
-        self._keys, self._values, self._index = keys, values, index
-        self._positions, self._mask = positions, mask
-
-    @property
-    def offset(self) -> mx.array:
-        return self._positions
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        i = self._index
-        self._keys[i] = _scatter_one(self._keys[i], keys, self._positions)
-        self._values[i] = _scatter_one(self._values[i], values, self._positions)
-        return self.keys_and_values()
-
-    def keys_and_values(self) -> tuple[mx.array, mx.array]:
-        i, rows = self._index, self._positions.shape[0]
-        return self._keys[i][:rows], self._values[i][:rows]
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        if window_size is not None:
-            raise NotImplementedError("the compiled step is for full-attention models only")
-        return self._mask
-
-
-def _scatter_one(buffer: mx.array, new: mx.array, positions: mx.array) -> mx.array:
-    """`new` ([rows, heads, 1, dim]) written at each row's position of `buffer`."""
-    capacity_rows, heads, capacity, dim = buffer.shape
-    rows = new.shape[0]
-    index = ((mx.arange(rows)[:, None] * heads + mx.arange(heads)[None, :]) * capacity + positions[:, None]).reshape(-1)
-    flat = buffer.reshape(capacity_rows * heads * capacity, dim)
-    flat[index] = new.reshape(rows * heads, dim)
-    return flat.reshape(capacity_rows, heads, capacity, dim)
-
-
-def compile_decode_step(model, num_layers: int):
-    """The batch's one-token step as one compiled function of fixed-shape inputs (models whose
-    layers are all full attention).
-
-    Each row writes at its own position in the whole buffers and attends over their full
-    capacity under a mask, so the shapes change only when rows join or leave or the capacity
-    grows; MLX then traces the step once per such geometry instead of building the model's
-    graph op by op on every step (a few ms of Python per step, which the CPU backend cannot
-    overlap with compute).
-    """
-
-    def step(tokens: mx.array, positions: mx.array, *buffers: mx.array):
-        keys, values = list(buffers[:num_layers]), list(buffers[num_layers:])
-        capacity = keys[0].shape[2]
-        mask = (mx.arange(capacity)[None, :] <= positions[:, None])[:, None, None, :]
-        layers = [_TracedSlot(keys, values, i, positions, mask) for i in range(num_layers)]
-        logits = model(tokens[:, None], cache=layers)[:, -1, :]
-        return (logits, *keys, *values)
-
-    return mx.compile(step)
 
 
 class DecodeBatch:
@@ -224,20 +165,62 @@ class DecodeBatch:
         self.step = None
 
     def forward_one(self, compiled, tokens: mx.array) -> mx.array:
-        """Every row forwards one token through `compiled` (from `compile_decode_step`, for
-        full-attention models); returns the `[rows, vocab]` logits."""
-        full = [s for s in self.slots if isinstance(s, FullSlots)]
-        if len(full) != len(self.slots):
-            raise NotImplementedError("the compiled step is for full-attention models only")
+        """Every row forwards one token through `compiled` (from `engine.compiled`); returns
+        the `[rows, vocab]` logits."""
         lengths = self.lengths
-        self._reserve(len(lengths), max(lengths) + 1)
-        keys = [s.keys for s in full]
-        values = [s.values for s in full]
-        outputs = compiled(tokens, mx.array(lengths, dtype=mx.int32), *keys, *values)
-        for i, slots in enumerate(full):
-            slots.keys, slots.values = outputs[1 + i], outputs[1 + len(full) + i]
+        rows = len(lengths)
+        self._reserve(rows, max(lengths) + 1)
+        outputs = compiled(tokens, mx.array(lengths, dtype=mx.int32), *(a for slots in self.slots for a in slots.traced_inputs(rows)))
+        remaining = iter(outputs[1:])
+        for slots in self.slots:
+            slots.take_traced(remaining, rows)
         self.lengths = [n + 1 for n in lengths]
         return outputs[0]
+
+    def unpadded_groups(self, lengths: list[int]) -> list[list[int]]:
+        """Indices of inputs that may share a forward. Padding is masked out of attention, but
+        a recurrent layer leaves its state untouched by padding only when the model's code
+        honours the caches' lengths (not every mlx-lm model does: nemotron_h's SSM ignores
+        them), so with recurrent layers only inputs of one length go together."""
+        if not self.has_state:
+            return [list(range(len(lengths)))] if lengths else []
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(lengths):
+            groups.setdefault(n, []).append(i)
+        return list(groups.values())
+
+    def forward_rows(self, model, rows: list[int], inputs: list[list[int]]) -> mx.array:
+        """Forward each of `rows`' tokens in steps over just those rows; returns `[rows, width,
+        vocab]` logits (a row's past its own tokens are not meaningful). With sliding windows,
+        in pieces a ring can take; with recurrent layers, rows of one count at a time."""
+        width = max(len(tokens) for tokens in inputs)
+        piece = width if self.all_full else RING_MARGIN
+        logits = []
+        for start in range(0, width, piece):
+            counts = [max(0, min(piece, len(tokens) - start)) for tokens in inputs]
+            rest = [tokens[start:] for tokens in inputs]
+            groups = [group for group in self.unpadded_groups(counts) if max(counts[i] for i in group) > 0]
+            if len(groups) == 1 and len(groups[0]) == len(rows):
+                logits.append(self._forward_piece(model, rows, rest, counts))
+                continue
+            size, per_row = max(counts), {}
+            for group in groups:
+                out = self._forward_piece(model, [rows[i] for i in group], [rest[i] for i in group], [counts[i] for i in group])
+                for j, i in enumerate(group):
+                    per_row[i] = mx.pad(out[j : j + 1], [(0, 0), (0, size - out.shape[1]), (0, 0)])
+            sample = next(iter(per_row.values()))  # rows with no tokens left: zeros nobody reads
+            logits.append(mx.concatenate([per_row.get(i, mx.zeros_like(sample)) for i in range(len(rows))]))
+        return logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=1)
+
+    def _forward_piece(self, model, rows: list[int], inputs: list[list[int]], counts: list[int]) -> mx.array:
+        """One forward of `rows`, each its first `counts` tokens of `inputs` (right-padded)."""
+        size = max(counts)
+        padded = [tokens[:count] + [0] * (size - count) for tokens, count in zip(inputs, counts)]
+        self.begin_step(counts, rows=rows)
+        try:
+            return model(mx.array(padded, dtype=mx.uint32), cache=self.layers)
+        finally:
+            self.end_step()
 
     def rewind(self, request_id: str, num_tokens: int) -> None:
         """Forget a row's last `num_tokens` positions (a rejected verify tail): attention never

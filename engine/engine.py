@@ -30,12 +30,13 @@ import torch
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from engine import caches
-from engine.batch import DecodeBatch, compile_decode_step
+from engine.batch import DecodeBatch
+from engine.compiled import compile_decode_step
 from engine.known import KnownTokens
 from engine.sampler import BatchSampler, RowSampling, SampleResult
 from engine.sequence import EngineInvariantError, InFlight, Sequence
 from policies.fill_session import FillSession
-from policies.layout import RING_MARGIN, is_trimmable
+from policies.layout import is_trimmable
 from protocols.api import FillStats, TokenLogprob, TopLogprob
 from protocols.model import (
     AdmitRequest,
@@ -82,7 +83,7 @@ class Engine:
         self._thread = threading.current_thread()
         self._sequences: dict[str, Sequence] = {}
         self._batch = DecodeBatch(layout)
-        self._decode_step = compile_decode_step(model, len(layout)) if self._trimmable else None
+        self._decode_step = compile_decode_step(model, layout)
         self._sampler = BatchSampler()
         self._pending: mx.array | None = None
         self._in_flight: InFlight | None = None
@@ -248,18 +249,18 @@ class Engine:
     # -- prefill -----------------------------------------------------------------------------
 
     def _prefill(self, works: list[PrefillWork]) -> list[PrefillReport]:
-        """Forward prompt chunks. First chunks go through one left-padded batched
-        forward; later chunks extend their request's own cache one at a time."""
+        """Forward prompt chunks. First chunks go through batched forwards (padded, or for
+        models with recurrent layers only chunks of one length together); later chunks extend
+        their request's own cache one at a time."""
         seqs = [self._prefill_target(work) for work in works]
         first = [(s, w.num_tokens) for s, w in zip(seqs, works) if s.num_prefilled == 0]
-        if len(first) < 2 or not self._trimmable:  # mlx-lm's batch caches: full attention only here
-            first = []
-        batched = {id(s) for s, _ in first}
+        together = [group for group in self._batch.unpadded_groups([n for _, n in first]) if len(group) > 1]
+        batched = {id(first[i][0]) for group in together for i in group}
         for seq, work in zip(seqs, works):
             if id(seq) not in batched:
                 self._prefill_one(seq, work.num_tokens)
-        if first:
-            self._prefill_together(first)
+        for group in together:
+            self._prefill_together([first[i] for i in group])
         for seq in seqs:
             # A snapshot where asked, and (when entries are used whole) at the end of the prompt.
             wanted = seq.admit.snapshot_at == seq.num_prefilled or (not self._trimmable and seq.num_prefilled == seq.prompt_len - 1)
@@ -285,11 +286,26 @@ class Engine:
         seq.num_prefilled = end
 
     def _prefill_together(self, chunks: list[tuple[Sequence, int]]) -> None:
+        """First chunks of several prompts in one forward through mlx-lm's batch caches, each
+        row then extracted as its own cache. Full-attention models pad on the left; sliding
+        windows on the right, with each row's length passed to the caches (which roll the
+        windows back into place), as mlx-lm's BatchGenerator does; recurrent ones never pad."""
         tokens = [seq.admit.prompt_ids[:n] for seq, n in chunks]
         width = max(n for _, n in chunks)
         padding = [width - n for _, n in chunks]
-        cache = [BatchKVCache(padding) for _ in self._layout]
-        self._model(mx.array([[0] * pad + t for pad, t in zip(padding, tokens)]), cache=cache)
+        if self._trimmable:
+            cache: list = [BatchKVCache(padding) for _ in self._layout]
+            self._model(mx.array([[0] * pad + t for pad, t in zip(padding, tokens)]), cache=cache)
+        else:
+            fresh = [make_prompt_cache(self._model) for _ in chunks]
+            cache = [type(layer[0]).merge(list(layer)) for layer in zip(*fresh)]
+            if max(padding):
+                for c in cache:
+                    c.prepare(lengths=[n for _, n in chunks], right_padding=padding)
+            self._model(mx.array([t + [0] * pad for pad, t in zip(padding, tokens)]), cache=cache)
+            if max(padding):
+                for c in cache:
+                    c.finalize()
         mx.eval([c.state for c in cache])
         for row, (seq, n) in enumerate(chunks):
             seq.cache = [c.extract(row) for c in cache]
@@ -392,27 +408,12 @@ class Engine:
             if seq.verify is not None and self._batch.has_state:
                 # A recurrent state cannot be rewound: keep it to replay an accepted prefix.
                 seq.snapshot, seq.replay = self._batch.snapshot(seq.request_id), [tokens[0], *seq.extra]
-        sub_logits = self._forward_rows(appending, inputs)
+        sub_logits = self._batch.forward_rows(self._model, appending, inputs)
         for i in appending:
             firsts[i] = rows[i].extra[-1]
         # Penalties see appended tokens like sampled ones (an echo span's only once accepted).
         self._sampler.advance({i: rows[i].extra for i in appending if rows[i].verify is None})
         return mx.array(firsts, dtype=mx.uint32), sub_logits
-
-    def _forward_rows(self, rows: list[int], inputs: list[list[int]]) -> mx.array:
-        """Forward each batch row's tokens (right-padded) in a step over just those rows; returns
-        `[rows, width, vocab]` logits. With sliding windows, in pieces a ring can take."""
-        width = max(len(tokens) for tokens in inputs)
-        piece = width if self._batch.all_full else RING_MARGIN
-        logits = []
-        for start in range(0, width, piece):
-            counts = [max(0, min(piece, len(tokens) - start)) for tokens in inputs]
-            size = max(counts)
-            padded = [tokens[start : start + size] + [0] * (size - count) for tokens, count in zip(inputs, counts)]
-            self._batch.begin_step(counts, rows=rows)
-            logits.append(self._model(mx.array(padded, dtype=mx.uint32), cache=self._batch.layers))
-            self._batch.end_step()
-        return logits[0] if len(logits) == 1 else mx.concatenate(logits, axis=1)
 
     def _grammar_mask(self, rows: list[Sequence]) -> mx.array | None:
         """Allowed-token bitmask rows from each grammar's state (all allowed elsewhere). A row
@@ -466,7 +467,7 @@ class Engine:
         tokens, rid = forwarded[: accepted + 1], seq.request_id
         self._batch.restore(rid, saved)
         self._batch.rewind(rid, len(tokens))
-        self._forward_rows([self._batch.index(rid)], [tokens])
+        self._batch.forward_rows(self._model, [self._batch.index(rid)], [tokens])
 
     def _account(self, seq: Sequence, token: int, logprob: TokenLogprob | None, agreed: list[int]) -> RowOutput:
         """Record a sampled token (after the echo tokens the model agreed with, if any)."""

@@ -21,6 +21,7 @@ own caches.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +138,14 @@ class _AttentionSlots:
 
     def clear(self) -> None:
         self.keys = self.values = None
+
+    def traced_inputs(self, rows: int) -> list[mx.array]:
+        """This layer's arrays for the compiled step (`engine.compiled`)."""
+        assert self.keys is not None and self.values is not None
+        return [self.keys, self.values]
+
+    def take_traced(self, outputs: Iterator[mx.array], rows: int) -> None:
+        self.keys, self.values = next(outputs), next(outputs)
 
     def move_row(self, source: int, target: int) -> None:
         assert self.keys is not None and self.values is not None
@@ -373,6 +382,20 @@ class StateSlots(ArraysCache):
     def shrink(self, rows: int, length: int) -> None:
         self.arrays = [mx.contiguous(a[:rows]) if a is not None else None for a in self.arrays]
 
+    def traced_inputs(self, rows: int) -> list[mx.array]:
+        """The rows' state arrays for the compiled step (`engine.compiled`)."""
+        return [a if a.shape[0] == rows else a[:rows] for a in self.arrays if a is not None]
+
+    def take_traced(self, outputs: Iterator[mx.array], rows: int) -> None:
+        for j, array in enumerate(self.arrays):
+            if array is None:
+                continue
+            state = next(outputs)
+            if array.shape[0] == rows:
+                self.arrays[j] = state
+            else:
+                array[:rows] = state
+
     def clear(self) -> None:
         self.arrays = [None] * len(self.layout.states)
 
@@ -427,6 +450,13 @@ class ListSlots:
     def shrink(self, rows: int, length: int) -> None:
         for part in self.parts:
             part.shrink(rows, length)
+
+    def traced_inputs(self, rows: int) -> list[mx.array]:
+        return [a for part in self.parts for a in part.traced_inputs(rows)]
+
+    def take_traced(self, outputs: Iterator[mx.array], rows: int) -> None:
+        for part in self.parts:
+            part.take_traced(outputs, rows)
 
     def clear(self) -> None:
         for part in self.parts:

@@ -333,20 +333,16 @@ def test_a_rewound_tail_is_forgotten(model_and_tokenizer):
 
 def test_the_compiled_one_token_step_matches_the_op_by_op_step(model_and_tokenizer):
     """Same logits and greedy tokens, rows at different positions, across a capacity growth
-    (full-attention models only: the engine never compiles a step for the others)."""
+    (and, on tiny-gemma3, around its 80-slot rings)."""
     import mlx.core as mx
 
-    from engine.batch import LEN_STEP, compile_decode_step
-    from policies.layout import is_trimmable
+    from engine.compiled import compile_decode_step
+    from engine.slots import LEN_STEP
 
     model, tokenizer = model_and_tokenizer
     geometry = probe_layout(model)
-    if not is_trimmable(geometry):
-        with pytest.raises(NotImplementedError):
-            _slot_batch(model, geometry, [[1, 2, 3]]).forward_one(compile_decode_step(model, len(geometry)), mx.array([3], dtype=mx.uint32))
-        return
     prompts = [tokenizer.encode("x = 1\n" * 400)[: LEN_STEP - 6], tokenizer.encode("def g():\n    pass")]
-    compiled_step = compile_decode_step(model, len(geometry))
+    compiled_step = compile_decode_step(model, geometry)
     traced, built = _slot_batch(model, geometry, prompts), _slot_batch(model, geometry, prompts)
     tokens = [p[-1] for p in prompts]
     for _ in range(12):  # the first row crosses the first capacity boundary
@@ -356,3 +352,32 @@ def test_the_compiled_one_token_step_matches_the_op_by_op_step(model_and_tokeniz
         tokens = mx.argmax(a, axis=-1).tolist()
         assert tokens == mx.argmax(b, axis=-1).tolist()
     assert traced.lengths == built.lengths and traced.capacity[1] > LEN_STEP
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-gemma3", "tiny-lfm2", "nemotron_h"])
+def test_rows_appending_different_counts_equal_appending_one_at_a_time(name):
+    """Known tokens of unequal counts appended over some rows in one call (the jump-forward
+    and fill path) leave each row as appending alone does. nemotron_h's SSM ignores the
+    caches' lengths, so its rows must never be forwarded padded."""
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    from runtime import env
+    from tests.support.families import FAMILIES, build
+
+    if name in FAMILIES:
+        model, _ = load(str(build(name, env.home())))
+        model.set_dtype(mx.float32)
+    else:
+        model, _ = load_reference(f"builtin:{name}")
+    layout = probe_layout(model)
+    prompts = _prompts([20, 33, 27])
+    spans = {0: [5, 6, 7], 2: [9, 10, 11, 12, 13, 14, 15, 16]}
+    together, alone = _slot_batch(model, layout, prompts), _slot_batch(model, layout, prompts)
+    together.forward_rows(model, list(spans), [[prompts[r][-1], *span[:-1]] for r, span in spans.items()])
+    for r, span in spans.items():
+        alone.forward_rows(model, [r], [[prompts[r][-1], *span[:-1]]])
+    assert together.lengths == alone.lengths
+    last = [spans[0][-1], prompts[1][-1], spans[2][-1]]
+    a, b = _step(model, together, last), _step(model, alone, last)
+    assert mx.allclose(a, b, atol=1e-4).item()

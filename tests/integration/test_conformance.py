@@ -125,3 +125,27 @@ async def test_a_family_generates_what_mlx_lm_generates(family, tmp_path, built)
             if isinstance(event, TokenDelta):
                 tokens += event.token_ids
     _assert_matches(tokens, reference, f"{family} after a checkpoint and a resume")
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "cohere2", "qwen3_next"])
+async def test_first_chunks_longer_than_the_windows_prefill_together_exactly(family):
+    """Chunks of 80 tokens, past the 32-token windows: several prompts' first chunks share one
+    forward (right-padded for windows, by equal length for recurrent layers)."""
+    directory = build(family, env.home())
+    model, _ = load(str(directory))
+    model.set_dtype(mx.float32)
+    lengths = [10, 50, 81, 81, 120, 200, 81, 300]
+    prompts = [_prompt(n, seed=100 + i) for i, n in enumerate(lengths)]
+    config = make_config(str(directory), prefill_chunk_size=80)
+    results: dict[int, list[int]] = {}
+    async with Runtime.open(config) as rt:
+
+        async def one(i: int) -> None:
+            request = GenerateRequest(prompt_ids=prompts[i], max_tokens=NEW_TOKENS, ignore_eos=True)
+            results[i] = (await _generate(rt, request))[0]
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+    for i, n in enumerate(lengths):
+        _assert_matches(results[i], _reference(model, prompts[i], NEW_TOKENS), f"{family}, prompt of {n} in chunks of 80")

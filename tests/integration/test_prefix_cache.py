@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import anyio
+import pytest
 
 from protocols import Finished, GenerateRequest, TokenDelta
 from runtime import Runtime
@@ -14,9 +15,9 @@ from tests.integration.reference import greedy_tokens, load_reference
 MAX_TOKENS = 16
 
 
-def _config(**kv) -> RuntimeConfig:
+def _config(model: str = "builtin:tiny", **kv) -> RuntimeConfig:
     return RuntimeConfig.for_model(
-        "builtin:tiny",
+        model,
         scheduler=SchedulerConfig(max_batch_size=8, prefill_chunk_size=16),
         kv=KvConfig(**{"prefix_min_tokens": 4, **kv}),
         generation=GenerationConfig(seed=0),
@@ -120,8 +121,6 @@ async def test_burst_under_a_small_budget_completes_and_accounting_returns_to_id
 
 
 async def test_request_that_can_never_fit_is_refused():
-    import pytest
-
     from runtime import RequestTooLargeError
 
     async with Runtime.open(_config()) as rt:
@@ -133,19 +132,32 @@ async def test_request_that_can_never_fit_is_refused():
         assert finished.finish_reason in ("length", "stop")
 
 
-async def test_snapshot_at_keeps_the_system_prompt_while_the_request_runs():
+@pytest.mark.parametrize("model", ["builtin:tiny", "builtin:tiny-gemma3", "builtin:tiny-lfm2"])
+async def test_snapshot_at_keeps_the_system_prompt_while_the_request_runs(model):
+    """Also on a model with 16-token sliding windows and on a convolution hybrid, whose
+    entries seed only whole (they also keep one at the end of each prompt)."""
     system = _ids(37, 40)
-    async with Runtime.open(_config()) as rt:
+    async with Runtime.open(_config(model)) as rt:
         first = rt.generate(GenerateRequest(prompt_ids=system + _ids(20, 41), max_tokens=200, ignore_eos=True, snapshot_at=len(system)))
         # The snapshot exists as soon as prefill passed the system prompt, long before the first request ends.
         async for event in first:
             if isinstance(event, TokenDelta):
                 break
         stats = (await rt.stats()).kv
-        assert stats.prefix_entries == 1
-        _, finished = await _run(rt, system + _ids(5, 42))
+        assert stats.prefix_entries == (1 if model == "builtin:tiny" else 2)
+        prompt = system + _ids(5, 42)
+        tokens, finished = await _run(rt, prompt, ignore_eos=True)
         assert finished.usage.cached_tokens == len(system)
         await first.aclose()
+    reference, _ = load_reference(model)
+    assert tokens == _greedy(reference, prompt, MAX_TOKENS)
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
 async def test_timings_split_prefill_and_decode_and_rate_only_what_was_prefilled():

@@ -1,0 +1,143 @@
+"""The one-token decode step as one compiled function of fixed-shape inputs, for any layers.
+
+Each row writes at its own position in the whole buffers and attends over their full capacity
+under a mask, so the shapes change only when rows join or leave or a capacity grows; MLX then
+traces the step once per such geometry instead of building the model's graph op by op on
+every step (a few ms of Python per step, which the CPU backend cannot overlap with compute).
+
+Per layer kind, inside the traced function:
+- full attention: keys and values `[rows, heads, capacity, dim]`, position `p` at slot `p`;
+- sliding window: the ring of `engine.slots.WindowSlots` (position `p` at slot `p % ring`),
+  each slot masked by whether the position it holds is inside the query's window;
+- recurrent state: the rows' state arrays, as an `ArraysCache` the layer reads and replaces;
+- a list: its parts.
+The inputs and outputs are the same arrays in the same order (`DecodeBatch.forward_one`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, CacheList
+
+from policies.layout import ring_capacity
+from protocols.model import LayerLayout
+
+
+def _scatter_one(buffer: mx.array, new: mx.array, slots: mx.array) -> mx.array:
+    """`new` (`[rows, heads, 1, dim]`) written at each row's slot of `buffer`."""
+    capacity_rows, heads, capacity, dim = buffer.shape
+    rows = new.shape[0]
+    index = ((mx.arange(rows)[:, None] * heads + mx.arange(heads)[None, :]) * capacity + slots[:, None]).reshape(-1)
+    flat = buffer.reshape(capacity_rows * heads * capacity, dim)
+    flat[index] = new.reshape(rows * heads, dim)
+    return flat.reshape(capacity_rows, heads, capacity, dim)
+
+
+class _Masks:
+    """The step's masks, built once per (kind, capacity, window) and shared by the layers."""
+
+    def __init__(self, positions: mx.array):
+        self.positions = positions
+        self._built: dict[tuple, mx.array] = {}
+
+    def full(self, capacity: int, window: int | None) -> mx.array:
+        key = ("full", capacity, window)
+        if key not in self._built:
+            slot = mx.arange(capacity)[None, :]
+            query = self.positions[:, None]
+            mask = slot <= query
+            if window is not None:
+                mask = mask & (slot > query - window)
+            self._built[key] = mask[:, None, None, :]
+        return self._built[key]
+
+    def ring(self, capacity: int, ring: int, window: int) -> mx.array:
+        key = ("ring", capacity, ring, window)
+        if key not in self._built:
+            query = self.positions[:, None]
+            held = query - ((query - mx.arange(capacity)[None, :]) % ring)  # the position in each slot
+            self._built[key] = ((held >= 0) & (held > query - window))[:, None, None, :]
+        return self._built[key]
+
+
+class _TracedAttention:
+    """A full-attention or sliding-window layer's cache inside the compiled step."""
+
+    def __init__(self, keys: mx.array, values: mx.array, masks: _Masks, ring: int | None, window: int | None):
+        self.keys, self.values, self._masks = keys, values, masks
+        self._ring, self._window = ring, window
+
+    @property
+    def offset(self) -> mx.array:
+        return self._masks.positions
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        positions = self._masks.positions
+        slots = positions if self._ring is None else positions % self._ring
+        self.keys = _scatter_one(self.keys, keys, slots)
+        self.values = _scatter_one(self.values, values, slots)
+        return self.keys_and_values()
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        rows = self._masks.positions.shape[0]
+        return self.keys[:rows], self.values[:rows]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        capacity = self.keys.shape[2]
+        if self._ring is None:
+            return self._masks.full(capacity, window_size)
+        assert self._window is not None
+        return self._masks.ring(capacity, self._ring, window_size or self._window)
+
+
+class _TracedState(ArraysCache):
+    """A recurrent layer's state inside the compiled step (no padding: no lengths, no mask)."""
+
+    def __init__(self, arrays: list[mx.array | None]):  # no super().__init__: the state is given
+        self.cache = arrays  # type: ignore[assignment]  # mlx-lm annotates it by its initial value
+        self.left_padding = None
+        self.lengths = None
+
+
+def _trace(layer: LayerLayout, buffers: Iterator[mx.array], masks: _Masks) -> Any:
+    match layer.kind:
+        case "full":
+            return _TracedAttention(next(buffers), next(buffers), masks, None, None)
+        case "window":
+            return _TracedAttention(next(buffers), next(buffers), masks, ring_capacity(layer), layer.window)
+        case "state":
+            return _TracedState([next(buffers) if array.dtype else None for array in layer.states])
+        case _:
+            return CacheList(*(_trace(part, buffers, masks) for part in layer.parts))
+
+
+def _outputs(layer: LayerLayout, cache: Any) -> list[mx.array]:
+    match layer.kind:
+        case "full" | "window":
+            return [cache.keys, cache.values]
+        case "state":
+            arrays = []
+            for spec, array in zip(layer.states, cache.cache):
+                if bool(spec.dtype) != (array is not None):
+                    raise RuntimeError("a recurrent layer set a state array its probe did not")
+                if array is not None:
+                    arrays.append(array)
+            return arrays
+        case _:
+            return [array for part, child in zip(layer.parts, cache.caches) for array in _outputs(part, child)]
+
+
+def compile_decode_step(model, layout: Sequence[LayerLayout]):
+    """`step(tokens, positions, *buffers) -> (logits, *buffers)`, compiled: every row forwards
+    one token at its position; `buffers` are each layer's arrays in layout order."""
+
+    def step(tokens: mx.array, positions: mx.array, *buffers: mx.array):
+        masks, remaining = _Masks(positions), iter(buffers)
+        caches = [_trace(layer, remaining, masks) for layer in layout]
+        logits = model(tokens[:, None], cache=caches)[:, -1, :]
+        return (logits, *(array for layer, cache in zip(layout, caches) for array in _outputs(layer, cache)))
+
+    return mx.compile(step)
