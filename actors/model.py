@@ -19,8 +19,8 @@ import structlog
 from actors.mailbox import Mailbox, answer
 from actors.mlx_thread import MlxThread
 from engine.engine import Engine, Grammars
-from engine.loader import load_model
-from protocols.config import ModelConfig
+from engine.loader import load_model, load_speculator
+from protocols.config import ModelConfig, SpeculativeConfig
 from protocols.model import DropPrefixes, ModelInbox, ModelInfo, RunStep, StepFailed, StepOutcome, StepPlan
 
 log = structlog.get_logger(actor="model")
@@ -50,8 +50,10 @@ class ModelActor:
         builtin_root: Path,
         make_grammars: MakeGrammars,
         progress: Callable[[str], None] | None = None,
+        speculative: SpeculativeConfig | None = None,
     ):
         self._config = config
+        self._speculative = speculative or SpeculativeConfig()
         self._builtin_root = builtin_root
         self._make_grammars = make_grammars
         self._thread = thread
@@ -62,7 +64,8 @@ class ModelActor:
         with self.inbox:  # closed however this ends, a failed load included
             loaded = await self._thread.run(load_model, self._config, self._builtin_root, self._progress)
             grammars = await anyio.to_thread.run_sync(self._make_grammars, loaded.tokenizer, loaded.info)
-            engine = await self._thread.run(Engine, loaded.model, loaded.layout, grammars, loaded.tokenizer.decode)
+            speculator = await self._thread.run(load_speculator, loaded, self._speculative, self._config, self._builtin_root, self._progress)
+            engine = await self._thread.run(Engine, loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator)
             log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
             task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer, grammars=grammars))
             while True:

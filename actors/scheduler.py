@@ -17,6 +17,7 @@ import structlog
 
 from actors.mailbox import Mailbox, answer, ask
 from policies.scheduling import Ended, SchedulePolicy, Tracked
+from protocols.api import SpecTotals
 from protocols.kv import PrefixesSaved, ReleaseKv, ReportKvUsage, ReserveKv, SaveCheckpoint, UnpinPrefix
 from protocols.model import RunStep, StepFailed, StepOutcome
 from protocols.scheduler import (
@@ -44,6 +45,7 @@ class SchedulerActor:
         self._kv = kv
         self._reported_keys: set[str] = set()
         self._steps_since_report = 0
+        self._spec_totals = SpecTotals()
 
     async def run(self, *, task_status) -> None:
         with self.inbox:
@@ -80,7 +82,7 @@ class SchedulerActor:
                     tracked.record_checkpoint(ok, error)
             case GetSchedulerStats(reply=reply):
                 counts = self.policy.counts()
-                answer(reply, SchedulerStats(steps=self.policy.num_steps, num_finished=self.policy.num_finished, **counts))
+                answer(reply, SchedulerStats(steps=self.policy.num_steps, num_finished=self.policy.num_finished, spec=self._spec_totals, **counts))
             case _:
                 assert_never(message)
 
@@ -151,6 +153,8 @@ class SchedulerActor:
             tracked = self.policy.get(row.request_id)
             if row.fill is not None and tracked is not None:
                 tracked.fill = row.fill
+            if row.spec is not None and tracked is not None:
+                tracked.spec = row.spec
             if row.token_ids and tracked is not None and tracked.release_reason is None:
                 tracked.session.send_nowait(TokensGenerated(request_id=row.request_id, token_ids=row.token_ids, logprobs=row.logprobs))
         for data in outcome.checkpoints:
@@ -199,6 +203,8 @@ class SchedulerActor:
 
     def _notify_end(self, ended: Ended) -> None:
         tracked = ended.tracked
+        if tracked.spec is not None:
+            self._spec_totals = self._spec_totals.add(tracked.spec)
         tracked.session.send_nowait(
             RequestFinished(
                 request_id=tracked.request_id,
@@ -208,6 +214,7 @@ class SchedulerActor:
                 cached_tokens=tracked.cached_tokens,
                 error=ended.error,
                 fill=tracked.fill,
+                spec=tracked.spec,
                 checkpoint=tracked.checkpoint_report(),
             )
         )

@@ -19,7 +19,7 @@ from actors.mailbox import EventChannel, Mailbox, SessionMailbox
 from policies.detokenize import Detokenizer
 from policies.output_parser import OutputParser, Parsed
 from policies.stops import StopMatcher
-from protocols.api import FillStats, Finished, PrefillProgress, Timings, TokenDelta, ToolCall, Usage
+from protocols.api import FillStats, Finished, PrefillProgress, SpecStats, Timings, TokenDelta, ToolCall, Usage
 from protocols.scheduler import CancelRequest, FinishRequest, SetPaused
 from protocols.session import (
     PrefillProgressed,
@@ -45,6 +45,7 @@ class SessionActor:
         parser: OutputParser | None = None,
         fill: FillStats | None = None,
         max_pause_s: float = 300.0,
+        spec: SpecStats | None = None,
     ):
         self.request_id = request_id
         self.inbox = SessionMailbox()
@@ -54,6 +55,8 @@ class SessionActor:
         self._parser = parser
         # Fast-forwarding figures until the scheduler reports the engine's.
         self._fill = fill
+        # Speculation figures until the engine's arrive (a refused request's reason).
+        self._spec = spec
         self._num_calls = 0
         self._scheduler = scheduler
         self._events = events
@@ -199,6 +202,7 @@ class SessionActor:
                 error=error,
                 fill=message.fill or self._fill,
                 checkpoint=message.checkpoint,
+                spec=message.spec or self._spec,
             )
         )
 

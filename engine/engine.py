@@ -35,6 +35,7 @@ from engine.compiled import compile_decode_step
 from engine.known import KnownTokens
 from engine.sampler import BatchSampler, RowSampling, SampleResult
 from engine.sequence import EngineInvariantError, InFlight, Sequence
+from engine.speculation import Speculator
 from policies.fill_session import FillSession
 from policies.layout import is_trimmable
 from protocols.api import FillStats, TokenLogprob, TopLogprob
@@ -70,8 +71,10 @@ class Grammars(Protocol):
 class Engine:
     """Runs plans against one model. Not thread-safe: the MLX thread only."""
 
-    def __init__(self, model, layout: list[LayerLayout], grammars: Grammars | None = None, decode=None):
+    def __init__(self, model, layout: list[LayerLayout], grammars: Grammars | None = None, decode=None, speculator: Speculator | None = None):
         self._model = model
+        # Speculative decoding (a draft model's rows, prompt lookup, the batch gate).
+        self._speculator = speculator or Speculator()
         self._grammars = grammars
         # Token ids to text, for fast-forwarding's tool-call context and trace.
         self._to_text = decode
@@ -103,6 +106,10 @@ class Engine:
         started = time.perf_counter()
         released = [rid for rid in plan.release if self._release(rid)]
         outputs = [refused for admit in plan.admit if (refused := self._admit(admit)) is not None]
+        if self._in_flight is not None and self._in_flight.must_be_read_first and set(plan.park) & {s.request_id for s in self._in_flight.rows}:
+            # A span being checked is settled before its row leaves the batch.
+            outputs += self._collect(self._in_flight)
+            self._in_flight = None
         for rid in plan.park:
             self._park(rid)
         for rid in plan.unpark:
@@ -144,6 +151,8 @@ class Engine:
         """Drop every request (after a failed step)."""
         self._sequences.clear()
         self._batch = DecodeBatch(self._layout)
+        if self._speculator.draft is not None:
+            self._speculator.draft.reset()
         self._sampler = BatchSampler()
         self._pending = None
         self._in_flight = None
@@ -157,7 +166,8 @@ class Engine:
 
     def kv_bytes(self) -> int:
         outside = sum(caches.nbytes(s.cache) for s in self._sequences.values() if s.cache is not None)
-        return outside + self._prefix_bytes + self._batch.nbytes
+        draft = self._speculator.draft.nbytes if self._speculator.draft is not None else 0
+        return outside + self._prefix_bytes + self._batch.nbytes + draft
 
     # -- admission, parking, release ---------------------------------------------------------
 
@@ -201,6 +211,8 @@ class Engine:
             if entry is None or not 0 < n <= min(entry[1], len(admit.prompt_ids) - 1) or (not self._trimmable and n != entry[1]):
                 raise EngineInvariantError(f"prefix {admit.prefix_entry!r} cannot seed {n} tokens")
             seq.cache, seq.num_prefilled = caches.prefix_view(entry[0], n), n
+        if admit.spec is not None:
+            self._speculator.start(seq)
         return seq
 
     def _park(self, request_id: str) -> None:
@@ -210,6 +222,8 @@ class Engine:
             return
         seq.parked = True
         self._known.withdraw(seq)
+        self._speculator.withdraw(seq)
+        self._speculator.park(seq)
         if seq.in_batch:
             seq.num_prefilled = self._batch.lengths[self._batch.index(request_id)]
             seq.cache = self._batch.extract(request_id)
@@ -224,6 +238,7 @@ class Engine:
             self._keep_kv(seq)
         if seq.in_batch:
             self._remove_row(request_id)
+        self._speculator.release(request_id)
         del self._sequences[request_id]
         return True
 
@@ -233,7 +248,12 @@ class Engine:
             return
         if seq.in_batch:
             length = self._batch.lengths[self._batch.index(seq.request_id)]
-            self._save_prefix(seq, self._batch.extract(seq.request_id), length)
+            # A span still being checked (a cancel mid-round) is not known to be the output.
+            verified = min(length, len(seq.context))
+            if verified < length and not self._trimmable:
+                return
+            kept = self._batch.extract(seq.request_id)
+            self._save_prefix(seq, kept if verified == length else caches.trimmed(kept, verified), verified)
         elif seq.cache is not None and seq.num_prefilled:
             self._save_prefix(seq, caches.trimmed(seq.cache, seq.num_prefilled), seq.num_prefilled)
 
@@ -261,6 +281,11 @@ class Engine:
                 self._prefill_one(seq, work.num_tokens)
         for group in together:
             self._prefill_together([first[i] for i in group])
+        draft = self._speculator.draft
+        if draft is not None:  # the draft model prefills what the target did (and any prefix it lacks)
+            for seq in seqs:
+                if seq.spec is not None and seq.lookup is None:
+                    draft.prefill(seq.request_id, seq.admit.prompt_ids[: seq.num_prefilled])
         for seq in seqs:
             # A snapshot where asked, and (when entries are used whole) at the end of the prompt.
             wanted = seq.admit.snapshot_at == seq.num_prefilled or (not self._trimmable and seq.num_prefilled == seq.prompt_len - 1)
@@ -370,49 +395,67 @@ class Engine:
         then the whole batch forwards one token each, so other rows never pay for padding."""
         batch = self._batch
         rows = [self._sequences[rid] for rid in batch.row_ids]
+        self._speculator.propose(rows, self._sampler.rows, batch.lengths)
         appending = [i for i, seq in enumerate(rows) if seq.extra]
         assert self._pending is not None
         pending, sub_logits = self._pending, None
-        if appending:
-            pending, sub_logits = self._append_known(rows, appending, pending)
-        if len(rows) == 1 and self._decode_step is not None:
-            # A lone row: the compiled step (no per-step graph build) is ~6-10% faster per token
-            # on CPU. Batches build the graph: attending over the whole capacity costs them more
-            # KV reads than the build saves (c16 0.90x vs 1.01x of mlx-lm, measured).
-            logits = batch.forward_one(self._decode_step, pending)
+        if len(appending) == len(rows) and all(seq.draft is not None for seq in rows):
+            # Every row checks a draft: one forward over all of them, each row's last position
+            # giving the logits it samples (no second, one-token forward).
+            _, sub_logits = self._append_known(rows, appending, pending, whole=True)
+            logits = sub_logits[mx.arange(len(rows)), mx.array([len(seq.extra) for seq in rows])]
         else:
-            batch.begin_step([1] * len(rows))
-            logits = self._model(pending[:, None], cache=batch.layers)[:, -1, :]
-            batch.end_step()
+            if appending:
+                pending, sub_logits = self._append_known(rows, appending, pending)
+            logits = self._forward_pending(rows, pending)
         in_flight = InFlight(rows=rows)
-        if sub_logits is not None and any(rows[i].verify is not None or rows[i].trace is not None for i in appending):
-            logits = self._known.verify_on_device(rows, appending, sub_logits, logits, in_flight)
-        result = self._sampler.sample(logits, mask=self._grammar_mask(rows))
+        check = None
+        if sub_logits is not None:
+            self._known.trace_choices(rows, appending, sub_logits, in_flight)
+            checked = self._speculator.check(rows, appending, sub_logits, logits, logits.shape[-1])
+            if checked is not None:
+                check, in_flight.verified = checked
+                in_flight.verified_sampling = [self._sampler.rows[i] for i in check.rows]
+        result = self._sampler.sample(logits, mask=self._grammar_mask(rows), check=check)
         for seq in rows:
             seq.extra = []
         self._pending = result.tokens
         in_flight.result = result
-        mx.async_eval(result.arrays() + [a for a in (in_flight.choices, in_flight.accepted) if a is not None])
+        in_flight.accepted = result.accepted
+        mx.async_eval(result.arrays() + [a for a in (in_flight.choices,) if a is not None])
         self._num_steps += 1
         if self._num_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         return in_flight
 
-    def _append_known(self, rows: list[Sequence], appending: list[int], pending: mx.array) -> tuple[mx.array, mx.array]:
+    def _forward_pending(self, rows: list[Sequence], pending: mx.array) -> mx.array:
+        """The whole batch forwards its pending tokens, one each; returns their logits."""
+        if len(rows) == 1 and self._decode_step is not None:
+            # A lone row: the compiled step (no per-step graph build) is ~6-10% faster per token
+            # on CPU. Batches build the graph: attending over the whole capacity costs them more
+            # KV reads than the build saves (c16 0.90x vs 1.01x of mlx-lm, measured).
+            return self._batch.forward_one(self._decode_step, pending)
+        self._batch.begin_step([1] * len(rows))
+        logits = self._model(pending[:, None], cache=self._batch.layers)[:, -1, :]
+        self._batch.end_step()
+        return logits
+
+    def _append_known(self, rows: list[Sequence], appending: list[int], pending: mx.array, whole: bool = False) -> tuple[mx.array, mx.array]:
         """Forward the known tokens of some rows but the last of each, which becomes their
-        pending input; returns the new pending inputs and the appended positions' logits."""
+        pending input; returns the new pending inputs and the appended positions' logits.
+        With `whole`, the last known token is forwarded too (no pending input is left)."""
         firsts = _host(pending)
-        inputs = [[firsts[i], *rows[i].extra[:-1]] for i in appending]
+        inputs = [[firsts[i], *(rows[i].extra if whole else rows[i].extra[:-1])] for i in appending]
         for i, tokens in zip(appending, inputs):
             seq = rows[i]
-            if seq.verify is not None and self._batch.has_state:
+            if (seq.verify is not None or seq.draft is not None) and self._batch.has_state:
                 # A recurrent state cannot be rewound: keep it to replay an accepted prefix.
                 seq.snapshot, seq.replay = self._batch.snapshot(seq.request_id), [tokens[0], *seq.extra]
         sub_logits = self._batch.forward_rows(self._model, appending, inputs)
         for i in appending:
             firsts[i] = rows[i].extra[-1]
         # Penalties see appended tokens like sampled ones (an echo span's only once accepted).
-        self._sampler.advance({i: rows[i].extra for i in appending if rows[i].verify is None})
+        self._sampler.advance({i: rows[i].extra for i in appending if rows[i].verify is None and rows[i].draft is None})
         return mx.array(firsts, dtype=mx.uint32), sub_logits
 
     def _grammar_mask(self, rows: list[Sequence]) -> mx.array | None:
@@ -440,6 +483,8 @@ class Engine:
         logprobs = _read_logprobs(result, tokens)
         choices = dict(zip(map(id, in_flight.appended), _host(in_flight.choices))) if in_flight.choices is not None else {}
         accepted = dict(zip(map(id, in_flight.verified), _host(in_flight.accepted))) if in_flight.accepted is not None else {}
+        for sampling, seq in zip(in_flight.verified_sampling, in_flight.verified):
+            sampling.num_sampled += accepted[id(seq)]  # a checked span's kept tokens were sampled too
         outputs = []
         for i, seq in enumerate(in_flight.rows):
             if self._sequences.get(seq.request_id) is not seq:
@@ -447,7 +492,10 @@ class Engine:
             try:
                 if seq.failure is not None:
                     raise RuntimeError(seq.failure)
-                agreed = self._known.settle(seq, self._batch, accepted, choices)
+                if seq.draft is not None and id(seq) in accepted:
+                    agreed = self._speculator.settle(seq, self._batch, accepted[id(seq)])
+                else:
+                    agreed = self._known.settle(seq, self._batch, accepted, choices)
                 if seq.snapshot is not None:
                     self._replay(seq, len(agreed))
                 outputs.append(self._account(seq, tokens[i], logprobs[i] if logprobs else None, agreed))
@@ -477,9 +525,14 @@ class Engine:
         admit = seq.admit
         if seq.fill is not None and token not in seq.stop_ids:
             seq.fill.observe(token)
+        if seq.spec is not None:
+            seq.spec.record_step(len(agreed) + 1)
+            if seq.lookup is not None:
+                seq.lookup.observe([*agreed, token])
 
         def output(token_ids: list[int], **kw) -> RowOutput:
-            return RowOutput(request_id=seq.request_id, token_ids=token_ids, fill=seq.fill.snapshot() if seq.fill else None, **kw)
+            fill = seq.fill.snapshot() if seq.fill else None
+            return RowOutput(request_id=seq.request_id, token_ids=token_ids, fill=fill, spec=seq.spec.snapshot() if seq.spec else None, **kw)
 
         if seq.matcher is not None and not seq.matcher.accept_token(token):
             raise RuntimeError(f"the grammar rejected sampled token {token}")
@@ -498,6 +551,8 @@ class Engine:
             self._release(seq.request_id)
             return output([*agreed, token], logprobs=wanted, finish_reason="length")
         forced = self._known.after_sample(seq)
+        if seq.lookup is not None and forced:
+            seq.lookup.observe(forced)
         if seq.num_generated >= admit.max_tokens:
             self._release(seq.request_id)
             return output([*agreed, token, *forced], finish_reason="length")

@@ -3,8 +3,8 @@
 - **jump-forward**: the tokens a request's grammar now forces, emitted at once;
 - **strict spans** (fast-forwarding, policy assert): emitted at once;
 - **echo spans** (policy verify): forwarded with the next step and emitted as far as the
-  model's own greedy choices from that same forward agree; the rejected tail's KV is
-  rewound (`settle`).
+  tokens the row's sampler draws from that same forward agree (the sampler's `SpanCheck`,
+  shared with speculative drafts); the rejected tail's KV is rewound (`settle`).
 
 Either way the tokens go into `Sequence.extra` and are forwarded with the row's next step
 (`Engine._dispatch` appends them in one forward over just the rows that have some). The
@@ -77,25 +77,11 @@ class KnownTokens:
         seq.extra = forced
         return forced
 
-    def verify_on_device(self, rows: list[Sequence], appending: list[int], sub_logits: mx.array, logits: mx.array, in_flight: InFlight) -> mx.array:
-        """Greedy choices along the appended spans; echo rows keep the prefix of their span the
-        model agrees with and sample from the logits just after it, all on device."""
-        choices = mx.argmax(sub_logits, axis=-1).astype(mx.int32)
-        in_flight.appended, in_flight.choices = [rows[i] for i in appending], choices
-        verify = [j for j, i in enumerate(appending) if rows[i].verify is not None]
-        if not verify:
-            return logits
-        width = sub_logits.shape[1]
-        spans = [rows[appending[j]].extra for j in verify]
-        targets = mx.array([span + [-1] * (width - len(span)) for span in spans], dtype=mx.int32)
-        sub_index = mx.array(verify, dtype=mx.int32)
-        accepted = mx.cumprod((choices[sub_index] == targets).astype(mx.int32), axis=1).sum(axis=1)
-        picked = sub_logits[sub_index, mx.minimum(accepted, width - 1)]
-        batch_index = mx.array([appending[j] for j in verify], dtype=mx.int32)
-        whole = (accepted == mx.array([len(span) for span in spans], dtype=mx.int32))[:, None]
-        logits[batch_index] = mx.where(whole, logits[batch_index], picked)
-        in_flight.verified, in_flight.accepted = [rows[appending[j]] for j in verify], accepted
-        return logits
+    def trace_choices(self, rows: list[Sequence], appending: list[int], sub_logits: mx.array, in_flight: InFlight) -> None:
+        """The model's greedy choice at each appended position, for the fast-forward trace."""
+        if any(rows[i].trace is not None or (rows[i].verify is not None and _traced(rows[i])) for i in appending):
+            in_flight.appended = [rows[i] for i in appending]
+            in_flight.choices = mx.argmax(sub_logits, axis=-1).astype(mx.int32)
 
     def settle(self, seq: Sequence, batch: DecodeBatch, accepted: dict[int, int], choices: dict[int, list[int]]) -> list[int]:
         """After a step is read: an echo row keeps its agreed prefix (the tail's KV is rewound);
@@ -133,3 +119,7 @@ class KnownTokens:
                 handle.write(trace_record(seq.request_id, proposal, generated, accepted, actual, self._to_text) + "\n")
         except OSError as exc:
             log.warning("fill_trace_failed", path=path, error=str(exc))
+
+
+def _traced(seq: Sequence) -> bool:
+    return seq.fill is not None and bool(seq.fill.plan.trace_path)

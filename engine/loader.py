@@ -17,16 +17,20 @@ from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
+import msgspec
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
 from engine.adapters import adapt_for_batches
 from engine.builtin import builtin_name, ensure_builtin
+from engine.draft import DraftRunner
 from engine.layout import dtype_name, probe_layout
 from engine.quantized import apply_cpu_policy
+from engine.speculation import Speculator
 from policies.layout import full_token_bytes
-from protocols.config import ModelConfig
+from policies.speculation import MEASURED_MAX_BATCH, SpeculationGate
+from protocols.config import ModelConfig, SpeculativeConfig
 from protocols.errors import ModelLoadError
 from protocols.model import LayerLayout, ModelInfo
 
@@ -157,3 +161,26 @@ def model_digest(directory: Path) -> str:
 def tokenizer_digest(directory: Path) -> str:
     names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
     return digest_files([directory / name for name in names])
+
+
+def load_speculator(
+    target: LoadedModel, config: SpeculativeConfig, model: ModelConfig, builtin_root: Path, progress: Callable[[str], None] | None = None
+) -> Speculator:
+    """Speculative decoding for `target`: its draft model (loaded like the target, refused with
+    `ModelLoadError` unless it shares the target's tokenizer and vocabulary), the batch gate,
+    and a drafted token's cost estimated from the two models' sizes (decoding on this backend
+    streams the weights: its time follows the parameter count)."""
+    gate = SpeculationGate(config.max_batch or MEASURED_MAX_BATCH)
+    if not config.draft:
+        return Speculator(gate=gate)
+    draft_config = msgspec.structs.replace(model, path=config.draft, max_context=None)
+    draft = load_model(draft_config, builtin_root, progress)
+    if _vocabulary(draft.tokenizer) != _vocabulary(target.tokenizer) or draft.info.vocab_size != target.info.vocab_size:
+        raise ModelLoadError(f"draft model {config.draft!r} does not share the model's tokenizer and vocabulary")
+    runner = DraftRunner(draft.model, draft.layout)
+    return Speculator(runner, gate, draft_cost=draft.info.num_parameters / max(1, target.info.num_parameters))
+
+
+def _vocabulary(tokenizer) -> dict[str, int]:
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    return dict(hf.get_vocab())

@@ -13,7 +13,7 @@ rows share its batch, and a resumed request can continue its sequence.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from xgrammar.kernels.apply_token_bitmask_mlx import apply_token_bitmask_mlx
@@ -62,16 +62,45 @@ class RowSampling:
 
 
 @dataclass
+class SpanCheck:
+    """Rows whose step forwarded a proposed span (a speculative draft, an echo span): every
+    position is sampled as decoding without the span would have sampled it (same keyed draw,
+    penalties over the span so far, grammar mask), and the span is kept while it agrees.
+
+    `logits[i, j]` are row `rows[i]`'s logits before span token `j`, and at `len(spans[i])`
+    after the whole span. With `rejection[i]` the row keeps a token with probability
+    min(1, p/q) instead (standard speculative sampling; q is `draft_logprobs`, or a point mass
+    on the proposed token when None) and draws a rejection from max(0, p - q).
+    """
+
+    rows: list[int]
+    spans: list[list[int]]
+    logits: mx.array
+    masks: mx.array | None = None
+    rejection: list[bool] = field(default_factory=list)
+    draft_logprobs: mx.array | None = None
+
+
+@dataclass
 class SampleResult:
-    """Device arrays of one step; rows in batch order."""
+    """Device arrays of one step; rows in batch order. For a `SpanCheck`'s rows, `tokens` is the
+    token after their kept span, and `accepted` how many span tokens were kept."""
 
     tokens: mx.array
     logprobs: mx.array | None = None
     top_ids: mx.array | None = None
     top_logprobs: mx.array | None = None
+    accepted: mx.array | None = None
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs) if a is not None]
+        return [a for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs, self.accepted) if a is not None]
+
+
+# Draws that decide whether a proposed token is kept come from their own stream.
+_ACCEPT_STREAM = 0x5BD1E995
+# ... and of its residual draws on a rejection: the draft's tokens were drawn with the row's
+# own keys, and a draw conditioned on a rejected token must not reuse its noise.
+_RESIDUAL_STREAM = 0x27D4EB2F
 
 
 class BatchSampler:
@@ -116,37 +145,114 @@ class BatchSampler:
     def process(self, logits: mx.array) -> mx.array:
         """Logits after each row's penalties (mlx-lm's logits processors)."""
         logits = logits.astype(mx.float32)
-        return self._apply_penalties(logits) if self._window is not None else logits
+        return self._penalize(logits, self._window, self.rows) if self._window is not None else logits
 
-    def sample(self, logits: mx.array, mask: mx.array | None = None) -> SampleResult:
-        """One token per row; `mask` is an xgrammar bitmask ([rows, ceil(vocab / 32)] int32)."""
+    def sample(self, logits: mx.array, mask: mx.array | None = None, check: SpanCheck | None = None) -> SampleResult:
+        """One token per row; `mask` is an xgrammar bitmask ([rows, ceil(vocab / 32)] int32).
+        Rows of `check` get the token after the part of their span that is kept instead."""
         rows = self.rows
         logits = self.process(logits)
         if mask is not None:
             logits = apply_token_bitmask_mlx(mask, logits, logits.shape[-1])
-        tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
-        sampled = [i for i, r in enumerate(rows) if not r.is_greedy]
-        if sampled:
-            tokens = self._draw(logits, tokens, sampled)
+        tokens = self._choose(logits, rows, [0] * len(rows))
         result = SampleResult(tokens=tokens)
         if any(r.wants_logprobs for r in rows):
             self._attach_logprobs(result, logits)
+        new_windows = None
+        if check is not None and check.rows:
+            final, result.accepted, new_windows = self._check(check)
+            tokens[mx.array(check.rows, dtype=mx.int32)] = final
         if self._window is not None:
             self._window = mx.concatenate([self._window[:, 1:], tokens[:, None].astype(mx.int32)], axis=1)
+            if new_windows is not None and check is not None:
+                self._window[mx.array(check.rows, dtype=mx.int32)] = new_windows
         for r in rows:
             r.num_sampled += 1
         return result
 
-    def _param(self, name: str) -> mx.array:
-        if self._params is None:
-            p = [r.params for r in self.rows]
-            self._params = {
-                "repetition": mx.array([x.repetition_penalty for x in p])[:, None],
-                "presence": mx.array([x.presence_penalty for x in p])[:, None],
-                "frequency": mx.array([x.frequency_penalty for x in p])[:, None],
-                "context": mx.array([x.penalty_context_size if r.has_penalty else 0 for x, r in zip(p, self.rows)]),
-            }
-        return self._params[name]
+    def _choose(self, logits: mx.array, rows: list[RowSampling], offsets: list[int]) -> mx.array:
+        """Each row's token from its processed logits: argmax, or a keyed draw `offsets` past
+        its tokens sampled so far."""
+        tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        sampled = [i for i, r in enumerate(rows) if not r.is_greedy]
+        if not sampled:
+            return tokens
+        index = mx.array(sampled, dtype=mx.int32)
+        lp = self._filtered(logits[index], [rows[i] for i in sampled])
+        keys = [draw_key(rows[i].seed, rows[i].num_sampled + offsets[i]) for i in sampled]
+        tokens[index] = _gumbel_argmax(lp, keys)
+        return tokens
+
+    @staticmethod
+    def _filtered(logits: mx.array, rows: list[RowSampling]) -> mx.array:
+        """Log-probabilities after top-p/min-p/top-k, scaled by each row's temperature."""
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        lp = apply_filters(lp, [r.params for r in rows])
+        return lp * mx.array([1.0 / r.params.temperature for r in rows])[:, None]
+
+    def _check(self, check: SpanCheck) -> tuple[mx.array, mx.array, mx.array | None]:
+        """Final tokens, kept counts and the penalty windows after the kept tokens, for the
+        rows of `check` (see `SpanCheck`)."""
+        n, positions, vocab = check.logits.shape
+        rows = [self.rows[i] for i in check.rows]
+        flat_rows = [r for r in rows for _ in range(positions)]
+        offsets = [j for _ in rows for j in range(positions)]
+        flat = check.logits.reshape(n * positions, vocab).astype(mx.float32)
+        windows = self._span_windows(check) if self._window is not None else None
+        if windows is not None:
+            flat = self._penalize(flat, windows.reshape(n * positions, -1), flat_rows)
+        if check.masks is not None:
+            flat = apply_token_bitmask_mlx(check.masks.reshape(n * positions, -1), flat, vocab)
+        samples = self._choose(flat, flat_rows, offsets).reshape(n, positions).astype(mx.int32)
+        proposed = mx.array([span + [-1] * (positions - 1 - len(span)) for span in check.spans], dtype=mx.int32)
+        accepted = mx.cumprod((samples[:, :-1] == proposed).astype(mx.int32), axis=1).sum(axis=1)
+        final = mx.take_along_axis(samples, accepted[:, None], axis=1)[:, 0]
+        if any(check.rejection):
+            final, accepted = self._rejection(check, flat, flat_rows, proposed, samples, final, accepted)
+        new_windows = None
+        if windows is not None:
+            before = mx.take_along_axis(windows, accepted[:, None, None], axis=1)[:, 0]
+            new_windows = mx.concatenate([before[:, 1:], final[:, None]], axis=1)
+        return final.astype(mx.uint32), accepted, new_windows
+
+    def _rejection(self, check, flat, flat_rows, proposed, samples, final, accepted):
+        """Standard speculative sampling for the rows that ask (greedy rows stay exact)."""
+        n, positions = samples.shape
+        vocab = flat.shape[-1]
+        lp = self._filtered(flat, [r if not r.is_greedy else _UNIT for r in flat_rows]).reshape(n, positions, vocab)
+        p = mx.softmax(lp, axis=-1)
+        safe = mx.maximum(proposed, 0)
+        p_x = mx.take_along_axis(p[:, :-1], safe[:, :, None], axis=-1)[:, :, 0]
+        if check.draft_logprobs is not None:
+            q = mx.exp(check.draft_logprobs.astype(mx.float32))
+        else:  # a point mass on the proposed token
+            q = (mx.arange(vocab)[None, None, :] == safe[:, :, None]).astype(mx.float32)
+        q_x = mx.take_along_axis(q, safe[:, :, None], axis=-1)[:, :, 0]
+        rows = [self.rows[i] for i in check.rows]
+        keys = [draw_key(r.seed ^ _ACCEPT_STREAM, r.num_sampled + j) for r in rows for j in range(positions - 1)]
+        uniform = mx.vmap(lambda k: mx.random.uniform(key=k))(mx.array(keys, dtype=mx.uint32)).reshape(n, positions - 1)
+        kept = (uniform * q_x < p_x) & (proposed >= 0)
+        rejected_at = mx.cumprod(kept.astype(mx.int32), axis=1).sum(axis=1)
+        residual = mx.maximum(p[:, :-1] - q, 0.0)
+        residual_keys = [draw_key(r.seed ^ _RESIDUAL_STREAM, r.num_sampled + j) for r in rows for j in range(positions - 1)]
+        redraw = _gumbel_argmax(mx.log(residual.reshape(n * (positions - 1), vocab)), residual_keys).reshape(n, positions - 1)
+        # A rejection draws from the residual there; a whole span kept adds the plain sample after it.
+        at = mx.minimum(rejected_at, positions - 2)[:, None]
+        lengths = mx.array([len(span) for span in check.spans], dtype=mx.int32)
+        residual_token = mx.take_along_axis(redraw, at, axis=1)[:, 0].astype(mx.int32)
+        chosen = mx.where(rejected_at < lengths, residual_token, mx.take_along_axis(samples, rejected_at[:, None], axis=1)[:, 0])
+        use = mx.array([rej and not r.is_greedy for rej, r in zip(check.rejection, rows)])
+        return mx.where(use, chosen, final), mx.where(use, rejected_at, accepted)
+
+    def _span_windows(self, check: SpanCheck) -> mx.array:
+        """Each checked row's penalty window before each span position: `[rows, positions, width]`."""
+        assert self._window is not None
+        positions = check.logits.shape[1]
+        width = self._window.shape[1]
+        padded = mx.array([span + [-1] * (positions - 1 - len(span)) for span in check.spans], dtype=mx.int32)
+        extended = mx.concatenate([self._window[mx.array(check.rows, dtype=mx.int32)], padded], axis=1)
+        index = mx.arange(positions, dtype=mx.int32)[:, None] + mx.arange(width, dtype=mx.int32)[None, :]
+        return extended[:, index]
 
     def _rebuild_window(self, extra_context: list[int]) -> None:
         """Recreate the penalty windows from host-side histories (rare: on joins)."""
@@ -165,33 +271,26 @@ class BatchSampler:
                 rows.append(mx.full((width,), -1, mx.int32))
         self._window = mx.stack(rows)
 
-    def _apply_penalties(self, logits: mx.array) -> mx.array:
-        window = self._window
-        assert window is not None
+    def _penalize(self, logits: mx.array, window: mx.array, rows: list[RowSampling]) -> mx.array:
+        params = self._params_for(rows)
         num_rows, width = window.shape
         age = mx.arange(width - 1, -1, -1, dtype=mx.int32)[None, :]
-        valid = (window >= 0) & (age < self._param("context")[:, None])
+        valid = (window >= 0) & (age < params["context"][:, None])
         index = mx.where(valid, window, 0)
         row_index = mx.broadcast_to(mx.arange(num_rows, dtype=mx.int32)[:, None], index.shape)
         counts = mx.zeros(logits.shape, mx.float32).at[row_index, index].add(valid.astype(mx.float32))
         present = counts > 0
-        rep = self._param("repetition")
+        rep = params["repetition"]
         logits = mx.where(present, mx.where(logits < 0, logits * rep, logits / rep), logits)
-        logits = logits - self._param("presence") * present
-        return logits - self._param("frequency") * counts
+        logits = logits - params["presence"] * present
+        return logits - params["frequency"] * counts
 
-    def _draw(self, logits: mx.array, tokens: mx.array, sampled: list[int]) -> mx.array:
-        rows = [self.rows[i] for i in sampled]
-        index = mx.array(sampled, dtype=mx.int32)
-        sub = logits[index]
-        lp = sub - mx.logsumexp(sub, axis=-1, keepdims=True)
-        lp = apply_filters(lp, [r.params for r in rows])
-        keys = mx.array([draw_key(r.seed, r.num_sampled) for r in rows], dtype=mx.uint32)
-        noise = mx.vmap(lambda k: mx.random.gumbel(shape=(lp.shape[-1],), key=k))(keys)
-        inv_temp = mx.array([1.0 / r.params.temperature for r in rows])[:, None]
-        drawn = mx.argmax(lp * inv_temp + noise, axis=-1).astype(mx.uint32)
-        tokens[index] = drawn
-        return tokens
+    def _params_for(self, rows: list[RowSampling]) -> dict[str, mx.array]:
+        if rows is self.rows:
+            if self._params is None:
+                self._params = _penalty_params(self.rows)
+            return self._params
+        return _penalty_params(rows)
 
     def _attach_logprobs(self, result: SampleResult, logits: mx.array) -> None:
         lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -201,6 +300,44 @@ class BatchSampler:
             top_ids = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
             result.top_ids = top_ids
             result.top_logprobs = mx.take_along_axis(lp, top_ids, axis=-1)
+
+
+# A greedy row's distribution, for rejection sampling's arithmetic (never drawn from).
+_UNIT = RowSampling(SamplingParams(temperature=1.0), seed=0)
+
+
+def _penalty_params(rows: list[RowSampling]) -> dict[str, mx.array]:
+    p = [r.params for r in rows]
+    return {
+        "repetition": mx.array([x.repetition_penalty for x in p])[:, None],
+        "presence": mx.array([x.presence_penalty for x in p])[:, None],
+        "frequency": mx.array([x.frequency_penalty for x in p])[:, None],
+        "context": mx.array([x.penalty_context_size if r.has_penalty else 0 for x, r in zip(p, rows)]),
+    }
+
+
+def draft_draws(logits: mx.array, rows: list[RowSampling], offset: int) -> tuple[mx.array, mx.array]:
+    """A draft model's tokens, drawn as the target's sampler will draw position `offset` past
+    each row's sampled tokens: argmax for greedy rows, otherwise the same keyed Gumbel noise
+    over the draft's own filtered, tempered distribution (so agreeing models draw alike).
+    Returns the tokens and the log-probabilities they were drawn from (greedy rows: the
+    draft's plain distribution)."""
+    logits = logits.astype(mx.float32)
+    tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    sampled = [i for i, r in enumerate(rows) if not r.is_greedy]
+    if sampled:
+        index = mx.array(sampled, dtype=mx.int32)
+        scaled = BatchSampler._filtered(logits[index], [rows[i] for i in sampled])
+        tokens[index] = _gumbel_argmax(scaled, [draw_key(rows[i].seed, rows[i].num_sampled + offset) for i in sampled])
+        logprobs[index] = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+    return tokens, logprobs
+
+
+def _gumbel_argmax(scaled: mx.array, keys: list[tuple[int, int]]) -> mx.array:
+    """One keyed Gumbel-max draw per row of `scaled` log-probabilities."""
+    noise = mx.vmap(lambda k: mx.random.gumbel(shape=(scaled.shape[-1],), key=k))(mx.array(keys, dtype=mx.uint32))
+    return mx.argmax(scaled + noise, axis=-1).astype(mx.uint32)
 
 
 def apply_filters(lp: mx.array, params: list[SamplingParams]) -> mx.array:

@@ -9,6 +9,7 @@ import mlx.core as mx
 
 from engine.sampler import SampleResult
 from policies.fill_session import FillSession, Proposal
+from policies.speculation import LookupSource, SpecRow
 from protocols.model import AdmitRequest
 
 
@@ -49,6 +50,11 @@ class Sequence:
     # forwarded from there, to replay the accepted prefix if the span's tail is rejected.
     snapshot: list | None = None
     replay: list[int] = field(default_factory=list)
+    # Speculative decoding: the row's adaptive state, its prompt-lookup index, and the draft
+    # forwarded this step for the sampler to check (also in `extra`).
+    spec: SpecRow | None = None
+    lookup: LookupSource | None = None
+    draft: list[int] | None = None
 
     def tokens_with_kv(self, length: int) -> list[int]:
         """The tokens whose KV the first `length` cache positions hold."""
@@ -80,7 +86,8 @@ class Sequence:
         """Its next step depends on the token in flight: a grammar mask, a fast-forward span,
         an echo span's verdict (the rejected tail is rewound before anything else is written),
         or a checkpoint that is due."""
-        needs = self.matcher is not None or (self.fill is not None and self.fill.active) or self.verify is not None
+        needs = self.matcher is not None or (self.fill is not None and self.fill.active) or self.verify is not None or self.draft is not None
+        needs = needs or (self.spec is not None and self.spec.drafts_next)
         # A checkpoint is captured between a step's read and the next dispatch.
         return needs or self.checkpoint_due
 
@@ -95,11 +102,13 @@ class InFlight:
 
     rows: list[Sequence]
     result: SampleResult | None = None
-    # Rows that appended known tokens first, with each position's greedy choice, and the
-    # echo rows among them with how many of their span's tokens the model agreed with.
+    # Rows that appended known tokens first, with each position's greedy choice (for the
+    # fast-forward trace), and the rows whose spans the sampler checked (echo spans, drafts)
+    # with how many of each span's tokens it kept.
     appended: list[Sequence] = field(default_factory=list)
     choices: mx.array | None = None
     verified: list[Sequence] = field(default_factory=list)
+    verified_sampling: list[Any] = field(default_factory=list)
     accepted: mx.array | None = None
 
     @property

@@ -47,6 +47,7 @@ class Tracked:
     cached_tokens: int = 0
     # The engine's latest fast-forwarding figures for it (reported in Finished).
     fill: Any = None
+    spec: Any = None
     timeline: dict[str, float] = field(default_factory=dict)
     # The request as submitted (for checkpoints), and its checkpoint cadence.
     request: Any = None

@@ -81,6 +81,14 @@ class GenerateRequest(Record, frozen=True):
     # None: the runtime's `generation.fill`. Refused (reason in `Finished.fill`) with a
     # grammar or logprobs.
     fill: str | None = None
+    # Speculative decoding: None follows the runtime (on when `[speculative]` has a draft
+    # model or prompt lookup); False opts out. Never with logprobs (reason in `Finished.spec`).
+    speculative: bool | None = None
+    # How drafted tokens are kept: "exact" (while they equal the tokens the request's own
+    # sampler draws: the output is the one decoding without speculation gives, seeded sampling
+    # included) or "rejection" (standard speculative sampling: the target's distribution,
+    # higher acceptance). None: `speculative.acceptance`.
+    acceptance: str | None = None
 
 
 class TopLogprob(Record, frozen=True):
@@ -172,6 +180,65 @@ class FillStats(Record, frozen=True):
     verify_rejected: int = 0
 
 
+class SpecStats(Record, frozen=True):
+    """What speculative decoding did for one request (`Finished.spec`)."""
+
+    # "draft" (a draft model) or "lookup" (n-grams of the request's own context).
+    method: str
+    acceptance: str
+    # Why the request did not speculate at all.
+    refused: str | None = None
+    # Rounds (a draft checked by one target forward), tokens proposed, kept and thrown away.
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    # accepted_by_position[i]: rounds that kept at least i + 1 drafted tokens.
+    accepted_by_position: list[int] = msgspec.field(default_factory=list)
+    # Tokens the request generated, and the target forwards that produced them (one per plain
+    # step or round): their difference is the forwards speculation saved.
+    generated: int = 0
+    target_forwards: int = 0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.generated / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def forwards_saved(self) -> int:
+        return self.generated - self.target_forwards
+
+
+class SpecTotals(Record, frozen=True):
+    """Speculative decoding over the requests that speculated and ended so far
+    (`rt.stats().scheduler.spec`)."""
+
+    requests: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    generated: int = 0
+    target_forwards: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.generated / self.target_forwards if self.target_forwards else 0.0
+
+    def add(self, stats: SpecStats) -> SpecTotals:
+        return SpecTotals(
+            requests=self.requests + 1,
+            rounds=self.rounds + stats.rounds,
+            drafted=self.drafted + stats.drafted,
+            accepted=self.accepted + stats.accepted,
+            generated=self.generated + stats.generated,
+            target_forwards=self.target_forwards + stats.target_forwards,
+        )
+
+
 class CheckpointReport(Record, frozen=True):
     """What became of a request's durable checkpoints (`Finished.checkpoint`), as known when
     it ended: writes confirmed, writes that failed, and the last failure's reason."""
@@ -195,6 +262,8 @@ class Finished(Message, frozen=True):
     fill: FillStats | None = None
     # Checkpoint writes, for requests that asked for checkpoints.
     checkpoint: CheckpointReport | None = None
+    # Speculative decoding figures, when the runtime speculates.
+    spec: SpecStats | None = None
 
 
 Event = TokenDelta | ToolCall | PrefillProgress | Finished

@@ -115,6 +115,27 @@ class ServerConfig(Section, frozen=True):
     send_buffer_frames: Positive = 64
 
 
+class SpeculativeConfig(Section, frozen=True):
+    # A draft model (an mlx-lm directory or "builtin:<name>") sharing the model's tokenizer:
+    # requests then speculate by default, drafting with it. "" = none.
+    draft: str = ""
+    # Without a draft model: draft from n-grams of each request's own context (prompt lookup).
+    lookup: bool = False
+    # "exact": a drafted token is kept while it equals the token the request's own sampler
+    # draws there (output identical to decoding without speculation, seeded sampling too);
+    # "rejection": standard speculative sampling (the target's distribution, more kept).
+    acceptance: Literal["exact", "rejection"] = "exact"
+    # Longest draft per round; each request adapts its own below this to its acceptance.
+    max_draft_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    # false: every round drafts max_draft_tokens, whatever the acceptance (mlx-lm's way).
+    adaptive: bool = True
+    # Prompt lookup: tokens of the context's tail that must match earlier context.
+    lookup_anchor: Annotated[int, msgspec.Meta(ge=1, le=8)] = 2
+    # Batches of more rows than this do not speculate (a verify forward then costs more than
+    # it saves); 0 = the crossover measured on this machine (see BENCHMARKS.md).
+    max_batch: NonNegative = 0
+
+
 class CheckpointConfig(Section, frozen=True):
     # Where checkpoints are written; "" = $MLXRT_HOME/checkpoints (default ~/.cache/mlxrt/checkpoints).
     dir: str = ""

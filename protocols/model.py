@@ -10,7 +10,7 @@ from typing import Literal
 
 import msgspec
 
-from protocols.api import FillStats, SamplingParams, TokenLogprob
+from protocols.api import FillStats, SamplingParams, SpecStats, TokenLogprob
 from protocols.base import Message, Record, Reply
 
 
@@ -69,6 +69,19 @@ class ResumeState(Record, frozen=True):
     kv_tensors: bytes
 
 
+class SpecPlan(Record, frozen=True):
+    """A request's speculative decoding: where drafts come from, how they are kept, and the
+    longest draft per round."""
+
+    method: Literal["draft", "lookup"]
+    acceptance: Literal["exact", "rejection"] = "exact"
+    max_draft: int = 4
+    # Prompt lookup: the anchor (n-gram) a draft needs.
+    lookup_anchor: int = 2
+    # False: always draft `max_draft` tokens.
+    adaptive: bool = True
+
+
 class AdmitRequest(Record, frozen=True):
     """A request entering the engine; no compute happens until it is prefilled."""
 
@@ -94,6 +107,7 @@ class AdmitRequest(Record, frozen=True):
     # Append grammar-forced tokens in one multi-token forward (jump-forward decoding).
     jump_forward: bool = False
     fill: FillPlan | None = None
+    spec: SpecPlan | None = None
 
     @property
     def context_ids(self) -> list[int]:
@@ -154,6 +168,8 @@ class RowOutput(Record, frozen=True):
     stop_token_id: int | None = None
     # The request's fast-forwarding figures so far, for rows that fast-forward.
     fill: FillStats | None = None
+    # Its speculative decoding figures so far, for rows that speculate.
+    spec: SpecStats | None = None
     error: str | None = None
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from protocols.api import GenerateRequest
+import msgspec
+
+from protocols.api import GenerateRequest, SpecTotals
 from protocols.base import Message, Record, Reply
 from protocols.model import AdmitRequest
 from protocols.session import SessionInbox
@@ -59,6 +61,8 @@ class SchedulerStats(Record, frozen=True):
     num_finished: int
     # Admitted requests whose callers are not reading (decoding stopped, KV kept).
     paused: int = 0
+    # Speculative decoding of the requests that speculated and ended.
+    spec: SpecTotals = msgspec.field(default_factory=SpecTotals)
 
 
 class GetSchedulerStats(Message, frozen=True):

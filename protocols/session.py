@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from protocols.api import CheckpointReport, FillStats, FinishReason, TokenLogprob
+from protocols.api import CheckpointReport, FillStats, FinishReason, SpecStats, TokenLogprob
 from protocols.base import Message, Record
 from protocols.errors import ErrorCode
 
@@ -40,6 +40,7 @@ class RequestFinished(Message, frozen=True):
     error: str | None = None
     fill: FillStats | None = None
     checkpoint: CheckpointReport | None = None
+    spec: SpecStats | None = None
 
 
 class RequestRejected(Message, frozen=True):

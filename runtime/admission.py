@@ -25,7 +25,8 @@ import structlog
 
 from policies import fill_plan as fill
 from policies import validation as requests
-from protocols.api import FillStats, GenerateRequest
+from policies.speculation import plan_speculation
+from protocols.api import FillStats, GenerateRequest, SpecStats
 from protocols.model import AdmitRequest, GrammarSpec, ModelInfo, ResumeState
 from runtime import checkpoints
 from runtime.config import RuntimeConfig
@@ -43,6 +44,7 @@ class Prepared:
     request: GenerateRequest
     checkpoint_every: int
     fill_stats: FillStats | None = None
+    spec_stats: SpecStats | None = None
     # Pinned in the grammar cache until the request ends (`Admission.release`).
     grammar: GrammarSpec | None = None
 
@@ -122,6 +124,7 @@ class Admission:
         """Add the grammar (compiled and pinned: bad grammars are refused before any compute),
         jump-forward and the fast-forwarding plan; the grammar is released if this fails."""
         request, admit = prepared.request, prepared.admit
+        spec_plan, spec_stats = plan_speculation(request, self._config.speculative, has_draft=bool(self._config.speculative.draft))
         if grammar is not None:
             await self._grammars.acquire(grammar)
         try:
@@ -130,8 +133,8 @@ class Admission:
             if grammar is not None:
                 self._grammars.release(grammar)
             raise
-        admit = msgspec.structs.replace(admit, grammar=grammar, jump_forward=self._jump_forward(request, grammar, fill_plan), fill=fill_plan)
-        return Prepared(admit=admit, request=request, checkpoint_every=prepared.checkpoint_every, fill_stats=fill_stats, grammar=grammar)
+        admit = msgspec.structs.replace(admit, grammar=grammar, jump_forward=self._jump_forward(request, grammar, fill_plan), fill=fill_plan, spec=spec_plan)
+        return Prepared(admit=admit, request=request, checkpoint_every=prepared.checkpoint_every, fill_stats=fill_stats, spec_stats=spec_stats, grammar=grammar)
 
     def _jump_forward(self, request: GenerateRequest, grammar: GrammarSpec | None, fill_plan) -> bool:
         # Strict fast-forward rows, where a forced tool call has some, take jump-forward's place.

@@ -24,6 +24,7 @@ from protocols.config import (
     SchedulerConfig,
     Section,
     ServerConfig,
+    SpeculativeConfig,
 )
 from protocols.errors import ConfigError
 from runtime import env
@@ -38,9 +39,10 @@ __all__ = [
     "RuntimeConfig",
     "SchedulerConfig",
     "ServerConfig",
+    "SpeculativeConfig",
 ]
 
-SECTIONS = ("model", "scheduler", "kv", "generation", "limits", "logging", "server", "checkpoints")
+SECTIONS = ("model", "scheduler", "kv", "generation", "limits", "logging", "server", "checkpoints", "speculative")
 
 
 class RuntimeConfig(Section, frozen=True):
@@ -52,6 +54,7 @@ class RuntimeConfig(Section, frozen=True):
     logging: LoggingConfig = LoggingConfig()
     server: ServerConfig = ServerConfig()
     checkpoints: CheckpointConfig = CheckpointConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     @classmethod
     def load(cls, path: str | Path, *, environ: Mapping[str, str] | None = None, overrides: Mapping[str, object] | None = None) -> RuntimeConfig:

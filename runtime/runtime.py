@@ -108,7 +108,7 @@ class Runtime:
                 tokenizer, info.vocab_size, info.eos_token_ids, max_bytes=limits.grammar_cache_bytes, timeout_s=limits.grammar_compile_timeout_s
             )
 
-        model = ModelActor(config.model, thread, builtin_root=env.home(), make_grammars=make_grammars, progress=progress)
+        model = ModelActor(config.model, thread, builtin_root=env.home(), make_grammars=make_grammars, progress=progress, speculative=config.speculative)
         ready: ModelReady = await tg.start(model.run)
         progress.done(f"{ready.info.model_type} {ready.info.num_parameters / 1e6:.1f}M params, {ready.info.dtype} on {ready.info.device}")
         ledger = KvLedger(
@@ -206,6 +206,7 @@ class Runtime:
             events=events,
             parser=self._output_parser(request),
             fill=prepared.fill_stats,
+            spec=prepared.spec_stats,
             max_pause_s=self.config.scheduler.max_pause_s,
         )
 

@@ -20,6 +20,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -136,6 +137,11 @@ class BuiltinSpec:
     for families whose loader ties the head to the embeddings when it is missing.
     `quantize` is ``(bits, group_size)``: the initialised model is quantized (affine,
     as ``mlx_lm.utils.quantize_model`` does) and config.json records it.
+    `scale` multiplies the initialised weights whose names match a regular expression
+    (``(pattern, factor)`` pairs; damped layers make a model whose first layers decide
+    most of its output, so a model cut after them drafts well for it). `keep_layers`
+    cuts the initialised model after its first layers (the same weights as the full
+    spec's for those layers): a draft model for the spec it was cut from.
     """
 
     name: str
@@ -156,6 +162,8 @@ class BuiltinSpec:
     layout: Layout = "flat"
     omit_weights: tuple[str, ...] = ()
     quantize: tuple[int, int] | None = None
+    scale: tuple[tuple[str, float], ...] = ()
+    keep_layers: int | None = None
 
     def __post_init__(self) -> None:
         extra = self.extra if isinstance(self.extra, Mapping) else dict(self.extra)
@@ -178,6 +186,9 @@ class BuiltinSpec:
             if bits not in _QUANT_BITS or group_size not in _QUANT_GROUP_SIZES:
                 raise ValueError(f"{self.name}: unsupported quantization {self.quantize!r} (bits {_QUANT_BITS}, group sizes {_QUANT_GROUP_SIZES})")
             object.__setattr__(self, "quantize", (int(bits), int(group_size)))
+        object.__setattr__(self, "scale", tuple((str(pattern), float(factor)) for pattern, factor in self.scale))
+        if self.keep_layers is not None and not 0 < self.keep_layers <= self.num_hidden_layers:
+            raise ValueError(f"{self.name}: keep_layers must be in 1..{self.num_hidden_layers}")
 
     def fields(self) -> dict[str, Any]:
         """The spec as JSON data. Fields added after the first built-in models are left
@@ -186,7 +197,8 @@ class BuiltinSpec:
         data["extra"] = thaw(self.extra)
         data["omit_weights"] = list(self.omit_weights)
         data["quantize"] = list(self.quantize) if self.quantize is not None else None
-        for name, default in (("extra", {}), ("layout", "flat"), ("omit_weights", []), ("quantize", None)):
+        data["scale"] = [list(pair) for pair in self.scale]
+        for name, default in (("extra", {}), ("layout", "flat"), ("omit_weights", []), ("quantize", None), ("scale", []), ("keep_layers", None)):
             if data[name] == default:
                 del data[name]
         return data
@@ -235,6 +247,40 @@ _BENCH = BuiltinSpec(
     tie_word_embeddings=True,
     seed=2,
     tokenizer=BENCH_TOKENIZER,
+)
+
+# A target and draft pair for speculative decoding whose agreement is real: `bench-spec` is
+# `bench`'s shape 48 layers deep with layers 2-47 writing 1% of their output into the
+# residual stream, so its first two layers decide most of its choices; `bench-spec-draft`
+# is those two layers (the same weights) with the same head: 13% of the target's
+# parameters, agreeing with its greedy choice about 80% of the time (BENCHMARKS.md).
+_SPEC_TARGET = dataclasses.replace(
+    _BENCH, name="bench-spec", num_hidden_layers=48, scale=((r"model\.layers\.(?:[2-9]|[1-4]\d)\..*(?:o_proj|down_proj)\.weight", 0.01),)
+)
+# A model whose next token depends mostly on the current one (attention writes 2% of its
+# output) with a peaked head: its text repeats what its context already holds after the
+# same token, as an edit of a given code block repeats the block; prompt lookup's workload.
+_COPY = dataclasses.replace(
+    _BENCH, name="bench-copy", num_hidden_layers=12, scale=((r"model\.layers\.\d+\.self_attn\.o_proj\.weight", 0.02), (r"model\.norm\.weight", 4.0))
+)
+
+# The same idea at `tiny`'s width for tests: 4 layers, the last two damped to 10%; its draft
+# is the first two. They agree on most greedy choices, not all (rewinds are exercised).
+_TINY_SPEC = BuiltinSpec(
+    name="tiny-spec",
+    model_type="llama",
+    hidden_size=64,
+    num_hidden_layers=4,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    seed=9,
+    tokenizer=TINY_TOKENIZER,
+    scale=((r"model\.layers\.[23]\..*(?:o_proj|down_proj)\.weight", 0.1),),
 )
 
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
@@ -429,6 +475,11 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
         ),
         # `bench` with the same initial weights, quantized like mlx-community's 4-bit models.
         dataclasses.replace(_BENCH, name="bench-4bit", quantize=(4, 64)),
+        _TINY_SPEC,
+        dataclasses.replace(_TINY_SPEC, name="tiny-spec-draft", keep_layers=2),
+        _SPEC_TARGET,
+        dataclasses.replace(_SPEC_TARGET, name="bench-spec-draft", keep_layers=2),
+        _COPY,
     )
 }
 
@@ -529,6 +580,8 @@ def _build_model(spec: BuiltinSpec, root: Path, out: Path, say: Progress) -> Non
         raise ValueError(f"{spec.name}: tokenizer ids exceed vocab_size {spec.vocab_size}")
     config = _hf_config(spec, eos_ids=[ids[t] for t in EOS_TOKENS], pad_id=ids[ENDOFTEXT])
     num_parameters, quantization = _write_weights(spec, config, out / "model.safetensors", say)
+    if spec.keep_layers is not None:
+        _set_layers(config, spec, spec.keep_layers)
     if quantization is not None:
         # Where mlx-lm's loader looks (and what mlx_lm.convert writes).
         config["quantization"] = quantization
@@ -625,7 +678,25 @@ def _instantiate(spec: BuiltinSpec, config: dict[str, Any]) -> Any:
 
 
 def _omitted(spec: BuiltinSpec, name: str) -> bool:
+    if spec.keep_layers is not None and (layer := re.match(r"(?:model\.)?layers\.(\d+)\.", name)) and int(layer.group(1)) >= spec.keep_layers:
+        return True
     return any(name == module or name.startswith(module + ".") for module in spec.omit_weights)
+
+
+def _set_layers(config: dict[str, Any], spec: BuiltinSpec, num_layers: int) -> None:
+    """config.json for the first `num_layers` layers (per-layer lists cut to them)."""
+    target = config["text_config"] if spec.layout == "text_config" else config
+    target["num_hidden_layers"] = num_layers
+    for key, value in list(target.items()):
+        if isinstance(value, list) and len(value) == spec.num_hidden_layers:
+            target[key] = value[:num_layers]
+
+
+def _scaled(spec: BuiltinSpec, name: str, value: np.ndarray) -> np.ndarray:
+    for pattern, factor in spec.scale:
+        if re.fullmatch(pattern, name):
+            value = value * np.asarray(factor, dtype=value.dtype)
+    return value
 
 
 def _write_weights(spec: BuiltinSpec, config: dict[str, Any], path: Path, say: Progress) -> tuple[int, dict[str, Any] | None]:
@@ -640,7 +711,7 @@ def _write_weights(spec: BuiltinSpec, config: dict[str, Any], path: Path, say: P
     num_parameters = sum(int(np.prod(shape)) for name, shape in shapes.items() if not _omitted(spec, name))
     say(f"initializing {num_parameters / 1e6:.1f}M weights")
     rng = np.random.default_rng(spec.seed)
-    weights = {name: mx.array(_init_param(rng, name, shapes[name])) for name in sorted(shapes)}
+    weights = {name: mx.array(_scaled(spec, name, _init_param(rng, name, shapes[name]))) for name in sorted(shapes)}
     quantization = None
     if spec.quantize is not None:
         bits, group_size = spec.quantize

@@ -61,18 +61,20 @@ async def test_strict_rows_append_the_scaffold_of_a_forced_tool_call(tiny_config
 MIXER_OUTPUTS = ("self_attn.o_proj.weight", "self_attn.out_proj.weight", "linear_attn.out_proj.weight", "conv.out_proj.weight")
 
 
-def _damped(name: str, scale: float, target) -> str:
+def _damped(name: str, scale: float, target, head_scale: float = 1.0) -> str:
     """A built-in model with its token mixers' outputs scaled by `scale`. At 0 each token's
     logits depend on that token alone, so greedy decoding repeats text it has seen, as a model
     asked to repeat earlier text does (a random model never copies anything); a small scale
-    keeps the context's (and the recurrent state's) influence, so copies break off somewhere."""
+    keeps the context's (and the recurrent state's) influence, so copies break off somewhere.
+    `head_scale` multiplies the final norm's weights: its logits, so sampling follows them."""
     source = builtin_dir(name)
     for path in source.iterdir():
         if path.suffix != ".safetensors":
             shutil.copy(path, target / path.name)
     for path in source.glob("*.safetensors"):
         weights = safetensors.numpy.load_file(str(path))
-        damped = {key: w * np.asarray(scale, w.dtype) if key.endswith(MIXER_OUTPUTS) else w for key, w in weights.items()}
+        factors = {key: scale if key.endswith(MIXER_OUTPUTS) else head_scale if key == "model.norm.weight" else 1.0 for key in weights}
+        damped = {key: w * np.asarray(factors[key], w.dtype) if factors[key] != 1.0 else w for key, w in weights.items()}
         safetensors.numpy.save_file(damped, str(target / path.name), metadata={"format": "mlx"})
     return str(target)
 

@@ -20,7 +20,9 @@ from runtime.checkpoints import path_for
 from tests.integration.server_helpers import ServerProcess
 
 # model: (tokens to generate, prompt token range)
-MODELS = {"bench": (64, 30000), "tiny-gemma3": (1500, 1000), "tiny-lfm2": (1500, 1000), "tiny-qwen3next": (1500, 1000)}
+MODELS = {"bench": (64, 30000), "tiny-gemma3": (1500, 1000), "tiny-lfm2": (1500, 1000), "tiny-qwen3next": (1500, 1000), "tiny-spec": (600, 1000)}
+# Models served with speculative decoding (every round drafting: rewinds happen all along).
+SPECULATIVE = {"tiny-spec": {"draft": "builtin:tiny-spec-draft", "adaptive": False}}
 
 
 def _config(directory, model: str = "bench") -> tuple[dict, object]:
@@ -30,6 +32,8 @@ def _config(directory, model: str = "bench") -> tuple[dict, object]:
         "logging": {"level": "warning", "format": "json"},
         "checkpoints": {"dir": str(directory / "checkpoints")},
     }
+    if model in SPECULATIVE:
+        tree["speculative"] = SPECULATIVE[model]
     path = directory / "server.toml"
     path.write_bytes(msgspec.toml.encode(tree))
     return tree, path
@@ -42,7 +46,7 @@ def _request(sampling: SamplingParams, model: str = "bench") -> GenerateRequest:
 
 
 SAMPLINGS = {"greedy": SamplingParams(), "seeded": SamplingParams(temperature=0.9, top_k=50, seed=1234)}
-CASES = [("bench", "greedy"), ("bench", "seeded"), ("tiny-gemma3", "greedy"), ("tiny-lfm2", "seeded"), ("tiny-qwen3next", "greedy")]
+CASES = [("bench", "greedy"), ("bench", "seeded"), ("tiny-gemma3", "greedy"), ("tiny-lfm2", "seeded"), ("tiny-qwen3next", "greedy"), ("tiny-spec", "seeded")]
 
 
 @pytest.mark.parametrize(("model", "kind"), CASES, ids=[f"{m}-{k}" for m, k in CASES])
@@ -92,6 +96,8 @@ async def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, model, 
     assert len(deltas[0]) >= 16, "the first delta re-delivers everything before the checkpoint"
     assert [t for d in deltas for t in d] == uninterrupted
     assert finished.finish_reason == "length" and finished.usage.completion_tokens == max_tokens
+    if model in SPECULATIVE:  # the resumed request speculated again (its draft KV rebuilt), reported over the socket
+        assert finished.spec is not None and finished.spec.rounds > 0 and finished.spec.accepted > 0
 
 
 async def test_resume_over_the_socket_rejects_bad_checkpoints(tmp_path):
