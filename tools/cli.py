@@ -82,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=None, help="serve this model instead of the config's (a directory or builtin:<name>)")
     bench.add_argument("--workloads", default="concurrency,interference,constrained,prefix", help="comma-separated subset")
     bench.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    bench.add_argument(
+        "--speculative",
+        action="store_true",
+        help="speculative decoding on against off (builtin:bench-spec drafted by builtin:bench-spec-draft; prompt lookup on builtin:bench-copy)",
+    )
+    bench.add_argument("--spec-workloads", default="single,lookup,concurrency,verify", help="with --speculative: comma-separated subset")
     bench.set_defaults(func=_bench)
 
     config = sub.add_parser("config", help="show or check configuration")
@@ -240,6 +246,8 @@ def _bench(args) -> int:
     from tools.bench import BenchOptions, dump, format_table, run_bench
 
     config = RuntimeConfig.load(args.config)
+    if args.speculative:
+        return _bench_speculative(args, config)
     if args.model:
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=args.model))
     workloads = tuple(w for w in args.workloads.split(",") if w)
@@ -259,6 +267,23 @@ def _bench(args) -> int:
     results = anyio.run(run_bench, config, options)
     print(format_table(results))
     print(json.dumps(results["ratios"], indent=2))
+    dump(results, args.json_path)
+    return EXIT_OK
+
+
+def _bench_speculative(args, config: RuntimeConfig) -> int:
+    from tools.bench import dump
+    from tools.bench_spec import WORKLOADS, SpecBenchOptions, format_spec_table, run_spec_bench
+
+    workloads = tuple(w for w in args.spec_workloads.split(",") if w)
+    if set(workloads) - set(WORKLOADS):
+        print(f"mlxrt bench --speculative: unknown workloads {sorted(set(workloads) - set(WORKLOADS))}; known: {', '.join(WORKLOADS)}", file=sys.stderr)
+        return EXIT_USAGE
+    # The concurrency workload's levels beyond one stream (`single` is the one-stream workload).
+    concurrency = tuple(n for n in (int(x) for x in args.concurrency.split(",")) if n > 1)
+    options = SpecBenchOptions(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats, workloads=workloads, concurrency=concurrency)
+    results = anyio.run(run_spec_bench, config, options)
+    print(format_spec_table(results))
     dump(results, args.json_path)
     return EXIT_OK
 
