@@ -233,7 +233,9 @@ def copy_heavy_request(block: list[int], seed: int, new_tokens: int) -> Generate
     edited = list(block)
     for _ in range(3):
         edited[rng.randrange(8, len(edited))] = rng.randrange(100, 32768)
-    return GenerateRequest(prompt_ids=[*edited, 13, 13, *edited[:4]], max_tokens=new_tokens, ignore_eos=True, sampling=SamplingParams(temperature=0.7, seed=seed))
+    return GenerateRequest(
+        prompt_ids=[*edited, 13, 13, *edited[:4]], max_tokens=new_tokens, ignore_eos=True, sampling=SamplingParams(temperature=0.7, seed=seed)
+    )
 
 
 async def _lookup(runtimes: dict, options: SpecBenchOptions, progress: Progress) -> dict:

@@ -114,6 +114,9 @@ def _request_args(parser: argparse.ArgumentParser, *, required: bool = True) -> 
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--request-id", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=None, help="tokens between durable checkpoints (needs --request-id)")
+    parser.add_argument(
+        "--speculative", choices=("on", "off"), default=None, help="speculate (a draft model, else prompt lookup) or not; default: the server's config"
+    )
     parser.add_argument("--json", action="store_true", help="print each event as one JSON object per line")
 
 
@@ -127,6 +130,7 @@ def _request_from(args) -> GenerateRequest:
         report_progress=True,
         request_id=args.request_id,
         checkpoint_every=args.checkpoint_every,
+        speculative=None if args.speculative is None else args.speculative == "on",
     )
 
 

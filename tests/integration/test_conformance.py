@@ -116,9 +116,14 @@ async def test_a_family_generates_what_mlx_lm_generates(family, tmp_path, built)
     async with Runtime.open(_config(directory, checkpoint_dir)) as rt:
         stream = rt.generate(interrupted).__aiter__()
         seen = 0
-        while seen < 8 or not path_for(checkpoint_dir, interrupted.request_id).exists():
+        while seen < 8:
             event = await stream.__anext__()
             seen += len(event.token_ids) if isinstance(event, TokenDelta) else 0
+        # The caller stops reading: the request pauses once its events fill the stream's buffer
+        # (long before its end, however slow the machine), keeping its checkpoints on disk.
+        with anyio.fail_after(60):
+            while not path_for(checkpoint_dir, interrupted.request_id).exists():
+                await anyio.sleep(0.02)
     async with Runtime.open(_config(directory, checkpoint_dir)) as rt:
         tokens = []
         async for event in rt.resume(interrupted.request_id):

@@ -68,9 +68,10 @@ async def test_shutdown_keeps_the_checkpoint_and_resume_continues_exactly(tmp_pa
         # Stream until a checkpoint exists, then shut the runtime down under the open stream.
         stream = rt.generate(_request("r", sampling)).__aiter__()
         seen = 0
-        while seen < 20 or not path_for(directory, "r").exists():
+        while seen < 20:
             event = await stream.__anext__()
             seen += len(event.token_ids) if isinstance(event, TokenDelta) else 0
+        await _checkpointed(directory, "r")
     assert path_for(directory, "r").exists(), "a shutdown keeps the checkpoint"
 
     async with Runtime.open(_config(directory)) as rt:
@@ -137,9 +138,18 @@ async def _interrupted(directory, request: GenerateRequest, min_tokens: int = 12
     async with Runtime.open(_config(directory)) as rt:
         stream = rt.generate(request).__aiter__()
         seen = 0
-        while seen < min_tokens or not path_for(directory, request.request_id).exists():
+        while seen < min_tokens:
             event = await stream.__anext__()
             seen += len(event.token_ids) if isinstance(event, TokenDelta) else 0
+        await _checkpointed(directory, request.request_id)
+
+
+async def _checkpointed(directory, request_id: str) -> None:
+    """The caller has stopped reading: its request pauses once its events fill the stream's
+    buffer (long before its end, however slow the machine) and its checkpoint stays on disk."""
+    with anyio.fail_after(60):
+        while not path_for(directory, request_id).exists():
+            await anyio.sleep(0.02)
 
 
 @pytest.mark.parametrize("jump_forward", [False, True])
