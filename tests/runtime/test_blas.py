@@ -14,13 +14,14 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the BLAS preloa
 MEASURE = """
 import time, runtime, runtime.blas as blas
 import mlx.core as mx
-a = mx.random.normal((1024, 1024)); b = mx.random.normal((1024, 1024)); mx.eval(a, b, a @ b)
-start = time.perf_counter()
-for _ in range(8):
+a = mx.random.normal((512, 512)); b = mx.random.normal((512, 512)); mx.eval(a, b, a @ b)
+best = float("inf")
+for _ in range(6):
+    start = time.perf_counter()
     mx.eval(a @ b)
-gflops = 8 * 2 * 1024**3 / (time.perf_counter() - start) / 1e9
+    best = min(best, time.perf_counter() - start)
 maps = open("/proc/self/maps").read()
-print(blas.status().state, "openblas" in maps, round(gflops))
+print(blas.status().state, "openblas" in maps, 2 * 512**3 / best / 1e9)
 """
 
 
@@ -32,10 +33,15 @@ def _run(code: str, env: dict | None = None) -> list[str]:
 
 @pytest.mark.skipif(blas.status().state != "loaded", reason="no OpenBLAS on this machine")
 def test_import_runtime_loads_openblas_and_matmul_is_fast():
+    import os
+
     state, mapped, gflops = _run(MEASURE)
     assert state == "loaded" and mapped == "True"
-    # ~250 GFLOP/s with OpenBLAS here, ~5 with the bundled reference BLAS: a 10x margin.
-    assert int(gflops) >= 50
+    # Against the bundled reference BLAS in the same conditions (a busy machine slows both):
+    # OpenBLAS is ~50x faster here; a 5x margin tells them apart without timing anything absolute.
+    off_state, _, reference = _run(MEASURE, env={**os.environ, "MLXRT_BLAS": "off"})
+    assert off_state == "disabled"
+    assert float(gflops) >= 5 * float(reference), (gflops, reference)
 
 
 def test_importing_mlx_first_is_reported():
