@@ -399,11 +399,8 @@ class Engine:
         appending = [i for i, seq in enumerate(rows) if seq.extra]
         assert self._pending is not None
         pending, sub_logits = self._pending, None
-        if len(appending) == len(rows) and all(seq.draft is not None for seq in rows):
-            # Every row checks a draft: one forward over all of them, each row's last position
-            # giving the logits it samples (no second, one-token forward).
-            _, sub_logits = self._append_known(rows, appending, pending, whole=True)
-            logits = sub_logits[mx.arange(len(rows)), mx.array([len(seq.extra) for seq in rows])]
+        if appending and all(rows[i].draft is not None for i in appending):
+            sub_logits, logits = self._forward_drafts(rows, appending, pending)
         else:
             if appending:
                 pending, sub_logits = self._append_known(rows, appending, pending)
@@ -440,17 +437,34 @@ class Engine:
         self._batch.end_step()
         return logits
 
-    def _append_known(self, rows: list[Sequence], appending: list[int], pending: mx.array, whole: bool = False) -> tuple[mx.array, mx.array]:
-        """Forward the known tokens of some rows but the last of each, which becomes their
-        pending input; returns the new pending inputs and the appended positions' logits.
-        With `whole`, the last known token is forwarded too (no pending input is left)."""
+    def _forward_drafts(self, rows: list[Sequence], drafting: list[int], pending: mx.array) -> tuple[mx.array, mx.array]:
+        """The rows that check a draft forward it whole, with the other rows' pending tokens,
+        in one step (right-padded: on this backend a forward's cost is mostly its weight
+        reads, not its width). Returns the drafting rows' logits at every position and each
+        row's logits at its last position (what it samples)."""
         firsts = _host(pending)
-        inputs = [[firsts[i], *(rows[i].extra if whole else rows[i].extra[:-1])] for i in appending]
-        for i, tokens in zip(appending, inputs):
+        inputs = [[firsts[i], *rows[i].extra] for i in range(len(rows))]
+        self._snapshot_spans(rows, drafting, inputs)
+        logits = self._batch.forward_rows(self._model, list(range(len(rows))), inputs)
+        last = logits[mx.arange(len(rows)), mx.array([len(tokens) - 1 for tokens in inputs])]
+        return logits[mx.array(drafting, dtype=mx.int32)], last
+
+    def _snapshot_spans(self, rows: list[Sequence], appending: list[int], inputs: list[list[int]]) -> None:
+        """A recurrent state cannot be rewound: rows forwarding a span that may be cut keep
+        their state to replay the accepted prefix."""
+        if not self._batch.has_state:
+            return
+        for i in appending:
             seq = rows[i]
-            if (seq.verify is not None or seq.draft is not None) and self._batch.has_state:
-                # A recurrent state cannot be rewound: keep it to replay an accepted prefix.
-                seq.snapshot, seq.replay = self._batch.snapshot(seq.request_id), [tokens[0], *seq.extra]
+            if seq.verify is not None or seq.draft is not None:
+                seq.snapshot, seq.replay = self._batch.snapshot(seq.request_id), [inputs[i][0], *seq.extra]
+
+    def _append_known(self, rows: list[Sequence], appending: list[int], pending: mx.array) -> tuple[mx.array, mx.array]:
+        """Forward the known tokens of some rows but the last of each, which becomes their
+        pending input; returns the new pending inputs and the appended positions' logits."""
+        firsts = _host(pending)
+        inputs = [[firsts[i], *rows[i].extra[:-1]] for i in appending]
+        self._snapshot_spans(rows, appending, [firsts[i : i + 1] for i in range(len(rows))])
         sub_logits = self._batch.forward_rows(self._model, appending, inputs)
         for i in appending:
             firsts[i] = rows[i].extra[-1]

@@ -24,9 +24,9 @@ from engine.sequence import Sequence
 from policies.speculation import LookupSource, SpecRow, SpeculationGate
 
 # A drafted token's cost in plain target steps, besides drafting it: checking it in the
-# target's forward (a one-row forward of k + 1 tokens against one of 1 token, measured on
-# this machine's CPU backend: see BENCHMARKS.md).
-VERIFY_TOKEN_COST = 0.06
+# target's forward (a one-row forward of k + 1 tokens against one of 1 token: 0.20 at k = 2,
+# 0.15 at 4, 0.13 at 8 on this machine's CPU backend, `mlxrt bench --speculative`).
+VERIFY_TOKEN_COST = 0.15
 
 
 class Speculator:

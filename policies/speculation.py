@@ -32,8 +32,10 @@ ACCEPTANCES = ("exact", "rejection")
 PROBE_AFTER = 16
 # Prompt-lookup steps in a row without a proposal before the row pauses like a rejected one.
 MISSES_BEFORE_PAUSE = 4
-# Weight of the latest round in the acceptance estimate.
-EMA_WEIGHT = 0.3
+# How fast old rounds fade from the acceptance estimate (per round), and the prior it starts
+# from (alpha 0.6, worth two rounds).
+DECAY = 0.8
+PRIOR_KEPT, PRIOR_REJECTED = 1.2, 0.8
 # The batch size above which speculation costs more than it saves on this machine's CPU
 # backend (measured with `mlxrt bench --speculative`, BENCHMARKS.md); `speculative.max_batch`
 # overrides it.
@@ -75,6 +77,9 @@ class SpecRow:
     # A drafted token's cost in plain target steps (drafting it and checking it).
     token_cost: float
     alpha: float = 0.6
+    # Decayed counts of kept drafts and of rejections (the estimate's evidence).
+    kept: float = PRIOR_KEPT
+    rejections: float = PRIOR_REJECTED
     k: int = 0
     paused_for: int = 0
     # Set by the batch gate each step: the batch is too big to speculate in.
@@ -122,9 +127,11 @@ class SpecRow:
         for i in range(min(accepted, len(self._by_position))):
             self._by_position[i] += 1
         if drafted and self.plan.adaptive:
-            # A geometric walk: keeping a of k drafts estimates alpha as a / (a + 1) (a < k).
-            observed = accepted / (accepted + 1) if accepted < drafted else (accepted + 1) / (accepted + 2)
-            self.alpha = (1 - EMA_WEIGHT) * self.alpha + EMA_WEIGHT * observed
+            # Each draft is kept with probability alpha until one is rejected: the estimate is
+            # kept / (kept + rejections), a round without a rejection adding none (censored).
+            self.kept = DECAY * self.kept + accepted
+            self.rejections = DECAY * self.rejections + (accepted < drafted)
+            self.alpha = self.kept / (self.kept + self.rejections)
         if not self.plan.adaptive:
             return
         self.k = best_draft_length(self.alpha, self.token_cost, self.plan.max_draft)
