@@ -282,7 +282,9 @@ class Engine:
         for group in together:
             self._prefill_together([first[i] for i in group])
         draft = self._speculator.draft
-        if draft is not None:  # the draft model prefills what the target did (and any prefix it lacks)
+        if draft is not None and self._speculator.gate.allows(len(self._batch) + len(seqs)):
+            # The draft model prefills what the target did (and any prefix it lacks); in a batch
+            # too big to speculate it does not, and a row that drafts later catches up then.
             for seq in seqs:
                 if seq.spec is not None and seq.lookup is None:
                     draft.prefill(seq.request_id, seq.admit.prompt_ids[: seq.num_prefilled])

@@ -82,3 +82,19 @@ def test_drafts_that_cannot_be_served_are_refused_at_load():
         load_speculator(wider, SpeculativeConfig(draft="builtin:tiny-spec-draft"), ModelConfig(path="builtin:tiny"), root)
     speculator = load_speculator(target, SpeculativeConfig(draft="builtin:tiny-spec-draft"), ModelConfig(path="builtin:tiny"), root)
     assert speculator.draft is not None
+
+
+def test_rows_admitted_into_a_big_batch_catch_up_when_it_shrinks(pair):
+    """Admitted beside too many rows to speculate, a row's draft model has not prefilled its
+    prompt; once the batch is small enough it catches up from the context and drafts."""
+    engine = _engine(pair, max_batch=2)
+    prompts = _prompts([24, 24, 24])  # prefilled in the same steps: three rows join at once
+    driver = Driver(engine)
+    driver.admit(*[_admit(rid, p, max_tokens=n, spec=PLAN) for rid, p, n in zip("abc", prompts, (40, 40, 6))])
+    last = {}
+    while len(driver.finish) < 3:
+        for row in driver.step(driver.plan()).outputs:
+            last[row.request_id] = row.spec
+    assert last["a"].rounds > 0 and last["b"].rounds > 0 and last["c"].rounds == 0
+    for rid, prompt, n in zip("abc", prompts, (40, 40, 6)):
+        assert driver.tokens[rid] == _greedy_ids(pair[0][0], prompt, n), rid
