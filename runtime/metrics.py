@@ -46,7 +46,8 @@ HISTOGRAMS = {
 
 def token_buckets(max_context: int) -> list[float]:
     """1, 2, 5, 10, 20, 50, ... up to the context (vLLM's `build_1_2_5_buckets`)."""
-    buckets, scale = [], 1
+    buckets: list[float] = []
+    scale = 1
     while True:
         for m in (1, 2, 5):
             if m * scale > max_context:

@@ -79,6 +79,7 @@ class Telemetry:
         self._writer_done = anyio.Event()
         if span_log is None:
             self._lines_send.close()
+            self._lines_receive.close()
             self._writer_done.set()
 
     # -- RequestObserver ---------------------------------------------------------------
