@@ -85,6 +85,15 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_path", default=None, help="also write the results here")
     bench.set_defaults(func=_bench)
 
+    bench_http = sub.add_parser("bench-http", help="TTFT over HTTP next to the Unix socket and in-process, one runtime")
+    _config_arg(bench_http, default="configs/tiny.toml")
+    bench_http.add_argument("--model", default=None, help="serve this model instead of the config's (a directory or builtin:<name>)")
+    bench_http.add_argument("--requests", type=int, default=50, help="timed requests per face")
+    bench_http.add_argument("--prompt-tokens", type=int, default=128)
+    bench_http.add_argument("--new-tokens", type=int, default=4)
+    bench_http.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    bench_http.set_defaults(func=_bench_http)
+
     config = sub.add_parser("config", help="show or check configuration")
     config_sub = config.add_subparsers(required=True)
     show = config_sub.add_parser("show", help="the effective config, defaults filled in")
@@ -291,6 +300,19 @@ def _bench(args) -> int:
     print(format_table(results))
     print(json.dumps(results["ratios"], indent=2))
     dump(results, args.json_path)
+    return EXIT_OK
+
+
+def _bench_http(args) -> int:
+    from tools.bench_http import HttpBenchOptions, dump_http, format_http_table, run_http_bench
+
+    config = RuntimeConfig.load(args.config)
+    if args.model:
+        config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=args.model))
+    options = HttpBenchOptions(requests=args.requests, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+    results = anyio.run(run_http_bench, config, options)
+    print(format_http_table(results))
+    dump_http(results, args.json_path)
     return EXIT_OK
 
 

@@ -78,7 +78,9 @@ class HttpServer:
     def bind(self) -> socket.socket:
         """The listening socket; raises `ConfigError` if the address cannot be used."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, so asyncio sets TCP_NODELAY on accepted connections (it checks the
+        # protocol): without it, Nagle holds each event behind the previous one's delayed ACK.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((self.host, self.port))
