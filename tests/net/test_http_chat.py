@@ -272,3 +272,28 @@ async def test_reasoning_arrives_as_reasoning_content():
     message = response.choices[0].message
     assert (message.model_extra or {}).get("reasoning_content") == "plan it"
     assert message.content == "done"
+
+
+async def test_native_extras_pass_through_as_body_fields():
+    async with serving() as served:
+        client = served.client()
+        raw = await client.chat.completions.with_raw_response.create(
+            model=served.model,
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"request_id": "mine-1", "priority": 3, "fill": "echo", "jump_forward": True, "stop_token_ids": [], "ignore_eos": True},
+        )
+        response = raw.parse()
+        duplicate_ok = await client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=2, extra_body={"request_id": "mine-1"})
+        bad = None
+        try:
+            await client.chat.completions.create(model=served.model, messages=MESSAGES, extra_body={"fill": "sometimes"})
+        except Exception as exc:
+            bad = exc
+        await client.close()
+        _, native_text, _ = await _native(served.runtime, messages=MESSAGES, max_tokens=12, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+    assert raw.headers["x-request-id"] == "mine-1" and response.id == "chatcmpl-mine-1"
+    assert response.choices[0].message.content == native_text  # echo spans keep greedy output exact
+    assert duplicate_ok.id == "chatcmpl-mine-1"  # the first one ended: its id is free again
+    assert getattr(bad, "status_code", None) == 400 and bad.body["param"] == "fill"  # type: ignore[union-attr]
