@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
 import sys
 
-import httpx2
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -15,6 +15,7 @@ from net.client import Client
 from protocols.api import GenerateRequest, SamplingParams
 from tests.conftest import REPO
 from tests.integration.server_helpers import collect, running_server, write_config
+from tests.net.http_support import raw_request
 
 
 async def test_serve_answers_over_http_and_the_socket_from_one_runtime(tmp_path):
@@ -27,13 +28,13 @@ async def test_serve_answers_over_http_and_the_socket_from_one_runtime(tmp_path)
         async with Client.connect(server.socket) as native:
             outcome = await collect(native.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=7, sampling=SamplingParams(temperature=0.0))))
             stats = await native.stats()
-        async with httpx2.AsyncClient() as http:
-            health = await http.get(f"{url}/health")
-            page = (await http.get(f"{url}/metrics")).text
+        health, _, health_body = await raw_request(url, b"GET /health HTTP/1.1\r\nHost: t\r\n")
+        _, _, page_body = await raw_request(url, b"GET /metrics HTTP/1.1\r\nHost: t\r\n")
+        page = page_body.decode()
         assert server.stop() == 0
     assert f"{url}/v1/chat/completions" in curl and "Content-Type: application/json" in curl
     assert response.choices[0].finish_reason == "length" and outcome.last.usage.completion_tokens == 7
-    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert health == 200 and json.loads(health_body)["status"] == "ok"
     generated = {s.name: s.value for family in text_string_to_metric_families(page) for s in family.samples}["mlxrt:generation_tokens_total"]
     assert generated == 5 + 7 and stats.metrics is not None and stats.metrics.generation_tokens == 12
 

@@ -76,3 +76,33 @@ async def wait_idle(rt: Runtime, timeout: float = 10.0):
             if stats.live_requests == 0 and stats.kv.live_requests == 0:
                 return stats
             await anyio.sleep(0.02)
+
+
+async def raw_request(url: str, head: bytes, body: bytes = b"", *, read_limit: int = 1 << 20) -> tuple[int, dict[str, str], bytes]:
+    """Send `head` (request line and headers) and `body` over a fresh connection; the status,
+    headers and body of the answer (read until the server closes or `read_limit`)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    async with await anyio.connect_tcp(host, int(port)) as stream:
+        await stream.send(head + b"\r\n" + body)
+        data = b""
+        with anyio.fail_after(10):
+            while b"\r\n\r\n" not in data or len(data) < read_limit:
+                try:
+                    data += await stream.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError, ConnectionResetError):
+                    break
+                if b"\r\n\r\n" in data and _complete(data):
+                    break
+    return _parse(data)
+
+
+def _complete(data: bytes) -> bool:
+    _, headers, body = _parse(data)
+    return "content-length" in headers and len(body) >= int(headers["content-length"])
+
+
+def _parse(data: bytes) -> tuple[int, dict[str, str], bytes]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, body

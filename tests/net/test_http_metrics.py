@@ -4,11 +4,10 @@ some leave mid-stream: no server errors, no live requests, KV back where it star
 from __future__ import annotations
 
 import anyio
-import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import make_config
-from tests.net.http_support import serving, wait_idle
+from tests.net.http_support import raw_request, serving, wait_idle
 
 MESSAGES = [{"role": "user", "content": "def parse(path):"}]
 
@@ -23,10 +22,9 @@ def value(page: dict, name: str, **labels: str) -> float:
 
 
 async def _scrape(url: str) -> tuple[str, dict]:
-    async with httpx2.AsyncClient() as http:
-        response = await http.get(f"{url}/metrics")
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
-    return response.text, samples(response.text)
+    status, headers, body = await raw_request(url, b"GET /metrics HTTP/1.1\r\nHost: t\r\n")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    return body.decode(), samples(body.decode())
 
 
 async def test_metrics_count_a_known_workload_exactly():
