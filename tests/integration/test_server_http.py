@@ -53,3 +53,23 @@ def test_a_taken_http_port_fails_before_the_model_loads(tmp_path):
             timeout=60,
         )
     assert result.returncode == 2 and "server.http" in result.stderr and "serving" not in result.stdout
+
+
+async def test_sigterm_ends_open_http_streams_and_the_server_exits(tmp_path):
+    with running_server(tmp_path, server={"http": "127.0.0.1:0"}) as server:
+        url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", server.wait_for_output("OpenAI-compatible HTTP on"))[1]  # type: ignore[index]
+        events = []
+        async with AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+            stream = await client.chat.completions.create(
+                model="builtin:tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=1500, stream=True, extra_body={"ignore_eos": True}
+            )
+            try:
+                async for chunk in stream:
+                    events.append(chunk)
+                    if len(events) == 3:
+                        server.terminate()
+            except Exception as exc:  # the SDK raises the error event the stream ends with
+                events.append(exc)
+        code = server.wait_exit(15)
+    assert code == 0
+    assert 3 <= len(events) < 1500 and isinstance(events[-1], Exception) and "shutting down" in str(events[-1])
