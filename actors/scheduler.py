@@ -79,7 +79,7 @@ class SchedulerActor:
             case CheckpointWritten(request_id=rid, ok=ok, error=error):
                 tracked = self.policy.get(rid)
                 if tracked is not None:
-                    tracked.record_checkpoint(ok, error)
+                    tracked.record_checkpoint(ok, error, time.monotonic())
             case GetSchedulerStats(reply=reply):
                 counts = self.policy.counts()
                 answer(reply, SchedulerStats(steps=self.policy.num_steps, num_finished=self.policy.num_finished, spec=self._spec_totals, **counts))
@@ -130,7 +130,8 @@ class SchedulerActor:
                 return
 
     async def _step(self) -> None:
-        plan = self.policy.plan(time.monotonic())
+        started = time.monotonic()
+        plan = self.policy.plan(started)
         result = await ask(self._model, RunStep, plan=plan)
         # The plan has run: the prefixes its admissions started from may be evicted now.
         for admit in plan.admit:
@@ -138,13 +139,14 @@ class SchedulerActor:
                 await self._kv.send(UnpinPrefix(entry_id=admit.prefix_entry))
         match result:
             case StepOutcome():
-                await self._deliver(result)
+                await self._deliver(result, started)
             case StepFailed(error=error):
                 log.error("step_failed", error=error)
                 for ended in self.policy.fail_all(error):
                     await self._finish(ended)
 
-    async def _deliver(self, outcome: StepOutcome) -> None:
+    async def _deliver(self, outcome: StepOutcome, started: float) -> None:
+        now = time.monotonic()
         for report in outcome.prefilled:
             tracked = self.policy.get(report.request_id)
             if tracked is not None and tracked.report_progress:
@@ -152,14 +154,14 @@ class SchedulerActor:
         for row in outcome.outputs:
             tracked = self.policy.get(row.request_id)
             if row.fill is not None and tracked is not None:
-                tracked.fill = row.fill
+                tracked.record_fill(row.fill, started, now)
             if row.spec is not None and tracked is not None:
                 tracked.spec = row.spec
             if row.token_ids and tracked is not None and tracked.release_reason is None:
                 tracked.session.send_nowait(TokensGenerated(request_id=row.request_id, token_ids=row.token_ids, logprobs=row.logprobs))
         for data in outcome.checkpoints:
             await self._save_checkpoint(data)
-        for ended in self.policy.apply(outcome, time.monotonic()):
+        for ended in self.policy.apply(outcome, now):
             await self._finish(ended)
         if outcome.saved_prefixes:
             await self._kv.send(PrefixesSaved(entries=outcome.saved_prefixes))
@@ -179,6 +181,7 @@ class SchedulerActor:
         if tracked is None or tracked.request is None:
             return
         admit = tracked.admit
+        tracked.checkpoint_writes.append(time.monotonic())
         await self._kv.send(
             SaveCheckpoint(
                 request=tracked.request,

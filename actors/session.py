@@ -4,13 +4,15 @@ Receives `protocols.session` messages in a coalescing inbox; detokenizes
 incrementally (mlx-lm's streaming detokenizer), holds back text that may start
 a stop string, asks the scheduler to finish the request when one matches, and
 delivers `TokenDelta`/`PrefillProgress`/`Finished` to the caller through a
-bounded stream. If the caller goes away, it asks for a cancel and ends.
+bounded stream. If the caller goes away, it asks for a cancel and ends. Every request
+that ends (whether or not its caller still listens) is reported to its observer
+(metrics, spans), with the gaps between its token deliveries.
 """
 
 from __future__ import annotations
 
 import time
-from typing import assert_never
+from typing import Protocol, assert_never
 
 import anyio
 import structlog
@@ -32,6 +34,14 @@ from protocols.session import (
 log = structlog.get_logger(actor="session")
 
 
+class RequestObserver(Protocol):
+    """Told about every request's token deliveries and its end; must not block."""
+
+    def inter_token(self, seconds: float) -> None: ...
+
+    def request_ended(self, finished: Finished, timeline: RequestTimeline) -> None: ...
+
+
 class SessionActor:
     def __init__(
         self,
@@ -46,6 +56,7 @@ class SessionActor:
         fill: FillStats | None = None,
         max_pause_s: float = 300.0,
         spec: SpecStats | None = None,
+        observer: RequestObserver | None = None,
     ):
         self.request_id = request_id
         self.inbox = SessionMailbox()
@@ -69,6 +80,8 @@ class SessionActor:
         self._max_pause_s = max_pause_s
         self._stalled = False
         self._scope = anyio.CancelScope()
+        self._observer = observer
+        self._last_tokens_at: float | None = None
 
     def abandon(self) -> None:
         """Stop now (the runtime is shutting down and the caller is not reading): the caller
@@ -91,9 +104,11 @@ class SessionActor:
                     await self._drain()  # not shielded: a runtime shutting down cancels it
 
     async def _drain(self) -> None:
-        while not isinstance(await self.inbox.receive(), RequestFinished | RequestRejected):
+        while not isinstance(message := await self.inbox.receive(), RequestFinished | RequestRejected):
             pass
         self._ended = True
+        if isinstance(message, RequestFinished):
+            self._finished(message)  # nobody reads it, but it is counted
 
     async def _serve(self) -> None:
         while True:
@@ -117,6 +132,10 @@ class SessionActor:
     async def _on_tokens(self, message: TokensGenerated) -> None:
         if self._stop_sequence is not None:
             return
+        now = time.monotonic()
+        if self._observer is not None and self._last_tokens_at is not None:
+            self._observer.inter_token(now - self._last_tokens_at)
+        self._last_tokens_at = now
         ids, texts = [], []
         for token in message.token_ids:
             self._num_tokens += 1
@@ -180,31 +199,40 @@ class SessionActor:
             await self._scheduler.send(SetPaused(request_id=self.request_id, paused=False))
 
     async def _on_finished(self, message: RequestFinished) -> None:
-        if self._stop_sequence is None:
-            text, stop = self._matcher.feed(self._detokenizer.flush())
-            self._stop_sequence = stop
-            text += "" if stop is not None else self._matcher.flush()
-            await self._deliver(text, [], final=True)
-        elif self._parser is not None:
-            await self._deliver("", [], final=True)
+        try:
+            if self._stop_sequence is None:
+                text, stop = self._matcher.feed(self._detokenizer.flush())
+                self._stop_sequence = stop
+                text += "" if stop is not None else self._matcher.flush()
+                await self._deliver(text, [], final=True)
+            elif self._parser is not None:
+                await self._deliver("", [], final=True)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self._finished(message)  # the caller left: nobody reads it, but it is counted
+            raise
+        await self._events.send(self._finished(message))
+
+    def _finished(self, message: RequestFinished) -> Finished:
+        """The request's last event, as reported to its observer."""
         num_completion = self._num_tokens + (message.stop_token_id is not None)
         reason = "stop" if self._stop_sequence is not None and message.finish_reason != "error" else message.finish_reason
         error = message.error
         if self._stalled and reason == "cancelled":
             error = f"the caller read nothing for {self._max_pause_s:g} s (scheduler.max_pause_s)"
-        await self._events.send(
-            Finished(
-                request_id=self.request_id,
-                finish_reason=reason,
-                usage=Usage(prompt_tokens=self._num_prompt_tokens, completion_tokens=num_completion, cached_tokens=message.cached_tokens),
-                timings=_timings(message.timeline, self._num_prompt_tokens, message.cached_tokens, num_completion),
-                stop_sequence=self._stop_sequence,
-                error=error,
-                fill=message.fill or self._fill,
-                checkpoint=message.checkpoint,
-                spec=message.spec or self._spec,
-            )
+        finished = Finished(
+            request_id=self.request_id,
+            finish_reason=reason,
+            usage=Usage(prompt_tokens=self._num_prompt_tokens, completion_tokens=num_completion, cached_tokens=message.cached_tokens),
+            timings=_timings(message.timeline, self._num_prompt_tokens, message.cached_tokens, num_completion),
+            stop_sequence=self._stop_sequence,
+            error=error,
+            fill=message.fill or self._fill,
+            checkpoint=message.checkpoint,
+            spec=message.spec or self._spec,
         )
+        if self._observer is not None:
+            self._observer.request_ended(finished, message.timeline)
+        return finished
 
 
 def _timings(t: RequestTimeline, num_prompt: int, num_cached: int, num_completion: int) -> Timings:

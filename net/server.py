@@ -263,7 +263,15 @@ class Connection:
                     await self.send(Error(code="unknown_request", message="no such request on this connection", request_id=rid))
             case GetStats():
                 stats = await self._runtime.stats()
-                await self.send(Stats(scheduler=stats.scheduler, kv=stats.kv, live_requests=stats.live_requests, connections=len(self._server.connections)))
+                await self.send(
+                    Stats(
+                        scheduler=stats.scheduler,
+                        kv=stats.kv,
+                        live_requests=stats.live_requests,
+                        connections=len(self._server.connections),
+                        metrics=stats.metrics,
+                    )
+                )
             case Hello():
                 await self.send(Error(code="protocol_error", message="Hello was already received"))
 

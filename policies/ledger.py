@@ -41,6 +41,8 @@ class KvLedger:
         self._physical_bytes = 0
         self._hits = 0
         self._tokens_reused = 0
+        self._queries = 0
+        self._tokens_queried = 0
 
     def request_bytes(self, num_tokens: int) -> int:
         """The KV bytes a request of `num_tokens` tokens holds."""
@@ -72,6 +74,10 @@ class KvLedger:
                     self.prefixes.unpin(match.entry_id)
                 return KvReservation(request_id=request_id, granted=False, reason="no_room"), evicted
         self._reserved[request_id] = num_tokens
+        if max_prefix_tokens > 0:
+            # Counted once per admitted request (a request waiting for room asks again).
+            self._queries += 1
+            self._tokens_queried += len(prompt_ids)
         if match is None:
             return KvReservation(request_id=request_id, granted=True), evicted
         self._hits += 1
@@ -116,6 +122,8 @@ class KvLedger:
             prefix_bytes=self.prefixes.num_bytes,
             prefix_hits=self._hits,
             prefix_tokens_reused=self._tokens_reused,
+            prefix_queries=self._queries,
+            prefix_tokens_queried=self._tokens_queried,
             **checkpoint_figures,
         )
 

@@ -19,9 +19,13 @@ from typing import Any
 
 import msgspec
 
-from protocols.api import CheckpointReport
+from protocols.api import CheckpointReport, FillStats
 from protocols.model import AdmitRequest, PrefillWork, StepOutcome, StepPlan
-from protocols.session import RequestTimeline
+from protocols.session import RequestTimeline, TraceSpan
+
+# Spans kept per request for tracing (prefill chunks, fast-forwards, checkpoint writes);
+# later ones are counted as dropped.
+MAX_SPANS = 256
 
 
 class Phase(enum.Enum):
@@ -67,6 +71,12 @@ class Tracked:
     checkpoints_written: int = 0
     checkpoints_failed: int = 0
     checkpoint_error: str | None = None
+    # Traced pieces of its work, the prefill chunk in flight (start, tokens, offset), and the
+    # start times of checkpoint writes not yet confirmed.
+    spans: list[TraceSpan] = field(default_factory=list)
+    spans_dropped: int = 0
+    open_chunk: tuple[float, int, int] | None = None
+    checkpoint_writes: deque[float] = field(default_factory=deque)
 
     @property
     def is_idle(self) -> bool:
@@ -101,12 +111,42 @@ class Tracked:
         self.admit = msgspec.structs.replace(self.admit, prefix_entry=entry_id, prefix_tokens=num_tokens)
         self.num_prefilled = self.cached_tokens = num_tokens
 
-    def record_checkpoint(self, ok: bool, error: str | None) -> None:
+    def record_checkpoint(self, ok: bool, error: str | None, now: float | None = None) -> None:
         if ok:
             self.checkpoints_written += 1
         else:
             self.checkpoints_failed += 1
             self.checkpoint_error = error
+        if self.checkpoint_writes and now is not None:
+            self.add_span("checkpoint_write", self.checkpoint_writes.popleft(), now, ok=ok)
+
+    def add_span(self, name: str, start: float, end: float, **attributes: int | float | str | bool) -> None:
+        if len(self.spans) >= MAX_SPANS:
+            self.spans_dropped += 1
+        else:
+            self.spans.append(TraceSpan(name=name, start=start, end=end, attributes=attributes))
+
+    def close_chunk(self, now: float) -> None:
+        """The step that forwarded its prefill chunk has ended."""
+        if self.open_chunk is not None:
+            start, tokens, offset = self.open_chunk
+            self.open_chunk = None
+            self.add_span("prefill_chunk", start, now, tokens=tokens, offset=offset)
+
+    def record_fill(self, fill: FillStats, start: float, now: float) -> None:
+        """The engine's latest fast-forwarding figures; a step that forwarded or verified a span
+        (`start`..`now`) is traced with what it injected and what verification kept."""
+        before = self.fill if isinstance(self.fill, FillStats) else FillStats(mode=fill.mode)
+        if fill.events > before.events or fill.verify_events > before.verify_events:
+            self.add_span(
+                "fast_forward",
+                start,
+                now,
+                injected=fill.injected - before.injected,
+                accepted=fill.verify_accepted - before.verify_accepted,
+                rejected=fill.verify_rejected - before.verify_rejected,
+            )
+        self.fill = fill
 
     def checkpoint_report(self) -> CheckpointReport | None:
         if not (self.checkpoint_every or self.checkpoints_written or self.checkpoints_failed):
@@ -117,7 +157,7 @@ class Tracked:
         self.timeline.setdefault(name, now)
 
     def make_timeline(self) -> RequestTimeline:
-        return RequestTimeline(submitted=self.submitted, **self.timeline)
+        return RequestTimeline(submitted=self.submitted, spans=list(self.spans), spans_dropped=self.spans_dropped, **self.timeline)
 
 
 @dataclass(frozen=True)
@@ -274,6 +314,7 @@ class SchedulePolicy:
                 continue
             budget -= chunk
             tracked.num_skips = 0
+            tracked.open_chunk = (now, chunk, tracked.num_prefilled)
             tracked.num_prefilled += chunk
             tracked.stamp("prefill_started", now)
             work.append(PrefillWork(request_id=tracked.request_id, num_tokens=chunk))
@@ -290,6 +331,7 @@ class SchedulePolicy:
         ended = []
         for tracked in self._active.values():
             tracked.parked_steps += tracked.parked
+            tracked.close_chunk(now)
         for rid in outcome.released:
             tracked = self._active.pop(rid)
             ended.append(Ended(tracked, tracked.release_reason or "cancelled"))

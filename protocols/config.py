@@ -113,6 +113,32 @@ class ServerConfig(Section, frozen=True):
     frame_timeout_s: Seconds = 10.0
     # Frames queued per connection before its requests wait for the client.
     send_buffer_frames: Positive = 64
+    # The OpenAI-compatible HTTP API: "host:port", or just "port" for 127.0.0.1; "" = off.
+    http: str = ""
+    # Bearer key the HTTP API requires (every route but /health) when set; compared in
+    # constant time. Better given as MLXRT_SERVER_API_KEY than written in a file.
+    api_key: str = ""
+    # Largest HTTP request body: a larger Content-Length is refused before the body is read,
+    # and a chunked body is refused as soon as it passes this.
+    max_body_bytes: Positive = 4 * 1024 * 1024
+    # A request body must arrive completely within this many seconds.
+    body_timeout_s: Seconds = 10.0
+    # Browser origins allowed to call the HTTP API (CORS); [] = CORS off, ["*"] = any.
+    cors_origins: list[str] = msgspec.field(default_factory=list)
+    # The model name HTTP clients send and /v1/models lists; "" = the model path's last
+    # component (or "builtin:<name>").
+    served_model_name: str = ""
+    # HTTP connections (and requests) at once; beyond this, 503.
+    http_max_connections: Positive = 256
+    # Seconds an idle keep-alive HTTP connection stays open.
+    http_keepalive_s: Seconds = 5.0
+
+
+class TracingConfig(Section, frozen=True):
+    # Append one JSON line per span (queue, prefill chunk, decode, fast-forward, checkpoint
+    # write, and the request around them) to this file; "" = none. OpenTelemetry spans are
+    # exported whenever an OpenTelemetry SDK tracer provider is installed, regardless.
+    span_log: str = ""
 
 
 class SpeculativeConfig(Section, frozen=True):

@@ -1,13 +1,14 @@
-"""The typed errors callers catch, and the one table between them and wire error codes.
+"""The typed errors callers catch, and the one table between them, wire codes and HTTP.
 
 Every error the runtime raises on purpose is an `MlxrtError` with a `code`; the socket
 server sends that code (`Error.code`) and the client raises the same class again from
-it (`error_for`). Pure data: no mlx, no anyio.
+it (`error_for`); the HTTP face answers with the code's status and OpenAI error type
+(`ERROR_KINDS`). Pure data: no mlx, no anyio.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 ErrorCode = Literal[
     "invalid_request",  # the request failed validation (message names the field)
@@ -23,7 +24,46 @@ ErrorCode = Literal[
     "shutting_down",  # the server is stopping
     "internal",  # a bug; the message says what, the server's log has the details
     "connection_lost",  # client side only: the connection ended before the answer
+    # HTTP only:
+    "unauthorized",  # no or wrong API key
+    "model_not_found",  # the request names a model this server does not serve
+    "not_found",  # no such route
+    "method_not_allowed",  # the route exists for other methods
+    "body_too_large",  # the request body exceeds server.max_body_bytes (refused before it is read)
+    "body_timeout",  # the request body did not arrive within server.body_timeout_s
 ]
+
+
+class ErrorKind(NamedTuple):
+    """How one error code is answered over HTTP: the status and OpenAI's error `type`."""
+
+    http_status: int
+    openai_type: str
+
+
+# The one table: every code's HTTP status (429/503 answers carry Retry-After).
+ERROR_KINDS: dict[str, ErrorKind] = {
+    "invalid_request": ErrorKind(400, "invalid_request_error"),
+    # A prompt too long for the context is a 400 in OpenAI's API too.
+    "too_large": ErrorKind(400, "invalid_request_error"),
+    "checkpoint_not_found": ErrorKind(404, "not_found_error"),
+    "checkpoint_invalid": ErrorKind(422, "invalid_request_error"),
+    "busy": ErrorKind(503, "server_overloaded"),
+    "duplicate_request": ErrorKind(409, "invalid_request_error"),
+    "unknown_request": ErrorKind(404, "not_found_error"),
+    "invalid_message": ErrorKind(400, "invalid_request_error"),
+    "frame_too_large": ErrorKind(413, "invalid_request_error"),
+    "protocol_error": ErrorKind(400, "invalid_request_error"),
+    "shutting_down": ErrorKind(503, "server_unavailable"),
+    "internal": ErrorKind(500, "server_error"),
+    "connection_lost": ErrorKind(502, "server_error"),
+    "unauthorized": ErrorKind(401, "authentication_error"),
+    "model_not_found": ErrorKind(404, "not_found_error"),
+    "not_found": ErrorKind(404, "not_found_error"),
+    "method_not_allowed": ErrorKind(405, "invalid_request_error"),
+    "body_too_large": ErrorKind(413, "invalid_request_error"),
+    "body_timeout": ErrorKind(408, "invalid_request_error"),
+}
 
 
 class MlxrtError(Exception):

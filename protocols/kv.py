@@ -42,6 +42,10 @@ class KvStats(Record, frozen=True):
     checkpoints_failed: int = 0
     # The bytes the reservations stand for, by layer kind (windows bounded, states fixed).
     reserved_bytes: int = 0
+    # Admitted requests that looked up a saved prefix, and the prompt tokens they looked up
+    # (`prefix_tokens_reused` of which were found).
+    prefix_queries: int = 0
+    prefix_tokens_queried: int = 0
 
 
 class ReserveKv(Message, frozen=True):

@@ -2,19 +2,35 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from protocols.api import CheckpointReport, FillStats, FinishReason, SpecStats, TokenLogprob
 from protocols.base import Message, Record
 from protocols.errors import ErrorCode
 
 
+class TraceSpan(Record, frozen=True):
+    """One timed piece of a request's work, between two monotonic timestamps (seconds):
+    "prefill_chunk" (attributes: tokens, offset), "fast_forward" (injected, accepted,
+    rejected) or "checkpoint_write" (ok)."""
+
+    name: str
+    start: float
+    end: float
+    attributes: dict[str, int | float | str | bool] = msgspec.field(default_factory=dict)
+
+
 class RequestTimeline(Record, frozen=True):
-    """Monotonic timestamps (seconds) the scheduler took for one request."""
+    """Monotonic timestamps (seconds) the scheduler took for one request, and its spans."""
 
     submitted: float
     admitted: float | None = None
     prefill_started: float | None = None
     first_token: float | None = None
     last_token: float | None = None
+    spans: list[TraceSpan] = msgspec.field(default_factory=list)
+    # Spans not kept beyond the per-request cap.
+    spans_dropped: int = 0
 
 
 class TokensGenerated(Message, frozen=True):

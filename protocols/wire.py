@@ -11,6 +11,7 @@ from protocols.api import Finished, GenerateRequest, PrefillProgress, TokenDelta
 from protocols.base import Message, Record
 from protocols.errors import ErrorCode
 from protocols.kv import KvStats
+from protocols.metrics import MetricsSnapshot
 from protocols.scheduler import SchedulerStats
 
 PROTOCOL_VERSION = 1
@@ -85,6 +86,8 @@ class Stats(Message, frozen=True):
     kv: KvStats
     live_requests: int
     connections: int
+    # Request counters and latency histograms since the server started (`/metrics` over HTTP).
+    metrics: MetricsSnapshot | None = None
 
 
 ServerMessage = Welcome | TokenDelta | ToolCall | PrefillProgress | Finished | Error | Stats

@@ -25,6 +25,7 @@ from protocols.config import (
     Section,
     ServerConfig,
     SpeculativeConfig,
+    TracingConfig,
 )
 from protocols.errors import ConfigError
 from runtime import env
@@ -40,9 +41,10 @@ __all__ = [
     "SchedulerConfig",
     "ServerConfig",
     "SpeculativeConfig",
+    "TracingConfig",
 ]
 
-SECTIONS = ("model", "scheduler", "kv", "generation", "limits", "logging", "server", "checkpoints", "speculative")
+SECTIONS = ("model", "scheduler", "kv", "generation", "limits", "logging", "server", "checkpoints", "speculative", "tracing")
 
 
 class RuntimeConfig(Section, frozen=True):
@@ -55,6 +57,7 @@ class RuntimeConfig(Section, frozen=True):
     server: ServerConfig = ServerConfig()
     checkpoints: CheckpointConfig = CheckpointConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @classmethod
     def load(cls, path: str | Path, *, environ: Mapping[str, str] | None = None, overrides: Mapping[str, object] | None = None) -> RuntimeConfig:
@@ -105,7 +108,16 @@ class RuntimeConfig(Section, frozen=True):
         if config.checkpoints.dir:
             resolved = base / Path(config.checkpoints.dir).expanduser()
             config = msgspec.structs.replace(config, checkpoints=msgspec.structs.replace(config.checkpoints, dir=str(resolved)))
+        if config.tracing.span_log:
+            resolved = base / Path(config.tracing.span_log).expanduser()
+            config = msgspec.structs.replace(config, tracing=msgspec.structs.replace(config.tracing, span_log=str(resolved)))
         return config
+
+    @property
+    def model_name(self) -> str:
+        """The name HTTP clients use for the model (`server.served_model_name`), and its metrics label."""
+        path = self.model.path
+        return self.server.served_model_name or (path if path.startswith("builtin:") else Path(path).name or path)
 
     @property
     def step_token_budget(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 import structlog
@@ -28,6 +29,7 @@ from policies.output_parser import OutputParser
 from policies.scheduling import SchedulePolicy
 from protocols.api import Event, GenerateRequest, new_request_id
 from protocols.kv import DrainFiles, GetKvStats, KvStats
+from protocols.metrics import MetricsSnapshot
 from protocols.model import ModelInfo
 from protocols.scheduler import GetSchedulerStats, SchedulerStats
 from runtime import blas, env
@@ -37,8 +39,10 @@ from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError, RuntimeClosedError, single_errors
 from runtime.grammar import GrammarCache
 from runtime.logging import configure_logging
+from runtime.metrics import RuntimeMetrics
 from runtime.progress import Progress
 from runtime.streams import Requests, RequestStream
+from runtime.telemetry import Telemetry
 
 log = structlog.get_logger(actor="runtime")
 
@@ -52,13 +56,20 @@ class RuntimeStats:
     scheduler: SchedulerStats
     kv: KvStats
     live_requests: int
+    # Request counters and latency histograms since the runtime started.
+    metrics: MetricsSnapshot
 
 
 class Runtime:
     """A model served to many concurrent callers. Create with `Runtime.open`."""
 
-    def __init__(self, config: RuntimeConfig, ready: ModelReady, scheduler: SchedulerActor, kv: KvStoreActor, task_group, admission: Admission):
+    def __init__(
+        self, config: RuntimeConfig, ready: ModelReady, scheduler: SchedulerActor, kv: KvStoreActor, task_group, admission: Admission, telemetry: Telemetry
+    ):
         self.config = config
+        # Prometheus metrics of every request (`metrics.render()`); spans go out through `_telemetry`.
+        self.metrics = telemetry.metrics
+        self._telemetry = telemetry
         self.model_info: ModelInfo = ready.info
         self._tokenizer = ready.tokenizer
         tokenizer = ready.tokenizer
@@ -73,7 +84,9 @@ class Runtime:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, config: RuntimeConfig) -> AsyncIterator[Runtime]:
+    async def open(cls, config: RuntimeConfig, *, tracer_provider=None) -> AsyncIterator[Runtime]:
+        """Start the runtime; `tracer_provider`: an OpenTelemetry one for request spans (default:
+        the globally installed one, if an SDK installed any)."""
         configure_logging(config.logging)
         _report_blas()
         thread = MlxThread()
@@ -81,7 +94,7 @@ class Runtime:
         try:
             with single_errors():
                 async with anyio.create_task_group() as tg:
-                    runtime = await cls._start_actors(config, thread, tg)
+                    runtime = await cls._start_actors(config, thread, tg, tracer_provider)
                     try:
                         yield runtime
                     finally:
@@ -93,7 +106,7 @@ class Runtime:
                 await thread.stop()
 
     @classmethod
-    async def _start_actors(cls, config: RuntimeConfig, thread: MlxThread, tg) -> Runtime:
+    async def _start_actors(cls, config: RuntimeConfig, thread: MlxThread, tg, tracer_provider) -> Runtime:
         directory = config.checkpoint_directory()
         problem = await anyio.to_thread.run_sync(checkpoint_directory_problem, directory)
         if problem is not None:
@@ -134,7 +147,11 @@ class Runtime:
         grammars = ready.grammars
         assert isinstance(grammars, GrammarCache)  # what make_grammars built
         admission = Admission(config, info, ready.tokenizer, grammars, checkpoints_unavailable=problem)
-        return cls(config, ready, scheduler, kv, tg, admission)
+        span_log = Path(config.tracing.span_log).expanduser() if config.tracing.span_log else None
+        telemetry = Telemetry(RuntimeMetrics(config.model_name, info.max_context), span_log=span_log, tracer_provider=tracer_provider)
+        if span_log is not None:
+            await tg.start(telemetry.run)
+        return cls(config, ready, scheduler, kv, tg, admission, telemetry)
 
     @property
     def tokenizer(self):
@@ -193,7 +210,8 @@ class Runtime:
             kv = await ask(self._kv.inbox, GetKvStats)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
             raise RuntimeClosedError("the runtime is closed") from None
-        return RuntimeStats(scheduler=scheduler, kv=kv, live_requests=len(self._requests))
+        self.metrics.update(scheduler, kv)
+        return RuntimeStats(scheduler=scheduler, kv=kv, live_requests=len(self._requests), metrics=self.metrics.snapshot())
 
     def _make_session(self, prepared: Prepared, events: EventChannel) -> SessionActor:
         admit, request = prepared.admit, prepared.request
@@ -208,6 +226,7 @@ class Runtime:
             fill=prepared.fill_stats,
             spec=prepared.spec_stats,
             max_pause_s=self.config.scheduler.max_pause_s,
+            observer=self._telemetry,
         )
 
     def _output_parser(self, request: GenerateRequest) -> OutputParser | None:
@@ -231,6 +250,8 @@ class Runtime:
         with anyio.move_on_after(SHUTDOWN_GRACE_S):
             # Pending checkpoint writes and deletes reach the disk before the actors stop.
             await ask(self._kv.inbox, DrainFiles)
+        with anyio.move_on_after(SHUTDOWN_GRACE_S):
+            await self._telemetry.close()  # the spans of the requests just ended
 
 
 def _report_blas() -> None:

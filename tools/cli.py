@@ -47,9 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxrt", description="Serve MLX language models to many concurrent clients.")
     sub = parser.add_subparsers(required=True)
 
-    serve = sub.add_parser("serve", help="serve the configured model on a Unix socket")
+    serve = sub.add_parser("serve", help="serve the configured model on a Unix socket (and over HTTP)")
     _config_arg(serve)
     serve.add_argument("--socket", help="socket path (default: [server] socket, or a per-user runtime directory)")
+    serve.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI-compatible HTTP API here (default: [server] http, off)")
     serve.add_argument("--model", help="override [model] path")
     serve.set_defaults(func=_serve)
 
@@ -89,6 +90,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--spec-workloads", default="single,lookup,concurrency,verify", help="with --speculative: comma-separated subset")
     bench.set_defaults(func=_bench)
+
+    bench_http = sub.add_parser("bench-http", help="TTFT over HTTP next to the Unix socket and in-process, one runtime")
+    _config_arg(bench_http, default="configs/tiny.toml")
+    bench_http.add_argument("--model", default=None, help="serve this model instead of the config's (a directory or builtin:<name>)")
+    bench_http.add_argument("--requests", type=int, default=50, help="timed requests per face")
+    bench_http.add_argument("--prompt-tokens", type=int, default=128)
+    bench_http.add_argument("--new-tokens", type=int, default=4)
+    bench_http.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    bench_http.set_defaults(func=_bench_http)
 
     config = sub.add_parser("config", help="show or check configuration")
     config_sub = config.add_subparsers(required=True)
@@ -197,7 +207,7 @@ def _default_socket() -> str:
 
 
 def _serve(args) -> int:
-    overrides = {k: v for k, v in (("server.socket", args.socket), ("model.path", args.model)) if v}
+    overrides = {k: v for k, v in (("server.socket", args.socket), ("server.http", args.http), ("model.path", args.model)) if v}
     config = RuntimeConfig.load(args.config, overrides=overrides)
     anyio.run(_serve_until_signal, config)
     return EXIT_OK
@@ -206,29 +216,59 @@ def _serve(args) -> int:
 async def _serve_until_signal(config: RuntimeConfig) -> None:
     from pathlib import Path
 
-    from net.server import Server
+    from net.http.server import HttpServer
     from net.socket_path import default_socket_path, prepare
+    from runtime.errors import single_errors
+
+    path = Path(config.server.socket) if config.server.socket else default_socket_path()
+    # Refuse an unsafe or busy socket path, or a taken HTTP port, before spending time on the model.
+    prepare(path, int(config.server.socket_mode, 8))
+    http = HttpServer(config) if config.server.http else None
+    with single_errors():
+        async with anyio.create_task_group() as front:
+            if http is not None:
+                await front.start(http.serve)  # /health says "loading" until the runtime is attached
+            try:
+                await _serve_runtime(config, path, http)
+            finally:
+                if http is not None:
+                    http.stop()
+
+
+async def _serve_runtime(config: RuntimeConfig, path, http) -> None:
+    """One runtime behind the socket (and HTTP, when on) until SIGTERM or SIGINT."""
+    from net.server import Server
     from runtime.errors import single_errors
     from runtime.runtime import Runtime
 
-    path = Path(config.server.socket) if config.server.socket else default_socket_path()
-    # Refuse an unsafe or busy socket path before spending time on the model.
-    prepare(path, int(config.server.socket_mode, 8))
     async with Runtime.open(config) as rt:
         server = Server(rt, config.server, path)
         with single_errors():
             async with anyio.create_task_group() as tg:
                 await tg.start(server.serve)
+                if http is not None:
+                    http.attach(rt)
                 with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     # Announce readiness only once a signal will be handled gracefully.
                     print(f"mlxrt: serving {rt.model_info.model_type} ({rt.model_info.path}) on {path}", flush=True)
                     print(f"mlxrt: try  mlxrt client --socket {path} --prompt 'def main():' --max-tokens 32", flush=True)
+                    if http is not None:
+                        _print_http(http.url, config)
                     async for signum in signals:
                         print(f"mlxrt: {signal.Signals(signum).name}: finishing", flush=True)
                         break
-                # Connections stop reading and the runtime cancels, together: both are bounded.
+                # Connections stop reading, HTTP drains and the runtime cancels, together: all are bounded.
                 server.stop()
+                if http is not None:
+                    http.stop()
                 await rt.shutdown()
+
+
+def _print_http(url: str, config: RuntimeConfig) -> None:
+    body = json.dumps({"model": config.model_name, "messages": [{"role": "user", "content": "def main():"}], "max_tokens": 32})
+    auth = ' -H "Authorization: Bearer $MLXRT_SERVER_API_KEY"' if config.server.api_key else ""
+    print(f"mlxrt: OpenAI-compatible HTTP on {url}/v1 (metrics at {url}/metrics)", flush=True)
+    print(f"mlxrt: try  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'", flush=True)
 
 
 def _demo(args) -> int:
@@ -289,6 +329,19 @@ def _bench_speculative(args, config: RuntimeConfig) -> int:
     results = anyio.run(run_spec_bench, config, options)
     print(format_spec_table(results))
     dump(results, args.json_path)
+    return EXIT_OK
+
+
+def _bench_http(args) -> int:
+    from tools.bench_http import HttpBenchOptions, dump_http, format_http_table, run_http_bench
+
+    config = RuntimeConfig.load(args.config)
+    if args.model:
+        config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=args.model))
+    options = HttpBenchOptions(requests=args.requests, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+    results = anyio.run(run_http_bench, config, options)
+    print(format_http_table(results))
+    dump_http(results, args.json_path)
     return EXIT_OK
 
 

@@ -93,7 +93,9 @@ async def test_sigkill_then_resume_equals_an_uninterrupted_run(tmp_path, model, 
                     await anyio.sleep(0.02)
     finally:
         restarted.stop()
-    assert len(deltas[0]) >= 16, "the first delta re-delivers everything before the checkpoint"
+    # Killed once a checkpoint exists: at least the first one (8 tokens; later ones may still be
+    # in the writer on a loaded machine). The first delta re-delivers everything before it.
+    assert len(deltas[0]) >= 8, "the first delta re-delivers everything before the checkpoint"
     assert [t for d in deltas for t in d] == uninterrupted
     assert finished.finish_reason == "length" and finished.usage.completion_tokens == max_tokens
     if model in SPECULATIVE:  # the resumed request speculated again (its draft KV rebuilt), reported over the socket

@@ -16,6 +16,7 @@ import anyio
 import jsonschema
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
 from runtime import Runtime
@@ -92,7 +93,9 @@ async def outputs(config: RuntimeConfig) -> dict[str, list[tuple[list[int], Fini
     async with Runtime.open(config) as rt:
         result = {name: await run_all(rt, requests) for name, requests in workload().items()}
         stats = await rt.stats()
+        page = rt.metrics.render().decode()
     result["stats"] = stats  # type: ignore[assignment]
+    result["metrics"] = {(s.name, s.labels.get("position")): s.value for f in text_string_to_metric_families(page) for s in f.samples}  # type: ignore[assignment]
     return result
 
 
@@ -118,6 +121,12 @@ async def test_streams_with_speculation_equal_streams_without(pair):
     totals = spec["stats"].scheduler.spec  # type: ignore[attr-defined]
     assert totals.requests == len(speculated) and totals.accepted == sum(s.accepted for s in speculated)
     assert plain["stats"].scheduler.spec.requests == 0  # type: ignore[attr-defined]
+    # Prometheus: vLLM's speculative decoding counters.
+    metrics = spec["metrics"]
+    assert metrics[("mlxrt:spec_decode_num_drafts_total", None)] == sum(s.rounds for s in speculated)  # type: ignore[call-overload]
+    assert metrics[("mlxrt:spec_decode_num_draft_tokens_total", None)] == sum(s.drafted for s in speculated)  # type: ignore[call-overload]
+    assert metrics[("mlxrt:spec_decode_num_accepted_tokens_total", None)] == sum(s.accepted for s in speculated)  # type: ignore[call-overload]
+    assert metrics[("mlxrt:spec_decode_num_accepted_tokens_per_pos_total", "0")] == sum(s.accepted_by_position[0] for s in speculated)  # type: ignore[call-overload]
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.scheduling import Ended, Phase, SchedulePolicy, Tracked
-from protocols.api import SamplingParams
+from policies.scheduling import MAX_SPANS, Ended, Phase, SchedulePolicy, Tracked
+from protocols.api import FillStats, SamplingParams
 from protocols.model import AdmitRequest, PrefillReport, RowOutput, StepOutcome, StepPlan
 from protocols.session import RequestTimeline
 
@@ -689,8 +690,50 @@ def test_timeline_stamped_in_order():
     sim.run()
     timeline = tracked.make_timeline()
     # admitted at 0.5; chunks planned at 1.5, 2.5, 3.5 (joins then); tokens read at 4.5, 5.5, 6.5.
-    assert timeline == RequestTimeline(submitted=0.0, admitted=0.5, prefill_started=1.5, first_token=4.5, last_token=6.5)
+    stamps = msgspec.structs.replace(timeline, spans=[])
+    assert stamps == RequestTimeline(submitted=0.0, admitted=0.5, prefill_started=1.5, first_token=4.5, last_token=6.5)
     assert timeline.submitted <= timeline.admitted <= timeline.prefill_started <= timeline.first_token <= timeline.last_token
+
+
+def test_each_prefill_chunk_is_a_span_from_its_plan_to_its_outcome():
+    policy = make_policy(chunk_size=4, token_budget=4)
+    tracked = make_tracked("r", prompt_len=13, max_tokens=3, submitted=0.0)
+    policy.enqueue(tracked)
+    policy.admit(tracked, 0.5)
+    engine, now = FakeEngine(), 1.0
+    while policy.has_work():
+        plan = policy.plan(now)
+        policy.apply(engine.step(plan), now + 0.25)  # each step takes a quarter second
+        now += 1.0
+    chunks = [s for s in tracked.make_timeline().spans if s.name == "prefill_chunk"]
+    # 13 prompt tokens, the last one is decoded: chunks of 4, 4, 4 at offsets 0, 4, 8.
+    assert [(s.start, s.end, s.attributes) for s in chunks] == [
+        (1.0, 1.25, {"tokens": 4, "offset": 0}),
+        (2.0, 2.25, {"tokens": 4, "offset": 4}),
+        (3.0, 3.25, {"tokens": 4, "offset": 8}),
+    ]
+
+
+def test_spans_beyond_the_cap_are_counted_not_kept():
+    tracked = make_tracked("r", prompt_len=4, max_tokens=2)
+    for i in range(MAX_SPANS + 5):
+        tracked.add_span("fast_forward", float(i), float(i) + 0.5, injected=1)
+    timeline = tracked.make_timeline()
+    assert len(timeline.spans) == MAX_SPANS and timeline.spans_dropped == 5
+
+
+def test_fast_forward_steps_and_checkpoint_writes_are_spans():
+    tracked = make_tracked("r", prompt_len=4, max_tokens=20)
+    tracked.record_fill(FillStats(mode="echo", decode_steps=1), 1.0, 1.5)  # nothing forwarded yet
+    tracked.record_fill(FillStats(mode="echo", events=1, injected=3, echo=3, verify_events=1, verify_accepted=3, verify_rejected=2), 2.0, 2.5)
+    tracked.checkpoint_writes.append(3.0)
+    tracked.record_checkpoint(True, None, 3.75)
+    spans = [(s.name, s.start, s.end, s.attributes) for s in tracked.make_timeline().spans]
+    assert spans == [
+        ("fast_forward", 2.0, 2.5, {"injected": 3, "accepted": 3, "rejected": 2}),
+        ("checkpoint_write", 3.0, 3.75, {"ok": True}),
+    ]
+    assert tracked.checkpoints_written == 1
 
 
 def test_timeline_of_one_token_prompt_has_no_prefill_stamp():

@@ -71,3 +71,13 @@ def test_bench_runs_and_reports_ratios(tmp_path):
         assert results["ratios"][key] > 0
     assert results["mlxrt"]["c2"]["tokens"] == 8 and results["mlx_lm"]["c2"]["tokens"] == 8
     assert "throughput_tok_s" in result.stdout
+
+
+def test_bench_http_times_every_face(tmp_path):
+    out = tmp_path / "bench-http.json"
+    result = _mlxrt("bench-http", "--config", "configs/tiny.toml", "--requests", "3", "--prompt-tokens", "20", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    results = json.loads(out.read_text())
+    assert set(results["faces"]) == {"in_process", "socket", "http"}
+    assert all(face["requests"] == 3 and face["p50_ttft_ms"] > 0 for face in results["faces"].values())
+    assert "HTTP - socket" in result.stdout

@@ -1,0 +1,401 @@
+"""The OpenAI-compatible HTTP API as a Starlette app over one `Runtime`.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models[/{model}]`,
+`GET /health` (503 until the runtime is attached, and once the server drains), `GET
+/metrics` (Prometheus text). A request body is read within `server.max_body_bytes` and
+`server.body_timeout_s`, decoded into a typed request (`openai_types`), mapped onto a
+`GenerateRequest` (`mapping`) and submitted; its events come back as one JSON response or
+as server-sent events ending in `[DONE]`. A client that disconnects, while queued or
+mid-stream, cancels its request. Errors use OpenAI's JSON shape, their status taken from
+`protocols.errors.ERROR_KINDS`. With `server.api_key`, every route but /health needs it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+import structlog
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from net.http import openai_types as oa
+from net.http.mapping import (
+    ChatOutput,
+    CompletionOutput,
+    HttpError,
+    ResponseIds,
+    TokenTexts,
+    chat_request,
+    completion_request,
+    decode_body,
+    ending_error,
+    error_of,
+)
+from protocols.api import Event, Finished, GenerateRequest
+from protocols.config import ServerConfig
+from protocols.errors import ERROR_KINDS, MlxrtError
+from runtime.metrics import CONTENT_TYPE, PREFIX
+
+log = structlog.get_logger(actor="http")
+
+T = TypeVar("T")
+JSON = "application/json"
+# nginx's "client closed request": logged and counted, never received.
+CLIENT_LEFT = 499
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+Output = ChatOutput | CompletionOutput
+
+
+class Api:
+    """The endpoints, and what they serve: the runtime once attached, the server's settings."""
+
+    def __init__(self, config: ServerConfig, model_name: str):
+        self.config = config
+        self.model_name = model_name
+        self.runtime: Any = None
+        self.draining = False
+        self._token_text: TokenTexts | None = None
+        self._fingerprint = ""
+        self._created = 0
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.responses = Counter(f"{PREFIX}http_responses", "HTTP responses by route and status.", ["model_name", "route", "status"], registry=self.registry)
+
+    def attach(self, runtime) -> None:
+        """Serve this runtime (its model is loaded): /health turns ready."""
+        self.runtime = runtime
+        self._token_text = TokenTexts(runtime.tokenizer)
+        self._fingerprint = f"mlxrt-{runtime.model_info.model_id[:12]}"
+        self._created = int(time.time())
+
+    def _ready(self):
+        if self.draining:
+            raise HttpError("shutting_down", "the server is shutting down")
+        if self.runtime is None:
+            raise HttpError("shutting_down", "the model is still loading")
+        return self.runtime
+
+    # -- endpoints -------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        status = "draining" if self.draining else "ok" if self.runtime is not None else "loading"
+        return _json({"status": status, "model": self.model_name}, 200 if status == "ok" else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        runtime = self._ready()
+        await runtime.stats()  # refreshes the gauges
+        return Response(runtime.metrics.render() + generate_latest(self.registry), media_type=CONTENT_TYPE)
+
+    async def models(self, request: Request) -> Response:
+        return _json(oa.ModelList(data=[self._card()]))
+
+    async def model(self, request: Request) -> Response:
+        self._check_model(request.path_params["model"])
+        return _json(self._card())
+
+    async def chat_completions(self, request: Request) -> Response:
+        runtime = self._ready()
+        body = decode_body(await self._read_body(request), oa.ChatCompletionRequest)
+        self._check_model(body.model)
+        generate = chat_request(body)
+        ids = self._ids("chatcmpl", generate)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        output = ChatOutput(ids, self._texts(), include_usage=include_usage, return_token_ids=body.return_token_ids, stream=body.stream)
+        return await self._respond(request, runtime, generate, output, endpoint="chat")
+
+    async def completions(self, request: Request) -> Response:
+        runtime = self._ready()
+        body = decode_body(await self._read_body(request), oa.CompletionRequest)
+        self._check_model(body.model)
+        generate = completion_request(body)
+        ids = self._ids("cmpl", generate)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        output = CompletionOutput(
+            ids, self._texts(), include_usage=include_usage, return_token_ids=body.return_token_ids, stream=body.stream, want_logprobs=generate.logprobs
+        )
+        return await self._respond(request, runtime, generate, output, endpoint="completions")
+
+    # -- plumbing --------------------------------------------------------------------
+
+    async def _respond(self, request: Request, runtime, generate: GenerateRequest, output: Output, *, endpoint: str) -> Response:
+        """Submit, wait for the first event (a refusal is a JSON error with its status), then
+        stream the rest or collect it; a client that leaves cancels the request."""
+        stream = runtime.submit(generate)
+        events = aiter(stream)
+        headers = {"X-Request-Id": stream.request_id}
+        try:
+            got = await _unless_disconnected(request.receive, lambda: anext(events))
+            if not got:
+                await _close(stream)
+                return Response(status_code=CLIENT_LEFT)  # nobody reads it
+            first = got[0]
+            if output.stream:
+                body = _sse_body(stream, first, events, output, endpoint)
+                return EventStream(body, stall_s=self.config.client_stall_timeout_s, headers=headers)
+            done = await _unless_disconnected(request.receive, lambda: _collect(first, events, output))
+        except BaseException:
+            await _close(stream)
+            raise
+        await _close(stream)
+        if not done:
+            return Response(status_code=CLIENT_LEFT)
+        assert output.finished is not None
+        error = ending_error(output.finished)
+        if error is not None:
+            return error_response(error)
+        return _json(output.response(), headers=headers)
+
+    async def _read_body(self, request: Request) -> bytes:
+        """The body, refused by its Content-Length before reading, or as soon as it passes the limit."""
+        limit, timeout = self.config.max_body_bytes, self.config.body_timeout_s
+        too_large = f"the request body exceeds {limit} bytes (server.max_body_bytes)"
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise HttpError("body_too_large", too_large)
+        chunks, size = [], 0
+        try:
+            with anyio.fail_after(timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise HttpError("body_too_large", too_large)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise HttpError("body_timeout", f"the request body did not arrive within {timeout:g} s (server.body_timeout_s)") from None
+        return b"".join(chunks)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise HttpError("model_not_found", f"the model `{model}` does not exist; this server serves `{self.model_name}`", "model")
+
+    def _card(self) -> oa.ModelCard:
+        runtime = self._ready()
+        return oa.ModelCard(id=self.model_name, created=self._created, max_model_len=runtime.model_info.max_context)
+
+    def _ids(self, prefix: str, generate: GenerateRequest) -> ResponseIds:
+        return ResponseIds(id=f"{prefix}-{generate.request_id}", created=int(time.time()), model=self.model_name, fingerprint=self._fingerprint)
+
+    def _texts(self) -> TokenTexts:
+        assert self._token_text is not None
+        return self._token_text
+
+
+# -- responses ---------------------------------------------------------------------
+
+
+def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(value), status_code=status, headers=headers, media_type=JSON)
+
+
+def error_response(error: HttpError) -> Response:
+    """OpenAI's error JSON with the code's status; 429/503 say when to retry."""
+    kind = ERROR_KINDS[error.code]
+    headers = {}
+    if kind.http_status in (429, 503):
+        headers["Retry-After"] = "1"
+    if error.code == "unauthorized":
+        headers["WWW-Authenticate"] = "Bearer"
+    if error.code in ("body_too_large", "body_timeout"):
+        headers["Connection"] = "close"  # the rest of the body is never read
+    body = oa.ErrorResponse(oa.ErrorBody(message=str(error), type=kind.openai_type, param=error.param, code=error.code))
+    return _json(body, kind.http_status, headers)
+
+
+def _sse(value: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(value) + b"\n\n"
+
+
+def _sse_error(error: HttpError) -> bytes:
+    kind = ERROR_KINDS[error.code]
+    return _sse(oa.ErrorResponse(oa.ErrorBody(message=str(error), type=kind.openai_type, param=error.param, code=error.code)))
+
+
+async def _sse_body(stream, first: Event, events: AsyncIterator[Event], output: Output, endpoint: str) -> AsyncGenerator[bytes, None]:
+    """The request's events as server-sent events; an error mid-stream is an `error` event."""
+    first_chunk = output.first_chunk()
+    pending = [_sse(first_chunk)] if first_chunk is not None else []
+    event = first
+    try:
+        while True:
+            pending += [_sse(chunk) for chunk in output.on_event(event)]
+            if isinstance(event, Finished):
+                error = ending_error(event)
+                pending.append(_sse_error(error) if error is not None else b"data: [DONE]\n\n")
+                yield b"".join(pending)
+                return
+            if pending:
+                yield b"".join(pending)
+                pending = []
+            event = await anext(events)
+    except MlxrtError as exc:
+        yield b"".join(pending) + _sse_error(error_of(exc, endpoint=endpoint))
+    finally:
+        await _close(stream)
+
+
+async def _collect(first: Event, events: AsyncIterator[Event], output: Output) -> bool:
+    event = first
+    while True:
+        output.on_event(event)
+        if isinstance(event, Finished):
+            return True
+        event = await anext(events)
+
+
+async def _close(stream) -> None:
+    with anyio.CancelScope(shield=True):
+        await stream.aclose()
+
+
+async def _unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]]) -> list[T]:
+    """Run `work` unless the client disconnects first: [its result], or [] if the client left.
+    What `work` raises comes out as itself, not in an exception group."""
+    result: list[T] = []
+    failure: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+        try:
+            result.append(await work())
+        except Exception as exc:
+            failure.append(exc)
+        tg.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
+    return result
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events. A client that disconnects cancels the stream (and so its request);
+    one that leaves a chunk unaccepted for `stall_s` is given up on."""
+
+    def __init__(self, body: AsyncGenerator[bytes, None], *, stall_s: float, headers: dict[str, str]):
+        super().__init__(body, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._body = body
+        self._stall_s = stall_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with aclosing(self._body) as body, anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+            try:
+                await self._send(send, {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                async for data in body:
+                    await self._send(send, {"type": "http.response.body", "body": data, "more_body": True})
+                await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
+            except TimeoutError:
+                log.warning("http_client_stalled", seconds=self._stall_s)
+            tg.cancel_scope.cancel()
+
+    async def _send(self, send: Send, message: Message) -> None:
+        with anyio.fail_after(self._stall_s):
+            await send(message)
+
+
+# -- the app -----------------------------------------------------------------------
+
+
+def _endpoint(api: Api, handler: Callable[[Request], Awaitable[Response]], endpoint: str) -> Callable[[Request], Awaitable[Response]]:
+    """Every refusal as OpenAI's error JSON; a bug is a logged 500 that names no details."""
+
+    async def run(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except (HttpError, MlxrtError) as exc:
+            return error_response(error_of(exc, endpoint=endpoint))
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_LEFT)  # the client left while sending its body
+        except Exception:
+            log.exception("http_request_failed", path=request.url.path)
+            return error_response(HttpError("internal", "the request failed; the server log has the details"))
+
+    return run
+
+
+class Authorization:
+    """Bearer-key check (constant time) for every path but the open ones."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/health",)):
+        self.app = app
+        self._key = api_key.encode()
+        self._open = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self._open:
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+                response = error_response(HttpError("unauthorized", "a valid API key is required (Authorization: Bearer <key>)"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class ResponseCounter:
+    """Counts responses by route and status (`mlxrt:http_responses_total`; status "none" when
+    the client left before one was sent)."""
+
+    def __init__(self, app: ASGIApp, api: Api):
+        self.app = app
+        self._api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in PATHS else "/v1/models/{model}" if scope["path"].startswith("/v1/models/") else "other"
+        status = "none"
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self._api.responses.labels(self._api.model_name, route, status).inc()
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
+    return error_response(HttpError(code, f"{exc.detail}: {request.method} {request.url.path}"))  # type: ignore[arg-type]
+
+
+def build_app(api: Api) -> Starlette:
+    routes = [
+        Route("/v1/chat/completions", _endpoint(api, api.chat_completions, "chat"), methods=["POST"]),
+        Route("/v1/completions", _endpoint(api, api.completions, "completions"), methods=["POST"]),
+        Route("/v1/models", _endpoint(api, api.models, "models"), methods=["GET"]),
+        Route("/v1/models/{model:path}", _endpoint(api, api.model, "models"), methods=["GET"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", _endpoint(api, api.metrics, "metrics"), methods=["GET"]),
+    ]
+    config = api.config
+    # Outermost first: count every response, answer CORS preflights, then check the key.
+    middleware = [Middleware(ResponseCounter, api=api)]
+    if config.cors_origins:
+        middleware.append(
+            Middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+        )
+    if config.api_key:
+        middleware.append(Middleware(Authorization, api_key=config.api_key))
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_exception})

@@ -1,0 +1,253 @@
+"""OpenAI's HTTP API shapes as msgspec Structs: request bodies decoded, responses encoded.
+
+Request bodies allow unknown fields (OpenAI adds fields often; clients send ones this
+server ignores, e.g. `user`, `store`, `metadata`), and each value's range is stated on its
+type, so a bad value is a 400 naming its field. mlxrt's own request options (`NativeExtras`)
+are accepted as extra body fields (`extra_body=` in the `openai` SDK). Pure data.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+# -- requests ----------------------------------------------------------------------
+
+
+class NativeExtras(msgspec.Struct, kw_only=True):
+    """mlxrt options without an OpenAI spelling (see `protocols.api.GenerateRequest`)."""
+
+    top_k: Annotated[int, msgspec.Meta(ge=0)] = 0
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    penalty_context_size: PositiveInt | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    priority: int = 0
+    fill: Literal["off", "strict", "echo"] | None = None
+    jump_forward: bool | None = None
+    checkpoint_every: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    snapshot_at: PositiveInt | None = None
+    # Speculative decoding: on (a draft model, else prompt lookup) or off; its acceptance rule.
+    speculative: bool | None = None
+    acceptance: Literal["exact", "rejection"] | None = None
+    # Your own id for the request (needed with checkpoint_every; must not be live).
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    # Each choice (and streamed chunk) carries the generated `token_ids` too.
+    return_token_ids: bool = False
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class FunctionCallIn(msgspec.Struct, kw_only=True):
+    name: str
+    # A JSON object as text (OpenAI's shape); an object is taken as it is.
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True):
+    function: FunctionCallIn
+    id: str | None = None
+    type: str = "function"
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class _Sampling(NativeExtras, kw_only=True):
+    model: str
+    max_tokens: PositiveInt | None = None
+    # OpenAI's default temperature is 1 (mlxrt's native default is greedy).
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    # Range checked by the runtime's validation (as every native request's).
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: PositiveInt = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    # Text, token ids, or a list of one of either (several prompts are refused).
+    prompt: str | list[Any]
+    # OpenAI's default for this endpoint.
+    max_tokens: PositiveInt | None = 16
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: PositiveInt | None = None
+
+
+# -- responses ---------------------------------------------------------------------
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int
+
+
+class UsageInfo(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class FunctionOut(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionOut
+    type: str = "function"
+    # Streamed calls carry their position; a message's list does not.
+    index: int | msgspec.UnsetType = msgspec.UNSET
+
+
+class TopLogprobOut(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class LogprobOut(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChoiceLogprobs(msgspec.Struct):
+    content: list[LogprobOut]
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    content: str | None
+    role: str = "assistant"
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChoiceLogprobs | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str
+    object: str = "chat.completion"
+
+
+class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    system_fingerprint: str
+    object: str = "chat.completion.chunk"
+    # With stream_options.include_usage: null on every chunk but the last, which has it.
+    usage: UsageInfo | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+    token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    system_fingerprint: str
+    object: str = "text_completion"
+    usage: UsageInfo | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    max_model_len: int
+    object: str = "model"
+    owned_by: str = "mlxrt"
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorBody

@@ -1,0 +1,167 @@
+"""`mlxrt bench-http`: time to first token over HTTP next to the Unix socket and in-process.
+
+One process serves one runtime on a Unix socket (`net.server`) and over HTTP (`net.http`),
+as `mlxrt serve --http` does, and times the same sequential greedy requests through each
+face: in-process `Runtime.generate`, `net.client.Client` on the socket, and a raw HTTP/1.1
+client (h11, one kept-alive connection, `/v1/completions` with `stream` and token-id
+prompts) that stops its clock at the first server-sent event. The prefix cache is off, so
+every request prefills its whole prompt; the order of the three faces rotates per request.
+Prints p50/p90 TTFT per face and the HTTP-minus-socket difference, and writes JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import h11
+import msgspec
+
+from protocols.api import GenerateRequest, SamplingParams, TokenDelta
+from runtime.config import RuntimeConfig
+
+FACES = ("in_process", "socket", "http")
+
+
+@dataclass(frozen=True)
+class HttpBenchOptions:
+    requests: int = 50
+    prompt_tokens: int = 128
+    new_tokens: int = 4
+    seed: int = 0
+
+
+class _HttpConnection:
+    """A kept-alive HTTP/1.1 connection that posts a JSON body and streams back the answer."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._conn = h11.Connection(h11.CLIENT)
+
+    async def post(self, target: str, body: bytes):
+        headers = [("Host", "bench"), ("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
+        request = self._conn.send(h11.Request(method="POST", target=target, headers=headers))
+        await self._stream.send(request + self._conn.send(h11.Data(data=body)) + self._conn.send(h11.EndOfMessage()))
+        while True:
+            event = self._conn.next_event()
+            if event is h11.NEED_DATA:
+                self._conn.receive_data(await self._stream.receive())
+            elif isinstance(event, h11.Response) and event.status_code != 200:
+                raise RuntimeError(f"HTTP {event.status_code}")
+            elif isinstance(event, h11.Data):
+                yield bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                self._conn.start_next_cycle()
+                return
+
+
+async def _ttft_in_process(rt, prompt: list[int], options: HttpBenchOptions) -> float:
+    start = time.perf_counter()
+    first = None
+    async for event in rt.generate(_request(prompt, options)):
+        if first is None and isinstance(event, TokenDelta):
+            first = time.perf_counter() - start
+    assert first is not None
+    return first
+
+
+async def _ttft_socket(client, prompt: list[int], options: HttpBenchOptions) -> float:
+    start = time.perf_counter()
+    first = None
+    async for event in client.generate(_request(prompt, options)):
+        if first is None and isinstance(event, TokenDelta):
+            first = time.perf_counter() - start
+    assert first is not None
+    return first
+
+
+async def _ttft_http(connection: _HttpConnection, model: str, prompt: list[int], options: HttpBenchOptions) -> float:
+    body = msgspec.json.encode(
+        {"model": model, "prompt": prompt, "max_tokens": options.new_tokens, "temperature": 0, "stream": True, "ignore_eos": True, "return_token_ids": True}
+    )
+    start = time.perf_counter()
+    first = None
+    async for data in connection.post("/v1/completions", body):
+        if first is None and data.startswith(b"data: {"):
+            first = time.perf_counter() - start
+    assert first is not None
+    return first
+
+
+def _request(prompt: list[int], options: HttpBenchOptions) -> GenerateRequest:
+    return GenerateRequest(prompt_ids=prompt, max_tokens=options.new_tokens, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+
+
+async def run_http_bench(config: RuntimeConfig, options: HttpBenchOptions) -> dict:
+    from net.client import Client
+    from net.http.server import HttpServer
+    from net.server import Server
+    from runtime.runtime import Runtime
+
+    kv = msgspec.structs.replace(config.kv, prefix_cache_bytes=0)
+    server_config = msgspec.structs.replace(config.server, http="127.0.0.1:0", api_key="")
+    config = msgspec.structs.replace(config, kv=kv, server=server_config)
+    times: dict[str, list[float]] = {face: [] for face in FACES}
+    with tempfile.TemporaryDirectory() as directory:
+        async with Runtime.open(config) as rt, anyio.create_task_group() as tg:
+            socket = Server(rt, config.server, Path(directory) / "run" / "bench.sock")
+            http = HttpServer(config)
+            path = await tg.start(socket.serve)
+            url = await tg.start(http.serve)
+            http.attach(rt)
+            rng = random.Random(options.seed)
+            vocab = rt.model_info.vocab_size
+            prompts = [[rng.randrange(100, vocab) for _ in range(options.prompt_tokens)] for _ in range(options.requests + 2)]
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            async with Client.connect(path) as client, await anyio.connect_tcp(host, int(port)) as stream:
+                connection = _HttpConnection(stream)
+                faces = {
+                    "in_process": lambda p: _ttft_in_process(rt, p, options),
+                    "socket": lambda p: _ttft_socket(client, p, options),
+                    "http": lambda p: _ttft_http(connection, config.model_name, p, options),
+                }
+                for i, prompt in enumerate(prompts):
+                    order = FACES[i % 3 :] + FACES[: i % 3]
+                    for face in order:
+                        ttft = await faces[face](prompt)
+                        if i >= 2:  # the first two warm every path up
+                            times[face].append(ttft)
+            http.stop()
+            socket.stop()
+    return _summary(config, options, times)
+
+
+def _summary(config: RuntimeConfig, options: HttpBenchOptions, times: dict[str, list[float]]) -> dict:
+    def pct(values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+    faces = {face: {"p50_ttft_ms": 1000 * statistics.median(v), "p90_ttft_ms": 1000 * pct(v, 90), "requests": len(v)} for face, v in times.items()}
+    paired = [h - s for h, s in zip(times["http"], times["socket"])]
+    return {
+        "model": config.model.path,
+        "prompt_tokens": options.prompt_tokens,
+        "new_tokens": options.new_tokens,
+        "faces": faces,
+        "http_minus_socket_p50_ms": faces["http"]["p50_ttft_ms"] - faces["socket"]["p50_ttft_ms"],
+        "http_minus_socket_paired_median_ms": 1000 * statistics.median(paired),
+    }
+
+
+def format_http_table(results: dict) -> str:
+    rows = [f"{'face':<12}{'p50 TTFT ms':>14}{'p90 TTFT ms':>14}", "-" * 40]
+    for face, r in results["faces"].items():
+        rows.append(f"{face:<12}{r['p50_ttft_ms']:14.2f}{r['p90_ttft_ms']:14.2f}")
+    rows.append(f"HTTP - socket: p50 {results['http_minus_socket_p50_ms']:+.2f} ms, paired median {results['http_minus_socket_paired_median_ms']:+.2f} ms")
+    return "\n".join(rows)
+
+
+def dump_http(results: dict, path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(results, indent=2) + "\n")
