@@ -23,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from engine import caches
 from engine.batch import DecodeBatch
+from engine.compiled import compile_decode_step
 from engine.sampler import RowSampling, draft_draws
 from policies.layout import has_state
 from protocols.errors import ModelLoadError
@@ -62,6 +63,8 @@ class DraftRunner:
         self._model = model
         self._layout = layout
         self._batch = DecodeBatch(layout)
+        # A lone drafting row's one-token steps run compiled (no graph build per draft token).
+        self._step = compile_decode_step(model, layout)
         # KV of requests outside the draft batch (prefilling, parked), and what each covers.
         self._caches: dict[str, list] = {}
         self._covered: dict[str, int] = {}
@@ -96,9 +99,12 @@ class DraftRunner:
         for j in range(1, longest):
             active = [i for i, row in enumerate(rows) if row.num_draft > j]
             sub = mx.array(active, dtype=mx.int32)
-            self._batch.begin_step([1] * len(active), rows=[indices[i] for i in active])
-            out = self._model(drafted[-1][sub][:, None], cache=self._batch.layers)[:, -1, :]
-            self._batch.end_step()
+            if len(self._batch) == 1:
+                out = self._batch.forward_one(self._step, drafted[-1][sub])
+            else:
+                self._batch.begin_step([1] * len(active), rows=[indices[i] for i in active])
+                out = self._model(drafted[-1][sub][:, None], cache=self._batch.layers)[:, -1, :]
+                self._batch.end_step()
             token_j, logprobs_j = draft_draws(out, [samplings[i] for i in active], offset=j)
             drafted.append(mx.zeros_like(token).at[sub].add(token_j))
             if want_logprobs:

@@ -257,11 +257,13 @@ _BENCH = BuiltinSpec(
 _SPEC_TARGET = dataclasses.replace(
     _BENCH, name="bench-spec", num_hidden_layers=48, scale=((r"model\.layers\.(?:[2-9]|[1-4]\d)\..*(?:o_proj|down_proj)\.weight", 0.01),)
 )
-# A model whose next token depends mostly on the current one (attention writes 2% of its
-# output) with a peaked head: its text repeats what its context already holds after the
-# same token, as an edit of a given code block repeats the block; prompt lookup's workload.
+# A model whose next token depends only on the current one (attention writes nothing) with a
+# head sharpened 300x, so that sampling at temperature 0.7 follows its greedy choice almost
+# always: its text repeats what followed the same token earlier in the context, as a model
+# rewriting a given code block repeats the block. Prompt lookup's workload (a mechanism
+# measurement: real models copy with context, this one by construction).
 _COPY = dataclasses.replace(
-    _BENCH, name="bench-copy", num_hidden_layers=12, scale=((r"model\.layers\.\d+\.self_attn\.o_proj\.weight", 0.02), (r"model\.norm\.weight", 4.0))
+    _BENCH, name="bench-copy", num_hidden_layers=12, scale=((r"model\.layers\.\d+\.self_attn\.o_proj\.weight", 0.0), (r"model\.norm\.weight", 300.0))
 )
 
 # The same idea at `tiny`'s width for tests: 4 layers, the last two damped to 10%; its draft
