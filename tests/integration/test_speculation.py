@@ -237,3 +237,26 @@ async def test_grammar_constrained_speculation_produces_valid_json():
     assert got == want
     assert finished.finish_reason == "stop" and finished.spec is not None and finished.spec.rounds > 0
     jsonschema.validate(json.loads(text), schema)
+
+
+async def test_rejection_acceptance_serves_sampled_rows_and_keeps_greedy_rows_exact():
+    """`rejection` keeps more drafts of sampled rows (their distribution, not their stream, is
+    the target's: see tests/engine/test_speculation_sampling.py); greedy rows stay exact."""
+    target, draft = PAIRS["llama"]
+    ps = prompts(4, seed=12)
+    greedy = GenerateRequest(prompt_ids=ps[0], max_tokens=40, ignore_eos=True)
+    sampled = [GenerateRequest(prompt_ids=p, max_tokens=40, ignore_eos=True, sampling=seeded(7 + i)) for i, p in enumerate(ps[1:])]
+    async with Runtime.open(make_config(f"builtin:{target}")) as rt:
+        (want, _), *_ = await run_all(rt, [greedy, *sampled])
+    async with Runtime.open(spec_config(f"builtin:{target}", draft=f"builtin:{draft}", acceptance="rejection")) as rt:
+        (got, _), *rows = await run_all(rt, [greedy, *sampled])
+        exact = await run_all(rt, [msgspec.structs.replace(r, acceptance="exact") for r in sampled])
+    assert got == want
+    for (ids, finished), (_, exact_finished) in zip(rows, exact):
+        s = finished.spec
+        assert len(ids) == 40 and finished.finish_reason == "length"
+        assert s is not None and s.acceptance == "rejection" and s.rounds > 0 and s.accepted + s.rejected == s.drafted
+        assert exact_finished.spec is not None and exact_finished.spec.acceptance == "exact"
+    rejection_rate = sum(f.spec.accepted for _, f in rows) / sum(f.spec.drafted for _, f in rows)  # type: ignore[union-attr]
+    exact_rate = sum(f.spec.accepted for _, f in exact) / sum(f.spec.drafted for _, f in exact)  # type: ignore[union-attr]
+    assert rejection_rate >= exact_rate - 0.05, (rejection_rate, exact_rate)
