@@ -9,7 +9,8 @@ import jsonschema
 import pytest
 
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
-from tests.net.http_support import CLOCK, WEATHER, serving
+from tests.integration.test_structured import CLOCK, WEATHER
+from tests.net.http_support import serving
 
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def parse(path):"}]
 
