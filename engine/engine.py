@@ -1,44 +1,39 @@
 """The engine: executes the scheduler's step plans on the MLX thread.
 
-Owns every per-request array: prefill caches (mlx-lm `KVCache`s, chunk by chunk,
-first chunks of several requests batched), the decode batch's KV slots, the batch
-sampler state, the in-flight step, saved prefix entries, and parked rows. A plan
-is applied in order: release, admit, park/unpark, prefill, decode, checkpoints.
-Decode is pipelined like mlx-lm's `generate_step`: step n+1 is dispatched
-(`mx.async_eval`) before step n's tokens are read back, so the only host round-trip
-per step is one `tolist()` of already-computed ids. A step is read before the next
-is built only when some row needs its token for that (a grammar mask, a fast-forward
-span) or samples its first token (early token zero).
+Owns every per-request array: prefill caches (`prefill.py`), the decode batch's KV slots,
+the sampler state, the in-flight step, saved prefix entries, parked rows and (with
+speculation) the draft model's rows. A plan is applied in order: release, admit,
+park/unpark, prefill, decode, checkpoints. Decode is pipelined like mlx-lm's
+`generate_step`: step n+1 is dispatched (`mx.async_eval`, `forward.py`) before step n's
+tokens are read back. A step is read before the next is built only when some row needs its
+token for that (a grammar mask, a fast-forward span, a draft) or samples its first token.
 
-A prompt's last token is not prefilled: the request joins the batch with it as
-its pending input, and the batched decode step computes the logits of that one
-position only. A failure confined to one request (its grammar, fill session or
-checkpoint) ends that request with `error`; anything else fails the step. Every
-call returns plain Python data.
+A prompt's last token is not prefilled: the request joins the batch with it as its pending
+input. A failure confined to one request (its grammar, fill session or checkpoint) ends
+that request with `error`; anything else fails the step. Every call returns plain data.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import mlx.core as mx
-import numpy as np
 import structlog
-import torch
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from engine import caches
 from engine.batch import DecodeBatch
 from engine.compiled import compile_decode_step
+from engine.forward import append_known, forward_drafts, forward_pending, grammar_mask, host, read_logprobs
 from engine.known import KnownTokens
-from engine.sampler import BatchSampler, RowSampling, SampleResult
+from engine.prefill import prefill_one, prefill_together
+from engine.sampler import BatchSampler, RowSampling
 from engine.sequence import EngineInvariantError, InFlight, Sequence
 from engine.speculation import Speculator
 from policies.fill_session import FillSession
 from policies.layout import is_trimmable
-from protocols.api import FillStats, TokenLogprob, TopLogprob
+from protocols.api import FillStats, TokenLogprob
 from protocols.model import (
     AdmitRequest,
     CheckpointData,
@@ -278,9 +273,9 @@ class Engine:
         batched = {id(first[i][0]) for group in together for i in group}
         for seq, work in zip(seqs, works):
             if id(seq) not in batched:
-                self._prefill_one(seq, work.num_tokens)
+                prefill_one(self._model, seq, work.num_tokens)
         for group in together:
-            self._prefill_together([first[i] for i in group])
+            prefill_together(self._model, self._layout, self._trimmable, [first[i] for i in group])
         draft = self._speculator.draft
         if draft is not None and self._speculator.gate.allows(len(self._batch) + len(seqs)):
             # The draft model prefills what the target did (and any prefix it lacks); in a batch
@@ -303,40 +298,6 @@ class Engine:
         if work.num_tokens <= 0 or end > seq.prompt_len - 1:
             raise EngineInvariantError(f"prefill to {end} outside the prompt of {seq.prompt_len}")
         return seq
-
-    def _prefill_one(self, seq: Sequence, num_tokens: int) -> None:
-        start, end = seq.num_prefilled, seq.num_prefilled + num_tokens
-        if seq.cache is None:
-            seq.cache = make_prompt_cache(self._model)
-        self._model(mx.array(seq.admit.prompt_ids[start:end])[None], cache=seq.cache)
-        mx.eval([c.state for c in seq.cache])
-        seq.num_prefilled = end
-
-    def _prefill_together(self, chunks: list[tuple[Sequence, int]]) -> None:
-        """First chunks of several prompts in one forward through mlx-lm's batch caches, each
-        row then extracted as its own cache. Full-attention models pad on the left; sliding
-        windows on the right, with each row's length passed to the caches (which roll the
-        windows back into place), as mlx-lm's BatchGenerator does; recurrent ones never pad."""
-        tokens = [seq.admit.prompt_ids[:n] for seq, n in chunks]
-        width = max(n for _, n in chunks)
-        padding = [width - n for _, n in chunks]
-        if self._trimmable:
-            cache: list = [BatchKVCache(padding) for _ in self._layout]
-            self._model(mx.array([[0] * pad + t for pad, t in zip(padding, tokens)]), cache=cache)
-        else:
-            fresh = [make_prompt_cache(self._model) for _ in chunks]
-            cache = [type(layer[0]).merge(list(layer)) for layer in zip(*fresh)]
-            if max(padding):
-                for c in cache:
-                    c.prepare(lengths=[n for _, n in chunks], right_padding=padding)
-            self._model(mx.array([t + [0] * pad for pad, t in zip(padding, tokens)]), cache=cache)
-            if max(padding):
-                for c in cache:
-                    c.finalize()
-        mx.eval([c.state for c in cache])
-        for row, (seq, n) in enumerate(chunks):
-            seq.cache = [c.extract(row) for c in cache]
-            seq.num_prefilled = n
 
     # -- decode ------------------------------------------------------------------------------
 
@@ -402,11 +363,11 @@ class Engine:
         assert self._pending is not None
         pending, sub_logits = self._pending, None
         if appending and all(rows[i].draft is not None for i in appending):
-            sub_logits, logits = self._forward_drafts(rows, appending, pending)
+            sub_logits, logits = forward_drafts(self._model, self._batch, rows, appending, pending)
         else:
             if appending:
-                pending, sub_logits = self._append_known(rows, appending, pending)
-            logits = self._forward_pending(rows, pending)
+                pending, sub_logits = append_known(self._model, self._batch, self._sampler, rows, appending, pending)
+            logits = forward_pending(self._model, self._batch, self._decode_step, rows, pending)
         in_flight = InFlight(rows=rows)
         check = None
         if sub_logits is not None:
@@ -415,7 +376,7 @@ class Engine:
             if checked is not None:
                 check, in_flight.verified = checked
                 in_flight.verified_sampling = [self._sampler.rows[i] for i in check.rows]
-        result = self._sampler.sample(logits, mask=self._grammar_mask(rows), check=check)
+        result = self._sampler.sample(logits, mask=grammar_mask(self._grammars, rows), check=check)
         for seq in rows:
             seq.extra = []
         self._pending = result.tokens
@@ -427,78 +388,13 @@ class Engine:
             mx.clear_cache()
         return in_flight
 
-    def _forward_pending(self, rows: list[Sequence], pending: mx.array) -> mx.array:
-        """The whole batch forwards its pending tokens, one each; returns their logits."""
-        if len(rows) == 1 and self._decode_step is not None:
-            # A lone row: the compiled step (no per-step graph build) is ~6-10% faster per token
-            # on CPU. Batches build the graph: attending over the whole capacity costs them more
-            # KV reads than the build saves (c16 0.90x vs 1.01x of mlx-lm, measured).
-            return self._batch.forward_one(self._decode_step, pending)
-        self._batch.begin_step([1] * len(rows))
-        logits = self._model(pending[:, None], cache=self._batch.layers)[:, -1, :]
-        self._batch.end_step()
-        return logits
-
-    def _forward_drafts(self, rows: list[Sequence], drafting: list[int], pending: mx.array) -> tuple[mx.array, mx.array]:
-        """The rows that check a draft forward it whole, with the other rows' pending tokens,
-        in one step (right-padded: on this backend a forward's cost is mostly its weight
-        reads, not its width). Returns the drafting rows' logits at every position and each
-        row's logits at its last position (what it samples)."""
-        firsts = _host(pending)
-        inputs = [[firsts[i], *rows[i].extra] for i in range(len(rows))]
-        self._snapshot_spans(rows, drafting, inputs)
-        logits = self._batch.forward_rows(self._model, list(range(len(rows))), inputs)
-        last = logits[mx.arange(len(rows)), mx.array([len(tokens) - 1 for tokens in inputs])]
-        return logits[mx.array(drafting, dtype=mx.int32)], last
-
-    def _snapshot_spans(self, rows: list[Sequence], appending: list[int], inputs: list[list[int]]) -> None:
-        """A recurrent state cannot be rewound: rows forwarding a span that may be cut keep
-        their state to replay the accepted prefix."""
-        if not self._batch.has_state:
-            return
-        for i in appending:
-            seq = rows[i]
-            if seq.verify is not None or seq.draft is not None:
-                seq.snapshot, seq.replay = self._batch.snapshot(seq.request_id), [inputs[i][0], *seq.extra]
-
-    def _append_known(self, rows: list[Sequence], appending: list[int], pending: mx.array) -> tuple[mx.array, mx.array]:
-        """Forward the known tokens of some rows but the last of each, which becomes their
-        pending input; returns the new pending inputs and the appended positions' logits."""
-        firsts = _host(pending)
-        inputs = [[firsts[i], *rows[i].extra[:-1]] for i in appending]
-        self._snapshot_spans(rows, appending, [firsts[i : i + 1] for i in range(len(rows))])
-        sub_logits = self._batch.forward_rows(self._model, appending, inputs)
-        for i in appending:
-            firsts[i] = rows[i].extra[-1]
-        # Penalties see appended tokens like sampled ones (an echo span's only once accepted).
-        self._sampler.advance({i: rows[i].extra for i in appending if rows[i].verify is None and rows[i].draft is None})
-        return mx.array(firsts, dtype=mx.uint32), sub_logits
-
-    def _grammar_mask(self, rows: list[Sequence]) -> mx.array | None:
-        """Allowed-token bitmask rows from each grammar's state (all allowed elsewhere). A row
-        whose matcher fails is marked failed and left unconstrained: it ends when read."""
-        if not any(seq.matcher is not None for seq in rows):
-            return None
-        assert self._grammars is not None
-        bitmask = np.full((len(rows), (self._grammars.vocab_size + 31) // 32), -1, dtype=np.int32)
-        tensor = torch.from_numpy(bitmask)
-        for i, seq in enumerate(rows):
-            if seq.matcher is not None and seq.failure is None:
-                try:
-                    seq.matcher.fill_next_token_bitmask(tensor, i)
-                except Exception as exc:
-                    log.exception("grammar_mask_failed", request_id=seq.request_id)
-                    seq.failure = f"the grammar failed: {type(exc).__name__}: {exc}"
-                    bitmask[i] = -1
-        return mx.array(bitmask)
-
     def _collect(self, in_flight: InFlight) -> list[RowOutput]:
         assert in_flight.result is not None
         result = in_flight.result
-        tokens = _host(result.tokens)
-        logprobs = _read_logprobs(result, tokens)
-        choices = dict(zip(map(id, in_flight.appended), _host(in_flight.choices))) if in_flight.choices is not None else {}
-        accepted = dict(zip(map(id, in_flight.verified), _host(in_flight.accepted))) if in_flight.accepted is not None else {}
+        tokens = host(result.tokens)
+        logprobs = read_logprobs(result, tokens)
+        choices = dict(zip(map(id, in_flight.appended), host(in_flight.choices))) if in_flight.choices is not None else {}
+        accepted = dict(zip(map(id, in_flight.verified), host(in_flight.accepted))) if in_flight.accepted is not None else {}
         for sampling, seq in zip(in_flight.verified_sampling, in_flight.verified):
             sampling.num_sampled += accepted[id(seq)]  # a checked span's kept tokens were sampled too
         outputs = []
@@ -600,22 +496,3 @@ class Engine:
                 log.exception("checkpoint_failed", request_id=seq.request_id)
                 continue
             self._checkpoints.append(CheckpointData(request_id=seq.request_id, generated=list(seq.generated), num_kv_tokens=num_kv, kv_tensors=tensors))
-
-
-def _host(array: mx.array) -> list[Any]:
-    """A device array's values as a Python list (the one host round trip of a step)."""
-    return cast(list[Any], array.tolist())
-
-
-def _read_logprobs(result: SampleResult, tokens: list[int]) -> list[TokenLogprob] | None:
-    if result.logprobs is None:
-        return None
-    chosen = _host(result.logprobs)
-    if result.top_ids is None or result.top_logprobs is None:
-        return [TokenLogprob(token_id=t, logprob=lp) for t, lp in zip(tokens, chosen)]
-    top_ids, top_lps = _host(result.top_ids), _host(result.top_logprobs)
-    out = []
-    for t, lp, ids, lps in zip(tokens, chosen, top_ids, top_lps):
-        top = sorted((TopLogprob(token_id=i, logprob=v) for i, v in zip(ids, lps)), key=lambda x: -x.logprob)
-        out.append(TokenLogprob(token_id=t, logprob=lp, top=top))
-    return out

@@ -6,18 +6,8 @@
 type, optionally quantized), e.g. the test suite's table of model families.
 """
 
-from engine.builtin.models import (
-    BENCH_TOKENIZER,
-    BUILTIN_MODELS,
-    TINY_TOKENIZER,
-    BuiltinSpec,
-    UnknownBuiltinModelError,
-    builtin_name,
-    config_fields,
-    ensure_builtin,
-    ensure_model,
-    parameter_count,
-)
+from engine.builtin.catalog import BENCH_TOKENIZER, BUILTIN_MODELS, TINY_TOKENIZER, UnknownBuiltinModelError, builtin_name, ensure_builtin
+from engine.builtin.models import BuiltinSpec, config_fields, ensure_model, parameter_count
 from engine.builtin.tokenizer import TokenizerSpec
 
 __all__ = [

@@ -1,0 +1,294 @@
+"""The named built-in models (`builtin:<name>`): test, benchmark and draft-pair specs.
+
+`ensure_builtin(name)` builds (once) and returns the directory of one of them; any other
+`BuiltinSpec` goes through `models.ensure_model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from engine.builtin.models import BUILTIN_PREFIX, BuiltinSpec, Progress, config_fields, ensure_model
+from engine.builtin.tokenizer import TokenizerSpec
+
+TINY_TOKENIZER = TokenizerSpec(vocab_size=1024, corpus_chars=400_000)
+BENCH_TOKENIZER = TokenizerSpec(vocab_size=32768, corpus_chars=4_000_000)
+
+# SmolLM-135M shape.
+_BENCH = BuiltinSpec(
+    name="bench",
+    model_type="llama",
+    hidden_size=576,
+    num_hidden_layers=30,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=32768,
+    max_position_embeddings=8192,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    seed=2,
+    tokenizer=BENCH_TOKENIZER,
+)
+
+# A target and draft pair for speculative decoding whose agreement is real: `bench-spec` is
+# `bench`'s shape 48 layers deep with layers 2-47 writing 1% of their output into the
+# residual stream, so its first two layers decide most of its choices; `bench-spec-draft`
+# is those two layers (the same weights) with the same head: 13% of the target's
+# parameters, agreeing with its greedy choice about 80% of the time (BENCHMARKS.md).
+_SPEC_TARGET = dataclasses.replace(
+    _BENCH, name="bench-spec", num_hidden_layers=48, scale=((r"model\.layers\.(?:[2-9]|[1-4]\d)\..*(?:o_proj|down_proj)\.weight", 0.01),)
+)
+# A model whose next token depends only on the current one (attention writes nothing) with a
+# head sharpened 300x, so that sampling at temperature 0.7 follows its greedy choice almost
+# always: its text repeats what followed the same token earlier in the context, as a model
+# rewriting a given code block repeats the block. Prompt lookup's workload (a mechanism
+# measurement: real models copy with context, this one by construction).
+_COPY = dataclasses.replace(
+    _BENCH, name="bench-copy", num_hidden_layers=12, scale=((r"model\.layers\.\d+\.self_attn\.o_proj\.weight", 0.0), (r"model\.norm\.weight", 300.0))
+)
+
+# The same idea at `tiny`'s width for tests: 4 layers, the last two damped to 10%; its draft
+# is the first two. They agree on most greedy choices, not all (rewinds are exercised).
+_TINY_SPEC = BuiltinSpec(
+    name="tiny-spec",
+    model_type="llama",
+    hidden_size=64,
+    num_hidden_layers=4,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    seed=9,
+    tokenizer=TINY_TOKENIZER,
+    scale=((r"model\.layers\.[23]\..*(?:o_proj|down_proj)\.weight", 0.1),),
+)
+
+BUILTIN_MODELS: dict[str, BuiltinSpec] = {
+    spec.name: spec
+    for spec in (
+        BuiltinSpec(
+            name="tiny",
+            model_type="llama",
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1024,
+            max_position_embeddings=2048,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+            seed=0,
+            tokenizer=TINY_TOKENIZER,
+        ),
+        BuiltinSpec(
+            name="tiny-qwen2",
+            model_type="qwen2",
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=160,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1024,
+            max_position_embeddings=2048,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+            seed=1,
+            tokenizer=TINY_TOKENIZER,
+        ),
+        # Sliding-window attention (window 16) on layers 0, 1 and 3, global on layer 2;
+        # the head is tied to the embeddings as in Gemma 3 checkpoints.
+        BuiltinSpec(
+            name="tiny-gemma3",
+            model_type="gemma3_text",
+            hidden_size=64,
+            num_hidden_layers=4,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            vocab_size=1024,
+            max_position_embeddings=2048,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            seed=4,
+            tokenizer=TINY_TOKENIZER,
+            extra=config_fields(
+                head_dim=16,
+                query_pre_attn_scalar=16,
+                sliding_window=16,
+                sliding_window_pattern=3,
+                rope_local_base_freq=10000.0,
+                hidden_activation="gelu_pytorch_tanh",
+            ),
+            omit_weights=("lm_head",),
+        ),
+        # Three gated-delta (linear attention) layers, then one full attention layer;
+        # every MLP a mixture of 4 experts (2 active) plus a shared expert.
+        BuiltinSpec(
+            name="tiny-qwen3next",
+            model_type="qwen3_next",
+            hidden_size=64,
+            num_hidden_layers=4,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1024,
+            max_position_embeddings=2048,
+            rope_theta=10000000.0,
+            tie_word_embeddings=False,
+            seed=5,
+            tokenizer=TINY_TOKENIZER,
+            extra=config_fields(
+                head_dim=16,
+                partial_rotary_factor=0.25,
+                full_attention_interval=4,
+                linear_num_value_heads=4,
+                linear_num_key_heads=2,
+                linear_key_head_dim=16,
+                linear_value_head_dim=16,
+                linear_conv_kernel_dim=4,
+                num_experts=4,
+                num_experts_per_tok=2,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                moe_intermediate_size=32,
+                shared_expert_intermediate_size=64,
+                norm_topk_prob=True,
+            ),
+        ),
+        # Short-convolution layers with one attention layer (index 2), as in LFM2.
+        BuiltinSpec(
+            name="tiny-lfm2",
+            model_type="lfm2",
+            hidden_size=64,
+            num_hidden_layers=4,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=1024,
+            max_position_embeddings=2048,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            seed=6,
+            tokenizer=TINY_TOKENIZER,
+            extra=config_fields(
+                norm_eps=1e-5,
+                conv_bias=False,
+                conv_L_cache=3,
+                block_dim=64,
+                block_ff_dim=128,
+                block_multiple_of=16,
+                block_ffn_dim_multiplier=1.0,
+                block_auto_adjust_ff_dim=True,
+                layer_types=["conv", "conv", "full_attention", "conv"],
+                full_attn_idxs=[2],
+            ),
+        ),
+        _BENCH,
+        BuiltinSpec(
+            name="bench-qwen2",
+            model_type="qwen2",
+            hidden_size=512,
+            num_hidden_layers=24,
+            intermediate_size=1408,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=32768,
+            max_position_embeddings=8192,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+            seed=3,
+            tokenizer=BENCH_TOKENIZER,
+        ),
+        # Gemma-3-270M shape (vocab 32768, window 128): 5 sliding layers to 1 global.
+        BuiltinSpec(
+            name="bench-gemma3",
+            model_type="gemma3_text",
+            hidden_size=640,
+            num_hidden_layers=18,
+            intermediate_size=2048,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            vocab_size=32768,
+            max_position_embeddings=8192,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            seed=7,
+            tokenizer=BENCH_TOKENIZER,
+            extra=config_fields(
+                head_dim=256,
+                query_pre_attn_scalar=256,
+                sliding_window=128,
+                sliding_window_pattern=6,
+                rope_local_base_freq=10000.0,
+                hidden_activation="gelu_pytorch_tanh",
+            ),
+            omit_weights=("lm_head",),
+        ),
+        # LFM2-350M layer pattern, narrower: 8 short-convolution and 4 attention layers.
+        BuiltinSpec(
+            name="bench-lfm2",
+            model_type="lfm2",
+            hidden_size=768,
+            num_hidden_layers=12,
+            intermediate_size=3840,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            vocab_size=32768,
+            max_position_embeddings=8192,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+            seed=8,
+            tokenizer=BENCH_TOKENIZER,
+            extra=config_fields(
+                norm_eps=1e-5,
+                conv_bias=False,
+                conv_L_cache=3,
+                block_dim=768,
+                block_ff_dim=3840,
+                block_multiple_of=256,
+                block_ffn_dim_multiplier=1.0,
+                block_auto_adjust_ff_dim=True,
+                layer_types=[("full_attention" if i in (2, 5, 8, 10) else "conv") for i in range(12)],
+                full_attn_idxs=[2, 5, 8, 10],
+            ),
+        ),
+        # `bench` with the same initial weights, quantized like mlx-community's 4-bit models.
+        dataclasses.replace(_BENCH, name="bench-4bit", quantize=(4, 64)),
+        _TINY_SPEC,
+        dataclasses.replace(_TINY_SPEC, name="tiny-spec-draft", keep_layers=2),
+        _SPEC_TARGET,
+        dataclasses.replace(_SPEC_TARGET, name="bench-spec-draft", keep_layers=2),
+        _COPY,
+    )
+}
+
+
+class UnknownBuiltinModelError(ValueError):
+    """Raised for a name that is not a key of `BUILTIN_MODELS`."""
+
+    def __init__(self, name: str) -> None:
+        known = ", ".join(sorted(BUILTIN_MODELS))
+        super().__init__(f"unknown builtin model {name!r}; known models: {known}")
+        self.name = name
+
+
+def builtin_name(path: str) -> str | None:
+    """``"builtin:tiny"`` -> ``"tiny"``; anything else -> None."""
+    if path.startswith(BUILTIN_PREFIX) and len(path) > len(BUILTIN_PREFIX):
+        return path[len(BUILTIN_PREFIX) :]
+    return None
+
+
+def ensure_builtin(name: str, *, root: Path | str, progress: Progress | None = None) -> Path:
+    """Return the directory of built-in model `name` under `root` (the runtime's
+    `MLXRT_HOME`), building it first if needed."""
+    spec = BUILTIN_MODELS.get(name)
+    if spec is None:
+        raise UnknownBuiltinModelError(name)
+    return ensure_model(spec, root=root, progress=progress)
