@@ -76,7 +76,6 @@ class SpecRow:
     plan: SpecPlan
     # A drafted token's cost in plain target steps (drafting it and checking it).
     token_cost: float
-    alpha: float = 0.6
     # Decayed counts of kept drafts and of rejections (the estimate's evidence).
     kept: float = PRIOR_KEPT
     rejections: float = PRIOR_REJECTED
@@ -86,13 +85,11 @@ class SpecRow:
     gated: bool = False
     # Prompt lookup: steps in a row that found nothing to propose.
     misses: int = 0
-    stats: SpecStats = field(init=False)
     _by_position: list[int] = field(default_factory=list)
     _counts: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.k = self.plan.max_draft
-        self.stats = SpecStats(method=self.plan.method, acceptance=self.plan.acceptance)
         self._by_position = [0] * self.plan.max_draft
         self._counts = {"rounds": 0, "drafted": 0, "accepted": 0, "generated": 0, "target_forwards": 0}
 
@@ -103,6 +100,11 @@ class SpecRow:
             self.paused_for -= 1
             return 0
         return max(0, min(self.k, budget))
+
+    @property
+    def alpha(self) -> float:
+        """The estimated chance that a draft token is kept."""
+        return self.kept / (self.kept + self.rejections)
 
     @property
     def drafts_next(self) -> bool:
@@ -131,7 +133,6 @@ class SpecRow:
             # kept / (kept + rejections), a round without a rejection adding none (censored).
             self.kept = DECAY * self.kept + accepted
             self.rejections = DECAY * self.rejections + (accepted < drafted)
-            self.alpha = self.kept / (self.kept + self.rejections)
         if not self.plan.adaptive:
             return
         self.k = best_draft_length(self.alpha, self.token_cost, self.plan.max_draft)

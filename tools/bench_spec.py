@@ -149,7 +149,7 @@ async def run_spec_bench(base: RuntimeConfig, options: SpecBenchOptions) -> dict
             await _generate(on, [GenerateRequest(prompt_ids=p, max_tokens=8, ignore_eos=True) for p in _prompts(2, 32, 1)])
             if "single" in options.workloads or "verify" in options.workloads:
                 progress.step("loading the mlx-lm baseline (target and draft)")
-                await thread.run(_Baseline.load, baseline := _Baseline(), off.model_info.path, _draft_path(on))
+                await thread.run(_Baseline.load, baseline := _Baseline(), off.model_info.path, _draft_path())
             if "single" in options.workloads:
                 results["single"] = await _single(runtimes, thread, baseline, options, progress)
             if "verify" in options.workloads:
@@ -170,7 +170,7 @@ async def run_spec_bench(base: RuntimeConfig, options: SpecBenchOptions) -> dict
     return results
 
 
-def _draft_path(rt) -> str:
+def _draft_path() -> str:
     from engine.builtin import builtin_name, ensure_builtin
     from runtime import env
 
