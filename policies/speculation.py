@@ -62,7 +62,7 @@ def plan_speculation(request: GenerateRequest, config: SpeculativeConfig, has_dr
     plan = SpecPlan(
         method=method,
         acceptance=acceptance,
-        max_draft=config.max_draft_tokens,
+        max_draft=config.max_draft_tokens if method == "draft" else config.lookup_max_draft_tokens,
         lookup_anchor=config.lookup_anchor,
         adaptive=config.adaptive,
     )

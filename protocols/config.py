@@ -157,6 +157,9 @@ class SpeculativeConfig(Section, frozen=True):
     adaptive: bool = True
     # Prompt lookup: tokens of the context's tail that must match earlier context.
     lookup_anchor: Annotated[int, msgspec.Meta(ge=1, le=8)] = 2
+    # Prompt lookup's longest draft (its proposals cost nothing to make, so it can reach
+    # further than a draft model's; each request adapts below it).
+    lookup_max_draft_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 8
     # Batches of more rows than this do not speculate (a verify forward then costs more than
     # it saves); 0 = the crossover measured on this machine (see BENCHMARKS.md).
     max_batch: NonNegative = 0

@@ -40,13 +40,33 @@ _BENCH = BuiltinSpec(
 _SPEC_TARGET = dataclasses.replace(
     _BENCH, name="bench-spec", num_hidden_layers=48, scale=((r"model\.layers\.(?:[2-9]|[1-4]\d)\..*(?:o_proj|down_proj)\.weight", 0.01),)
 )
-# A model whose next token depends only on the current one (attention writes nothing) with a
-# head sharpened 300x, so that sampling at temperature 0.7 follows its greedy choice almost
-# always: its text repeats what followed the same token earlier in the context, as a model
-# rewriting a given code block repeats the block. Prompt lookup's workload (a mechanism
-# measurement: real models copy with context, this one by construction).
+# A model that copies its context (`engine.builtin.copying`: induction heads written by
+# hand into `bench`'s shape as a SmolLM3, whose second layer attends without positions):
+# prompt lookup's workload. Layers 2-29 are `bench`'s random layers damped to 1%.
 _COPY = dataclasses.replace(
-    _BENCH, name="bench-copy", num_hidden_layers=12, scale=((r"model\.layers\.\d+\.self_attn\.o_proj\.weight", 0.0), (r"model\.norm\.weight", 300.0))
+    _BENCH,
+    name="bench-copy",
+    model_type="smollm3",
+    tie_word_embeddings=False,
+    extra=config_fields(no_rope_layers=[0 if i == 1 else 1 for i in range(30)]),
+    scale=((r"model\.layers\.(?:[2-9]|[12]\d)\..*(?:o_proj|down_proj)\.weight", 0.01),),
+    construct="copy",
+)
+
+# The copying circuit at test size (1,024-token vocabulary, three layers, the third damped).
+_TINY_COPY = dataclasses.replace(
+    _COPY,
+    name="tiny-copy",
+    hidden_size=384,
+    num_hidden_layers=3,
+    intermediate_size=256,
+    num_attention_heads=6,
+    vocab_size=1024,
+    max_position_embeddings=2048,
+    seed=10,
+    tokenizer=TINY_TOKENIZER,
+    extra=config_fields(no_rope_layers=[1, 0, 1]),
+    scale=((r"model\.layers\.2\..*(?:o_proj|down_proj)\.weight", 0.01),),
 )
 
 # The same idea at `tiny`'s width for tests: 4 layers, the last two damped to 10%; its draft
@@ -265,6 +285,7 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
         _SPEC_TARGET,
         dataclasses.replace(_SPEC_TARGET, name="bench-spec-draft", keep_layers=2),
         _COPY,
+        _TINY_COPY,
     )
 }
 

@@ -19,10 +19,12 @@ import fcntl
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -31,6 +33,7 @@ from typing import Any, Literal, cast
 
 import numpy as np
 
+from engine.builtin.copying import build_copy_weights
 from engine.builtin.tokenizer import (
     CHAT_TEMPLATE,
     ENDOFTEXT,
@@ -79,6 +82,8 @@ _TOP_LEVEL_KEYS = ("architectures", "model_type", "eos_token_id", "pad_token_id"
 # Affine quantization as mlx supports it.
 _QUANT_BITS = (2, 3, 4, 5, 6, 8)
 _QUANT_GROUP_SIZES = (32, 64, 128)
+# Circuits a spec can write over its initialised weights (`BuiltinSpec.construct`).
+CONSTRUCTIONS: dict[str, Callable[[dict[str, Any], dict[str, np.ndarray], int], dict[str, np.ndarray]]] = {"copy": build_copy_weights}
 
 Progress = Callable[[str], None]
 Layout = Literal["flat", "text_config"]
@@ -165,6 +170,7 @@ class BuiltinSpec:
     quantize: tuple[int, int] | None = None
     scale: tuple[tuple[str, float], ...] = ()
     keep_layers: int | None = None
+    construct: str | None = None
 
     def __post_init__(self) -> None:
         extra = self.extra if isinstance(self.extra, Mapping) else dict(self.extra)
@@ -190,6 +196,8 @@ class BuiltinSpec:
         object.__setattr__(self, "scale", tuple((str(pattern), float(factor)) for pattern, factor in self.scale))
         if self.keep_layers is not None and not 0 < self.keep_layers <= self.num_hidden_layers:
             raise ValueError(f"{self.name}: keep_layers must be in 1..{self.num_hidden_layers}")
+        if self.construct is not None and self.construct not in CONSTRUCTIONS:
+            raise ValueError(f"{self.name}: unknown construct {self.construct!r} (known: {', '.join(CONSTRUCTIONS)})")
 
     def fields(self) -> dict[str, Any]:
         """The spec as JSON data. Fields added after the first built-in models are left
@@ -199,7 +207,15 @@ class BuiltinSpec:
         data["omit_weights"] = list(self.omit_weights)
         data["quantize"] = list(self.quantize) if self.quantize is not None else None
         data["scale"] = [list(pair) for pair in self.scale]
-        for name, default in (("extra", {}), ("layout", "flat"), ("omit_weights", []), ("quantize", None), ("scale", []), ("keep_layers", None)):
+        for name, default in (
+            ("extra", {}),
+            ("layout", "flat"),
+            ("omit_weights", []),
+            ("quantize", None),
+            ("scale", []),
+            ("keep_layers", None),
+            ("construct", None),
+        ):
             if data[name] == default:
                 del data[name]
         return data
@@ -212,6 +228,8 @@ class BuiltinSpec:
             "tokenizer_digest": self.tokenizer.digest(),
             "chat_template": CHAT_TEMPLATE,
         }
+        if self.construct is not None:
+            payload["construct"] = hashlib.sha256(inspect.getsource(sys.modules[CONSTRUCTIONS[self.construct].__module__]).encode()).hexdigest()
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
     def directory_name(self) -> str:
@@ -432,7 +450,10 @@ def _write_weights(spec: BuiltinSpec, config: dict[str, Any], path: Path, say: P
     num_parameters = sum(int(np.prod(shape)) for name, shape in shapes.items() if not _omitted(spec, name))
     say(f"initializing {num_parameters / 1e6:.1f}M weights")
     rng = np.random.default_rng(spec.seed)
-    weights = {name: mx.array(_scaled(spec, name, _init_param(rng, name, shapes[name]))) for name in sorted(shapes)}
+    arrays = {name: _scaled(spec, name, _init_param(rng, name, shapes[name])) for name in sorted(shapes)}
+    if spec.construct is not None:
+        arrays = CONSTRUCTIONS[spec.construct](config, arrays, spec.seed)
+    weights = {name: mx.array(value) for name, value in arrays.items()}
     quantization = None
     if spec.quantize is not None:
         bits, group_size = spec.quantize

@@ -230,6 +230,21 @@ def test_greedy_generation_is_not_degenerate(built: Built) -> None:
     assert len(set(tokens)) >= 3
 
 
+def test_the_copying_circuit_copies_its_context(built: Built) -> None:
+    """`tiny-copy` (engine.builtin.copying) writes a document it was shown again, greedy,
+    and after a token that leaves the copy it comes back to the document."""
+    model, _ = load(str(ensure_builtin("tiny-copy", root=built.root)))
+    rng = np.random.default_rng(3)
+    document = [int(t) for t in rng.choice(np.arange(20, 1000), 80, replace=False)]
+
+    def greedy(prompt: list[int], n: int) -> list[int]:
+        return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+    assert greedy(document + document[:4], 60) == document[4:64]
+    # An edit: a token the document does not hold, then the copy again from after it.
+    assert greedy(document + document[:10] + [5], 40) == document[11:51]
+
+
 def test_the_runtime_root_comes_from_mlxrt_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLXRT_HOME", str(tmp_path))
     directory = ensure_builtin("tiny", root=env.home())

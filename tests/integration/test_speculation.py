@@ -151,6 +151,24 @@ async def test_prompt_lookup_is_exact_and_saves_target_forwards(copying_model, s
     assert s.target_forwards < s.generated == len(want)
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.7, seed=5)], ids=["greedy", "temp0.7"])
+async def test_prompt_lookup_on_a_model_that_copies_its_context(sampling):
+    """`tiny-copy` copies what it was shown (induction heads): lookup drafts long runs that
+    are kept, the stream stays the one decoded without speculation."""
+    document = random.Random(4).sample(range(20, 1000), 96)
+    request = GenerateRequest(prompt_ids=[*document, 13, 13, *document[:4]], max_tokens=80, ignore_eos=True, sampling=sampling)
+    async with Runtime.open(make_config("builtin:tiny-copy")) as rt:
+        want, _ = await run(rt, request)
+    async with Runtime.open(spec_config("builtin:tiny-copy", lookup=True, adaptive=True)) as rt:
+        got, finished = await run(rt, request)
+    assert got == want
+    if sampling.temperature == 0:
+        assert want == [*document, 13, 13, *document][4:84]
+    s = finished.spec
+    assert s is not None and s.method == "lookup" and s.accepted >= 0.9 * s.drafted
+    assert s.tokens_per_forward >= 3.0 and max(s.accepted_by_position[4:], default=0) > 0, "drafts longer than a draft model's"
+
+
 async def test_asking_for_speculation_without_a_draft_gets_prompt_lookup():
     async with Runtime.open(make_config()) as rt:
         prompt = prompts(1)[0]

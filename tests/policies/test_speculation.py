@@ -92,6 +92,10 @@ def test_who_speculates():
     assert plan_speculation(REQUEST, SpeculativeConfig(), has_draft=False) == (None, None)
     plan, _ = plan_speculation(GenerateRequest(prompt_ids=[1], speculative=True), SpeculativeConfig(), has_draft=False)
     assert plan is not None and plan.method == "lookup"
+    # Each method's own longest draft: prompt lookup's proposals cost nothing to make.
+    config = SpeculativeConfig(lookup=True, max_draft_tokens=3, lookup_max_draft_tokens=11)
+    assert (plan := plan_speculation(REQUEST, config, has_draft=True)[0]) is not None and plan.max_draft == 3
+    assert (plan := plan_speculation(REQUEST, config, has_draft=False)[0]) is not None and plan.max_draft == 11
     # Log-probabilities: decoded plainly, the reason reported.
     plan, stats = plan_speculation(GenerateRequest(prompt_ids=[1], logprobs=True), draft, has_draft=True)
     assert plan is None and stats is not None and stats.refused is not None
