@@ -7,7 +7,8 @@ type, optionally quantized), e.g. the test suite's table of model families.
 """
 
 from engine.builtin.catalog import BENCH_TOKENIZER, BUILTIN_MODELS, TINY_TOKENIZER, UnknownBuiltinModelError, builtin_name, ensure_builtin
-from engine.builtin.models import BuiltinSpec, config_fields, ensure_model, parameter_count
+from engine.builtin.fields import config_fields
+from engine.builtin.models import BuiltinSpec, ensure_model, parameter_count
 from engine.builtin.tokenizer import TokenizerSpec
 
 __all__ = [

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from engine.builtin.models import BUILTIN_PREFIX, BuiltinSpec, Progress, config_fields, ensure_model
+from engine.builtin.fields import config_fields
+from engine.builtin.models import BUILTIN_PREFIX, BuiltinSpec, Progress, ensure_model
 from engine.builtin.tokenizer import TokenizerSpec
 
 TINY_TOKENIZER = TokenizerSpec(vocab_size=1024, corpus_chars=400_000)
