@@ -5,7 +5,7 @@ Workloads (each run on fresh prompts; medians of `repeats` runs):
   `builtin:bench-spec-draft`), greedy; beside it mlx-lm's own `generate_step` and
   `speculative_generate_step` with the same draft on the baseline thread;
 - `lookup`: prompt lookup on a copy-heavy request (`builtin:bench-copy`, a model that
-  copies its context: write a given document again, temperature 0.7, `exact`);
+  copies its context: rewrite a given block of code, temperature 0.7, `exact`);
 - `concurrency`: 2, 4, 8 and 16 streams on the pair with the configured gate (what a user
   gets), and with the gate lifted (where speculation stops paying: the crossover);
 - `verify`: the target's cost of checking k tokens in one forward, per token, against a
@@ -21,6 +21,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -226,20 +227,32 @@ async def _concurrency(runtimes: dict, options: SpecBenchOptions, progress: Prog
     return table
 
 
-def copy_heavy_request(block: list[int], seed: int, new_tokens: int) -> GenerateRequest:
-    """'Write this document again': the document, a separator, then its opening; sampled at
-    temperature 0.7 (where `bench-copy` leaves the copy on 1-2% of tokens, its own edits,
-    and comes back)."""
-    return GenerateRequest(prompt_ids=[*block, 13, 13, *block[:4]], max_tokens=new_tokens, ignore_eos=True, sampling=SamplingParams(temperature=0.7, seed=seed))
+def code_blocks(tokenizer, n: int, length: int) -> list[list[int]]:
+    """`n` blocks of `length` tokens of real code: consecutive stretches of mlx-lm's llama
+    model source (fixed by the pinned mlx-lm version)."""
+    import mlx_lm.models.llama as llama
+
+    ids = tokenizer.encode(Path(llama.__file__).read_text())
+    stride = max(1, (len(ids) - length) // max(1, n))
+    return [ids[i * stride : i * stride + length] for i in range(n)]
+
+
+def copy_heavy_request(block: list[int], separator: list[int], seed: int, new_tokens: int) -> GenerateRequest:
+    """'Rewrite this code block': the block, a separator, then the block's opening;
+    sampled at temperature 0.7, where `bench-copy` copies with small edits of its own (a
+    token that leaves the copy, a recurring trigram whose other continuation it takes)."""
+    return GenerateRequest(
+        prompt_ids=[*block, *separator, *block[:4]], max_tokens=new_tokens, ignore_eos=True, sampling=SamplingParams(temperature=0.7, seed=seed)
+    )
 
 
 async def _lookup(runtimes: dict, options: SpecBenchOptions, progress: Progress) -> dict:
     rates: dict[str, list[float]] = {"off": [], "on": []}
     ends: list[Finished] = []
-    for rep in range(options.repeats):
-        # The block: a document of the given length (random tokens: the model copies any text).
-        (block,) = _prompts(1, options.prompt_tokens, options.seed + 300 + rep)
-        request = copy_heavy_request(block, options.seed + rep, options.new_tokens)
+    tokenizer = runtimes["off"].tokenizer
+    blocks = code_blocks(tokenizer, options.repeats, options.prompt_tokens)
+    for rep, block in enumerate(blocks):
+        request = copy_heavy_request(block, tokenizer.encode("\n\n"), options.seed + rep, options.new_tokens)
         outputs = {}
         for name, rt in runtimes.items():
             progress.step(f"copy-heavy lookup ({rep + 1}/{options.repeats}): speculation {name}")

@@ -42,14 +42,15 @@ _SPEC_TARGET = dataclasses.replace(
     _BENCH, name="bench-spec", num_hidden_layers=48, scale=((r"model\.layers\.(?:[2-9]|[1-4]\d)\..*(?:o_proj|down_proj)\.weight", 0.01),)
 )
 # A model that copies its context (`engine.builtin.copying`: induction heads written by
-# hand into `bench`'s shape as a SmolLM3, whose second layer attends without positions):
+# hand into `bench`'s width as a SmolLM3 with 128-dimensional heads, whose second layer
+# attends without positions):
 # prompt lookup's workload. Layers 2-29 are `bench`'s random layers damped to 1%.
 _COPY = dataclasses.replace(
     _BENCH,
     name="bench-copy",
     model_type="smollm3",
     tie_word_embeddings=False,
-    extra=config_fields(no_rope_layers=[0 if i == 1 else 1 for i in range(30)]),
+    extra=config_fields(head_dim=128, no_rope_layers=[0 if i == 1 else 1 for i in range(30)]),
     scale=((r"model\.layers\.(?:[2-9]|[12]\d)\..*(?:o_proj|down_proj)\.weight", 0.01),),
     construct="copy",
 )
@@ -61,12 +62,12 @@ _TINY_COPY = dataclasses.replace(
     hidden_size=384,
     num_hidden_layers=3,
     intermediate_size=256,
-    num_attention_heads=6,
+    num_attention_heads=9,
     vocab_size=1024,
     max_position_embeddings=2048,
     seed=10,
     tokenizer=TINY_TOKENIZER,
-    extra=config_fields(no_rope_layers=[1, 0, 1]),
+    extra=config_fields(head_dim=128, no_rope_layers=[1, 0, 1]),
     scale=((r"model\.layers\.2\..*(?:o_proj|down_proj)\.weight", 0.01),),
 )
 
