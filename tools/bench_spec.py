@@ -211,7 +211,7 @@ async def _concurrency(runtimes: dict, options: SpecBenchOptions, progress: Prog
         ends: list[Finished] = []
         for rep in range(options.repeats):
             prompts = _prompts(n, options.prompt_tokens, options.seed + 1000 * rep + n)
-            requests = [GenerateRequest(prompt_ids=p, max_tokens=options.new_tokens // 2, ignore_eos=True) for p in prompts]
+            requests = [GenerateRequest(prompt_ids=p, max_tokens=options.new_tokens, ignore_eos=True) for p in prompts]
             outputs = {}
             for name, rt in runtimes.items():
                 progress.step(f"{n} streams, {label} ({rep + 1}/{options.repeats}): speculation {name}")
