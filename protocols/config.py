@@ -128,7 +128,8 @@ class ServerConfig(Section, frozen=True):
     # The model name HTTP clients send and /v1/models lists; "" = the model path's last
     # component (or "builtin:<name>").
     served_model_name: str = ""
-    # HTTP connections (and requests) at once; beyond this, 503.
+    # HTTP API requests in flight at once; beyond this, 503 with Retry-After (/health and
+    # /metrics are always answered; connections beyond twice this get uvicorn's plain 503).
     http_max_connections: Positive = 256
     # Seconds an idle keep-alive HTTP connection stays open.
     http_keepalive_s: Seconds = 5.0

@@ -374,6 +374,31 @@ class ResponseCounter:
             self._api.responses.labels(self._api.model_name, route, status).inc()
 
 
+class RequestLimit:
+    """At most `limit` API requests in flight (`server.http_max_connections`): past it, OpenAI's
+    503 JSON with Retry-After (uvicorn's own limit, kept above this one as a backstop, answers
+    in plain text). /health and /metrics are always answered."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app = app
+        self._limit = limit
+        self._in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in ("/health", "/metrics"):
+            await self.app(scope, receive, send)
+            return
+        if self._in_flight >= self._limit:
+            busy = HttpError("busy", f"{self._limit} HTTP requests are in flight (server.http_max_connections); retry later")
+            await error_response(busy)(scope, receive, send)
+            return
+        self._in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._in_flight -= 1
+
+
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
@@ -390,8 +415,9 @@ def build_app(api: Api) -> Starlette:
         Route("/metrics", _endpoint(api, api.metrics, "metrics"), methods=["GET"]),
     ]
     config = api.config
-    # Outermost first: count every response, answer CORS preflights, then check the key.
-    middleware = [Middleware(ResponseCounter, api=api)]
+    # Outermost first: count every response, refuse past the request limit, answer CORS
+    # preflights, then check the key.
+    middleware = [Middleware(ResponseCounter, api=api), Middleware(RequestLimit, limit=config.http_max_connections)]
     if config.cors_origins:
         middleware.append(
             Middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])

@@ -21,6 +21,9 @@ from protocols.errors import ConfigError
 from runtime.config import RuntimeConfig
 
 SHUTDOWN_GRACE_S = 5.0
+# uvicorn's own limit (connections, idle keep-alive ones included, or tasks) sits this far
+# above twice the request limit, so the app's JSON 503 answers first.
+BACKSTOP_HEADROOM = 16
 LOOPBACK = "127.0.0.1"
 
 
@@ -63,7 +66,8 @@ class HttpServer:
                 access_log=False,
                 proxy_headers=False,
                 server_header=False,
-                limit_concurrency=server.http_max_connections,
+                # A backstop: `RequestLimit` answers past http_max_connections requests.
+                limit_concurrency=2 * server.http_max_connections + BACKSTOP_HEADROOM,
                 timeout_keep_alive=int(max(1, server.http_keepalive_s)),
                 timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
             )

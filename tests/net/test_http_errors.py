@@ -1,5 +1,6 @@
 """Refusals over HTTP: OpenAI's error JSON with the status of the shared error table, the
-field at fault named; API keys; body limits; a full queue; a server still loading; CORS."""
+field at fault named; API keys; body limits; a full queue; the request limit; a server still
+loading; CORS."""
 
 from __future__ import annotations
 
@@ -151,6 +152,37 @@ async def test_a_full_queue_answers_503_with_retry_after():
     assert "length" in outcomes
     assert (503, "1", ERROR_KINDS["busy"].openai_type) in outcomes
     assert all(o in ("length", (503, "1", "server_overloaded")) for o in outcomes)
+
+
+async def test_requests_past_the_http_limit_get_503_json_with_retry_after():
+    """`server.http_max_connections` requests in flight: the next gets OpenAI's 503 JSON with
+    Retry-After (not uvicorn's plain text), /health still answers, and once a stream ends a new
+    request is served."""
+    async with serving(http_max_connections=2) as served:
+        client = served.client()
+        streams = [
+            await client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+            for _ in range(2)
+        ]
+        for stream in streams:
+            await stream.__anext__()  # both are in flight
+        refused = await _status_error(client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=4))
+        health, _, _ = await raw_request(served.url, b"GET /health HTTP/1.1\r\nHost: t\r\n")
+        await streams[0].close()
+        with anyio.fail_after(30):
+            while True:  # the server sees the first stream end when its next write fails
+                try:
+                    served_after = await client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=4)
+                    break
+                except openai.APIStatusError as error:
+                    assert error.status_code == 503
+                    await anyio.sleep(0.05)
+        await streams[1].close()
+        await client.close()
+    assert refused.status_code == 503 and refused.response.headers.get("retry-after") == "1"
+    assert refused.body["type"] == ERROR_KINDS["busy"].openai_type and "http_max_connections" in refused.body["message"]
+    assert health == 200
+    assert served_after.choices[0].finish_reason in ("length", "stop")
 
 
 async def test_health_is_503_until_the_runtime_is_attached():
