@@ -179,21 +179,28 @@ def _draft_path() -> str:
     return str(ensure_builtin(name, root=env.home())) if name else DRAFT
 
 
+async def _off_then_on(runtimes: dict, requests: list[GenerateRequest], rates: dict, ends: list[Finished], label: str, progress: Progress) -> None:
+    """`requests` through speculation off, then on: each one's tokens/s into `rates`, the "on"
+    run's `Finished` into `ends`; the streams must be equal."""
+    outputs = {}
+    for name, rt in runtimes.items():
+        progress.step(f"{label}: speculation {name}")
+        wall, tokens, finished = await _generate(rt, requests)
+        rates[name].append(sum(map(len, tokens)) / wall)
+        outputs[name] = tokens
+        if name == "on":
+            ends += finished
+    if outputs["on"] != outputs["off"]:
+        raise AssertionError(f"speculation changed a stream ({label})")
+
+
 async def _single(runtimes: dict, thread: MlxThread, baseline: _Baseline, options: SpecBenchOptions, progress: Progress) -> dict:
     rates: dict[str, list[float]] = {"off": [], "on": [], "mlx_lm": [], "mlx_lm_speculative": []}
     ends: list[Finished] = []
     for rep in range(options.repeats):
         prompt = _prompts(1, options.prompt_tokens, options.seed + 10 + rep)[0]
-        outputs = {}
-        for name, rt in runtimes.items():
-            progress.step(f"single stream ({rep + 1}/{options.repeats}): mlxrt speculation {name}")
-            wall, tokens, finished = await _generate(rt, [GenerateRequest(prompt_ids=prompt, max_tokens=options.new_tokens, ignore_eos=True)])
-            rates[name].append(len(tokens[0]) / wall)
-            outputs[name] = tokens[0]
-            if name == "on":
-                ends += finished
-        if outputs["on"] != outputs["off"]:
-            raise AssertionError("speculation changed a greedy stream")
+        request = GenerateRequest(prompt_ids=prompt, max_tokens=options.new_tokens, ignore_eos=True)
+        await _off_then_on(runtimes, [request], rates, ends, f"single stream ({rep + 1}/{options.repeats}), mlxrt", progress)
         for name, speculative in (("mlx_lm", False), ("mlx_lm_speculative", True)):
             progress.step(f"single stream ({rep + 1}/{options.repeats}): {name}")
             rates[name].append(await thread.run(baseline.single, prompt, options.new_tokens, speculative, options.max_draft_tokens))
@@ -212,16 +219,7 @@ async def _concurrency(runtimes: dict, options: SpecBenchOptions, progress: Prog
         for rep in range(options.repeats):
             prompts = _prompts(n, options.prompt_tokens, options.seed + 1000 * rep + n)
             requests = [GenerateRequest(prompt_ids=p, max_tokens=options.new_tokens, ignore_eos=True) for p in prompts]
-            outputs = {}
-            for name, rt in runtimes.items():
-                progress.step(f"{n} streams, {label} ({rep + 1}/{options.repeats}): speculation {name}")
-                wall, tokens, finished = await _generate(rt, requests)
-                rates[name].append(sum(map(len, tokens)) / wall)
-                outputs[name] = tokens
-                if name == "on":
-                    ends += finished
-            if outputs["on"] != outputs["off"]:
-                raise AssertionError("speculation changed a greedy stream")
+            await _off_then_on(runtimes, requests, rates, ends, f"{n} streams, {label} ({rep + 1}/{options.repeats})", progress)
         off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
         table[f"c{n}"] = {"off_tok_s": off, "on_tok_s": on, "ratio": on / off} | _spec_summary(ends)
     return table
@@ -253,16 +251,7 @@ async def _lookup(runtimes: dict, options: SpecBenchOptions, progress: Progress)
     blocks = code_blocks(tokenizer, options.repeats, options.prompt_tokens)
     for rep, block in enumerate(blocks):
         request = copy_heavy_request(block, tokenizer.encode("\n\n"), options.seed + rep, options.new_tokens)
-        outputs = {}
-        for name, rt in runtimes.items():
-            progress.step(f"copy-heavy lookup ({rep + 1}/{options.repeats}): speculation {name}")
-            wall, tokens, finished = await _generate(rt, [request])
-            rates[name].append(len(tokens[0]) / wall)
-            outputs[name] = tokens[0]
-            if name == "on":
-                ends += finished
-        if outputs["on"] != outputs["off"]:
-            raise AssertionError("prompt lookup changed a seeded stream")
+        await _off_then_on(runtimes, [request], rates, ends, f"copy-heavy lookup ({rep + 1}/{options.repeats})", progress)
     off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
     return {"off_tok_s": off, "on_tok_s": on, "speedup": on / off} | _spec_summary(ends)
 

@@ -24,7 +24,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from engine.builtin import TINY_TOKENIZER, BuiltinSpec, config_fields, ensure_model
+from engine.builtin import BUILTIN_MODELS, TINY_TOKENIZER, BuiltinSpec, config_fields, ensure_model
 from engine.builtin.models import Progress
 
 SLIDING_WINDOW = 32
@@ -199,29 +199,9 @@ FAMILIES: dict[str, BuiltinSpec] = {
             scoring_func="sigmoid",
             norm_topk_prob=True,
         ),
-        # Gated-delta linear attention on layers 0-2, full attention on layer 3; MoE MLPs.
-        _tiny(
-            "qwen3_next",
-            "qwen3_next",
-            112,
-            num_hidden_layers=4,
-            rope_theta=10000000.0,
-            head_dim=16,
-            partial_rotary_factor=0.25,
-            full_attention_interval=4,
-            linear_num_value_heads=4,
-            linear_num_key_heads=2,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-            num_experts=4,
-            num_experts_per_tok=2,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=64,
-            norm_topk_prob=True,
-        ),
+        # Gated-delta linear attention on layers 0-2, full attention on layer 3; MoE MLPs:
+        # the built-in `tiny-qwen3next` with its own seed.
+        dataclasses.replace(BUILTIN_MODELS["tiny-qwen3next"], name="qwen3_next", seed=112),
         # Short convolutions on layers 0, 1 and 3, attention on layer 2.
         _tiny(
             "lfm2",
