@@ -23,10 +23,14 @@ from engine.sampler import RowSampling, SpanCheck
 from engine.sequence import Sequence
 from policies.speculation import LookupSource, SpecRow, SpeculationGate
 
-# A drafted token's cost in plain target steps, besides drafting it: checking it in the
-# target's forward (a one-row forward of k + 1 tokens against one of 1 token: 0.20 at k = 2,
-# 0.15 at 4, 0.13 at 8 on this machine's CPU backend, `mlxrt bench --speculative`).
-VERIFY_TOKEN_COST = 0.15
+# A round's cost in plain target steps, fitted to one stream's rounds at fixed k = 1..8 on this
+# machine's CPU backend (bench-spec drafted by bench-spec-draft, 128 tokens x 3 prompts): a round
+# took 1.18 pipelined plain steps plus 0.19 per drafted token. The round's own overhead (it waits
+# for its drafts and its check, where plain steps overlap the host with the device) is
+# ROUND_OVERHEAD; of the 0.19 per token the draft's forward is its parameter ratio (0.14), and
+# checking the token in the target's forward is VERIFY_TOKEN_COST.
+ROUND_OVERHEAD = 0.18
+VERIFY_TOKEN_COST = 0.05
 
 
 class Speculator:
@@ -44,7 +48,7 @@ class Speculator:
         """A new request that speculates: its adaptive state and, for prompt lookup, its index."""
         plan = seq.admit.spec
         assert plan is not None
-        seq.spec = SpecRow(plan, token_cost=self._token_cost[plan.method])
+        seq.spec = SpecRow(plan, token_cost=self._token_cost[plan.method], round_overhead=ROUND_OVERHEAD)
         if plan.method == "lookup":
             seq.lookup = LookupSource(plan.lookup_anchor, plan.max_draft, seq.context)
         elif self.draft is None:

@@ -8,7 +8,8 @@ row keeps a prefix and gets one more token from the target. This module decides:
   config and the request's own fields;
 - `SpecRow`: one request's draft length, adapted to its acceptance: the k that maximizes
   expected tokens per unit of cost, where a round of k drafted tokens costs
-  `1 + k * token_cost` plain steps and keeps k tokens with probability alpha each; 0 pauses
+  `1 + round_overhead + k * token_cost` plain steps (a plain step is pipelined, a round waits
+  for its drafts and for its check) and keeps each token with probability alpha; 0 pauses
   drafting for a while, after which the row probes again;
 - `SpeculationGate`: whether a batch of n rows speculates at all (a big batch's verify forward
   costs more than it saves on this machine: the crossover is measured, see BENCHMARKS.md);
@@ -76,6 +77,8 @@ class SpecRow:
     plan: SpecPlan
     # A drafted token's cost in plain target steps (drafting it and checking it).
     token_cost: float
+    # A round's cost beyond a plain step's, whatever it drafts (in plain target steps).
+    round_overhead: float = 0.0
     # Decayed counts of kept drafts and of rejections (the estimate's evidence).
     kept: float = PRIOR_KEPT
     rejections: float = PRIOR_REJECTED
@@ -135,7 +138,7 @@ class SpecRow:
             self.rejections = DECAY * self.rejections + (accepted < drafted)
         if not self.plan.adaptive:
             return
-        self.k = best_draft_length(self.alpha, self.token_cost, self.plan.max_draft)
+        self.k = best_draft_length(self.alpha, self.token_cost, self.plan.max_draft, self.round_overhead)
         if self.k == 0:
             self.k, self.paused_for = 1, PROBE_AFTER
 
@@ -167,9 +170,10 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def best_draft_length(alpha: float, token_cost: float, max_draft: int) -> int:
-    """The k in [0, max_draft] with the most tokens per plain step of cost (0: do not draft)."""
-    rates = [expected_tokens(alpha, k) / (1.0 + k * token_cost) for k in range(max_draft + 1)]
+def best_draft_length(alpha: float, token_cost: float, max_draft: int, round_overhead: float = 0.0) -> int:
+    """The k in [0, max_draft] with the most tokens per plain step of cost (0: do not draft,
+    a plain step; a round of k >= 1 costs `1 + round_overhead + k * token_cost`)."""
+    rates = [1.0] + [expected_tokens(alpha, k) / (1.0 + round_overhead + k * token_cost) for k in range(1, max_draft + 1)]
     return max(range(max_draft + 1), key=lambda k: (rates[k], -k))
 
 

@@ -153,7 +153,7 @@ class SpeculativeConfig(Section, frozen=True):
     # "rejection": standard speculative sampling (the target's distribution, more kept).
     acceptance: Literal["exact", "rejection"] = "exact"
     # Longest draft per round; each request adapts its own below this to its acceptance.
-    max_draft_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    max_draft_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 6
     # false: every round drafts max_draft_tokens, whatever the acceptance (mlx-lm's way).
     adaptive: bool = True
     # Prompt lookup: tokens of the context's tail that must match earlier context.

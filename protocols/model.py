@@ -75,7 +75,7 @@ class SpecPlan(Record, frozen=True):
 
     method: Literal["draft", "lookup"]
     acceptance: Literal["exact", "rejection"] = "exact"
-    max_draft: int = 4
+    max_draft: int = 6
     # Prompt lookup: the anchor (n-gram) a draft needs.
     lookup_anchor: int = 2
     # False: always draft `max_draft` tokens.

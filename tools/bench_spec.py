@@ -42,7 +42,7 @@ class SpecBenchOptions:
     new_tokens: int = 128
     concurrency: tuple[int, ...] = (2, 4, 8, 16)
     repeats: int = 3
-    max_draft_tokens: int = 4
+    max_draft_tokens: int = 6
     workloads: tuple[str, ...] = WORKLOADS
     seed: int = 0
 

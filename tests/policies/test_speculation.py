@@ -38,6 +38,15 @@ def test_draft_length_follows_acceptance_and_cost():
     assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
 
 
+def test_a_rounds_fixed_cost_favours_longer_drafts_or_none():
+    # A round waits for its drafts and its check: that fixed part is paid once per round, so
+    # it is amortized over longer drafts, and a row whose drafts are rarely kept stops.
+    free, fixed = best_draft_length(0.85, 0.19, 8), best_draft_length(0.85, 0.19, 8, round_overhead=0.18)
+    assert fixed > free
+    assert best_draft_length(0.35, 0.19, 8) > 0
+    assert best_draft_length(0.35, 0.19, 8, round_overhead=0.18) == 0
+
+
 def test_a_row_adapts_pauses_and_probes_again():
     row = SpecRow(SpecPlan(method="draft", max_draft=6), token_cost=0.15)
     assert row.draft_length(budget=100) == 6
