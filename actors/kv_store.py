@@ -165,8 +165,8 @@ class KvStoreActor:
 
     async def handle(self, message: KvInbox) -> None:
         match message:
-            case ReserveKv(request_id=rid, num_tokens=n, reply=reply, prompt_ids=prompt, max_prefix_tokens=max_prefix):
-                reservation, evicted = self.ledger.reserve(rid, n, prompt, max_prefix)
+            case ReserveKv(request_id=rid, num_tokens=n, reply=reply, prompt_ids=prompt, max_prefix_tokens=max_prefix, namespace=namespace):
+                reservation, evicted = self.ledger.reserve(rid, n, prompt, max_prefix, namespace)
                 answer(reply, reservation)
                 await self._drop(evicted)
             case ReleaseKv(request_id=rid, delete_checkpoint=delete):
@@ -182,8 +182,8 @@ class KvStoreActor:
                 self.ledger.unpin(entry_id)
             case PrefixesSaved(entries=entries):
                 await self._drop(self.ledger.save_prefixes(entries))
-            case ReportKvUsage(live_tokens=live, physical_bytes=physical):
-                self.ledger.record_usage(live, physical)
+            case ReportKvUsage(live_tokens=live, physical_bytes=physical, adapter_bytes=adapters):
+                await self._drop(self.ledger.record_usage(live, physical, adapters))
             case GetKvStats(reply=reply):
                 figures = {"checkpoints_written": self._num_written, "checkpoints_failed": self._num_failed}
                 answer(reply, self.ledger.stats(checkpoints_available=self._checkpoints is not None, **figures))

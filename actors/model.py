@@ -1,8 +1,9 @@
 """The model lease actor: the only door to the MLX thread.
 
-Loads the model (and tokenizer) on the dedicated MLX thread, builds the engine
-there, then executes `RunStep` plans one at a time, answering each with a
-`StepOutcome` (or `StepFailed`, after which the engine holds no requests).
+Loads the model (and tokenizer) on the dedicated MLX thread, with the LoRA adapters the
+config names, builds the engine there, then executes `RunStep` plans one at a time,
+answering each with a `StepOutcome` (or `StepFailed`, after which the engine holds no
+requests), and `AdapterCall`s (load, unload, list adapters) between steps.
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ from actors.mailbox import Mailbox, answer
 from actors.mlx_thread import MlxThread
 from engine.engine import Engine, Grammars
 from engine.loader import load_model, load_speculator
-from protocols.config import ModelConfig, SpeculativeConfig
-from protocols.model import DropPrefixes, ModelInbox, ModelInfo, RunStep, StepFailed, StepOutcome, StepPlan
+from engine.lora import AdapterBank
+from protocols.api import AdapterInfo
+from protocols.config import AdapterConfig, LoraConfig, ModelConfig, SpeculativeConfig
+from protocols.errors import InternalError, MlxrtError
+from protocols.model import AdapterCall, DropPrefixes, ModelInbox, ModelInfo, RunStep, StepFailed, StepOutcome, StepPlan
 
 log = structlog.get_logger(actor="model")
 
@@ -35,6 +39,8 @@ class ModelReady:
     tokenizer: Any
     # Compiles response formats; shared with the engine, which only asks for matchers.
     grammars: Grammars
+    # The adapters `[[adapters]]` named, loaded.
+    adapters: list[AdapterInfo]
 
 
 # Builds the grammar compiler for a loaded tokenizer (the runtime's GrammarCache).
@@ -51,9 +57,13 @@ class ModelActor:
         make_grammars: MakeGrammars,
         progress: Callable[[str], None] | None = None,
         speculative: SpeculativeConfig | None = None,
+        lora: LoraConfig | None = None,
+        adapters: list[AdapterConfig] | None = None,
     ):
         self._config = config
         self._speculative = speculative or SpeculativeConfig()
+        self._lora = lora or LoraConfig()
+        self._adapters = adapters or []
         self._builtin_root = builtin_root
         self._make_grammars = make_grammars
         self._thread = thread
@@ -65,9 +75,13 @@ class ModelActor:
             loaded = await self._thread.run(load_model, self._config, self._builtin_root, self._progress)
             grammars = await anyio.to_thread.run_sync(self._make_grammars, loaded.tokenizer, loaded.info)
             speculator = await self._thread.run(load_speculator, loaded, self._speculative, self._config, self._builtin_root, self._progress)
-            engine = await self._thread.run(Engine, loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator)
+            bank = await self._thread.run(AdapterBank, loaded.model, self._lora.max_resident, self._lora.max_rank)
+            for adapter in self._adapters:
+                await self._thread.run(lambda a=adapter: bank.register(a.name, a.path, pinned=a.pinned))
+            engine = await self._thread.run(Engine, loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator, bank)
             log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
-            task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer, grammars=grammars))
+            adapters = await self._thread.run(bank.infos)
+            task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer, grammars=grammars, adapters=adapters))
             while True:
                 message = await self.inbox.receive()
                 match message:
@@ -75,8 +89,26 @@ class ModelActor:
                         answer(reply, await self._step(engine, plan))
                     case DropPrefixes(entry_ids=entry_ids):
                         await self._thread.run(engine.drop_prefixes, entry_ids)
+                    case AdapterCall(reply=reply):
+                        answer(reply, await self._adapter_call(bank, message))
                     case _:
                         assert_never(message)
+
+    async def _adapter_call(self, bank: AdapterBank, call: AdapterCall) -> list[AdapterInfo] | Exception:
+        def run() -> list[AdapterInfo]:
+            if call.op == "load":
+                bank.register(call.name, call.path, pinned=call.pinned)
+            elif call.op == "unload":
+                bank.unregister(call.name)
+            return bank.infos()
+
+        try:
+            return await self._thread.run(run)
+        except MlxrtError as exc:
+            return exc
+        except Exception:
+            log.exception("adapter_call_failed", op=call.op, name=call.name)
+            return InternalError(f"the adapter call failed ({call.op} {call.name!r}); the server log has the details")
 
     async def _step(self, engine: Engine, plan: StepPlan) -> StepOutcome | StepFailed:
         try:

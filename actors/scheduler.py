@@ -16,6 +16,7 @@ import msgspec
 import structlog
 
 from actors.mailbox import Mailbox, answer, ask
+from policies.adapters import prefix_namespace
 from policies.scheduling import Ended, SchedulePolicy, Tracked
 from protocols.api import SpecTotals
 from protocols.kv import PrefixesSaved, ReleaseKv, ReportKvUsage, ReserveKv, SaveCheckpoint, UnpinPrefix
@@ -114,7 +115,8 @@ class SchedulerActor:
             rid, need, prompt = tracked.request_id, tracked.kv_tokens_needed, tracked.admit.prompt_ids
             # A resumed request brings its own cache; others may start from a saved prefix.
             max_prefix = 0 if tracked.admit.resume is not None else len(prompt) - 1
-            reservation = await ask(self._kv, ReserveKv, request_id=rid, num_tokens=need, prompt_ids=prompt, max_prefix_tokens=max_prefix)
+            namespace = prefix_namespace(tracked.admit.adapter, tracked.admit.adapter_digest)
+            reservation = await ask(self._kv, ReserveKv, request_id=rid, num_tokens=need, prompt_ids=prompt, max_prefix_tokens=max_prefix, namespace=namespace)
             if reservation.granted:
                 if reservation.prefix_entry is not None:
                     tracked.start_from_prefix(reservation.prefix_entry, reservation.prefix_tokens)
@@ -174,7 +176,7 @@ class SchedulerActor:
         self._steps_since_report += 1
         if keys != self._reported_keys or self._steps_since_report >= REPORT_EVERY_STEPS:
             self._reported_keys, self._steps_since_report = set(keys), 0
-            await self._kv.send(ReportKvUsage(live_tokens=outcome.kv_tokens, physical_bytes=outcome.kv_bytes))
+            await self._kv.send(ReportKvUsage(live_tokens=outcome.kv_tokens, physical_bytes=outcome.kv_bytes, adapter_bytes=outcome.adapter_bytes))
 
     async def _save_checkpoint(self, data) -> None:
         tracked = self.policy.get(data.request_id)

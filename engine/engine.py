@@ -25,15 +25,18 @@ import structlog
 from engine import caches
 from engine.batch import DecodeBatch
 from engine.compiled import compile_decode_step
-from engine.forward import append_known, forward_drafts, forward_pending, grammar_mask, host, read_logprobs
+from engine.forward import append_known, forward_drafts, forward_pending, grammar_mask, host, read_logprobs, replay_accepted
 from engine.known import KnownTokens
+from engine.lora import AdapterBank
 from engine.prefill import prefill_one, prefill_together
 from engine.sampler import BatchSampler, RowSampling
 from engine.sequence import EngineInvariantError, InFlight, Sequence
 from engine.speculation import Speculator
+from policies.adapters import prefix_namespace
 from policies.fill_session import FillSession
 from policies.layout import is_trimmable
 from protocols.api import FillStats, TokenLogprob
+from protocols.config import LoraConfig
 from protocols.model import (
     AdmitRequest,
     CheckpointData,
@@ -66,8 +69,18 @@ class Grammars(Protocol):
 class Engine:
     """Runs plans against one model. Not thread-safe: the MLX thread only."""
 
-    def __init__(self, model, layout: list[LayerLayout], grammars: Grammars | None = None, decode=None, speculator: Speculator | None = None):
+    def __init__(
+        self,
+        model,
+        layout: list[LayerLayout],
+        grammars: Grammars | None = None,
+        decode=None,
+        speculator: Speculator | None = None,
+        adapters: AdapterBank | None = None,
+    ):
         self._model = model
+        # LoRA adapters: each row's forwards add its adapter's delta (`engine.lora`).
+        self.adapters = adapters if adapters is not None else AdapterBank(model, LoraConfig().max_resident, LoraConfig().max_rank)
         # Speculative decoding (a draft model's rows, prompt lookup, the batch gate).
         self._speculator = speculator or Speculator()
         self._grammars = grammars
@@ -86,7 +99,6 @@ class Engine:
         self._pending: mx.array | None = None
         self._in_flight: InFlight | None = None
         self._num_steps = 0
-        # Saved prefixes by entry id: per-layer KVCaches whose length is the entry's.
         # Saved prefixes by entry id: per-layer caches, and the positions they cover.
         self._prefixes: dict[str, tuple[list, int]] = {}
         self._saved: list[SavedPrefix] = []
@@ -130,6 +142,7 @@ class Engine:
             step_s=time.perf_counter() - started,
             saved_prefixes=saved,
             checkpoints=self._take_checkpoint_list(),
+            adapter_bytes=self.adapters.nbytes,
         )
 
     def _take_checkpoint_list(self) -> list[CheckpointData]:
@@ -145,6 +158,7 @@ class Engine:
     def reset(self) -> None:
         """Drop every request (after a failed step)."""
         self._sequences.clear()
+        self.adapters.release_all()
         self._batch = DecodeBatch(self._layout)
         if self._speculator.draft is not None:
             self._speculator.draft.reset()
@@ -208,6 +222,8 @@ class Engine:
             seq.cache, seq.num_prefilled = caches.prefix_view(entry[0], n), n
         if admit.spec is not None:
             self._speculator.start(seq)
+        if admit.adapter is not None:  # last: nothing after it can fail and leave it held
+            seq.adapter_slot = self.adapters.acquire(admit.adapter, admit.adapter_digest)
         return seq
 
     def _park(self, request_id: str) -> None:
@@ -234,6 +250,8 @@ class Engine:
         if seq.in_batch:
             self._remove_row(request_id)
         self._speculator.release(request_id)
+        if seq.admit.adapter is not None:
+            self.adapters.release(seq.admit.adapter)
         del self._sequences[request_id]
         return True
 
@@ -259,7 +277,8 @@ class Engine:
         self._prefixes[entry_id] = (kept, length)
         num_bytes = caches.nbytes(kept)
         self._prefix_bytes += num_bytes
-        self._saved.append(SavedPrefix(entry_id=entry_id, tokens=seq.tokens_with_kv(length), num_bytes=num_bytes))
+        namespace = prefix_namespace(seq.admit.adapter, seq.admit.adapter_digest)
+        self._saved.append(SavedPrefix(entry_id=entry_id, tokens=seq.tokens_with_kv(length), num_bytes=num_bytes, adapter=namespace))
 
     # -- prefill -----------------------------------------------------------------------------
 
@@ -409,25 +428,12 @@ class Engine:
                 else:
                     agreed = self._known.settle(seq, self._batch, accepted, choices)
                 if seq.snapshot is not None:
-                    self._replay(seq, len(agreed))
+                    replay_accepted(self._model, self._batch, seq, len(agreed))
                 outputs.append(self._account(seq, tokens[i], logprobs[i] if logprobs else None, agreed))
             except Exception as exc:  # this request's grammar or fill session: it alone ends
                 log.exception("request_failed", request_id=seq.request_id)
                 outputs.append(self._fail(seq, exc))
         return outputs
-
-    def _replay(self, seq: Sequence, accepted: int) -> None:
-        """After an echo span on a recurrent model: the state must have seen only the accepted
-        prefix. Restore the state from before the span and forward that prefix again (its KV is
-        rewritten unchanged); nothing to do when the whole span was accepted."""
-        saved, forwarded = seq.snapshot, seq.replay
-        seq.snapshot, seq.replay = None, []
-        if saved is None or accepted + 1 == len(forwarded):  # the whole span: the state is right
-            return
-        tokens, rid = forwarded[: accepted + 1], seq.request_id
-        self._batch.restore(rid, saved)
-        self._batch.rewind(rid, len(tokens))
-        self._batch.forward_rows(self._model, [self._batch.index(rid)], [tokens])
 
     def _account(self, seq: Sequence, token: int, logprob: TokenLogprob | None, agreed: list[int]) -> RowOutput:
         """Record a sampled token (after the echo tokens the model agreed with, if any)."""
@@ -495,4 +501,7 @@ class Engine:
             except Exception:
                 log.exception("checkpoint_failed", request_id=seq.request_id)
                 continue
-            self._checkpoints.append(CheckpointData(request_id=seq.request_id, generated=list(seq.generated), num_kv_tokens=num_kv, kv_tensors=tensors))
+            data = CheckpointData(
+                request_id=seq.request_id, generated=list(seq.generated), num_kv_tokens=num_kv, kv_tensors=tensors, adapter_digest=seq.admit.adapter_digest
+            )
+            self._checkpoints.append(data)

@@ -16,6 +16,7 @@ import structlog
 import torch
 
 from engine.batch import DecodeBatch
+from engine.lora import routed
 from engine.sampler import BatchSampler, SampleResult
 from engine.sequence import Sequence
 from protocols.api import TokenLogprob, TopLogprob
@@ -25,13 +26,15 @@ log = structlog.get_logger(actor="engine")
 
 def forward_pending(model, batch: DecodeBatch, decode_step, rows: list[Sequence], pending: mx.array) -> mx.array:
     """The whole batch forwards its pending tokens, one each; returns their logits."""
-    if len(rows) == 1 and decode_step is not None:
+    if len(rows) == 1 and decode_step is not None and not rows[0].adapter_slot:
         # A lone row: the compiled step (no per-step graph build) is ~6-10% faster per token
         # on CPU. Batches build the graph: attending over the whole capacity costs them more
-        # KV reads than the build saves (c16 0.90x vs 1.01x of mlx-lm, measured).
+        # KV reads than the build saves (c16 0.90x vs 1.01x of mlx-lm, measured). (A row with
+        # an adapter builds it: the traced step holds no adapter deltas.)
         return batch.forward_one(decode_step, pending)
     batch.begin_step([1] * len(rows))
-    logits = model(pending[:, None], cache=batch.layers)[:, -1, :]
+    with routed(model, [seq.adapter_slot for seq in rows]):
+        logits = model(pending[:, None], cache=batch.layers)[:, -1, :]
     batch.end_step()
     return logits
 
@@ -44,7 +47,8 @@ def forward_drafts(model, batch: DecodeBatch, rows: list[Sequence], drafting: li
     firsts = host(pending)
     inputs = [[firsts[i], *rows[i].extra] for i in range(len(rows))]
     snapshot_spans(batch, rows, drafting, inputs)
-    logits = batch.forward_rows(model, list(range(len(rows))), inputs)
+    with routed(model, [seq.adapter_slot for seq in rows]):
+        logits = batch.forward_rows(model, list(range(len(rows))), inputs)
     last = logits[mx.arange(len(rows)), mx.array([len(tokens) - 1 for tokens in inputs])]
     return logits[mx.array(drafting, dtype=mx.int32)], last
 
@@ -55,12 +59,28 @@ def append_known(model, batch: DecodeBatch, sampler: BatchSampler, rows: list[Se
     firsts = host(pending)
     inputs = [[firsts[i], *rows[i].extra[:-1]] for i in appending]
     snapshot_spans(batch, rows, appending, [firsts[i : i + 1] for i in range(len(rows))])
-    sub_logits = batch.forward_rows(model, appending, inputs)
+    with routed(model, [rows[i].adapter_slot for i in appending]):
+        sub_logits = batch.forward_rows(model, appending, inputs)
     for i in appending:
         firsts[i] = rows[i].extra[-1]
     # Penalties see appended tokens like sampled ones (an echo span's only once accepted).
     sampler.advance({i: rows[i].extra for i in appending if rows[i].verify is None and rows[i].draft is None})
     return mx.array(firsts, dtype=mx.uint32), sub_logits
+
+
+def replay_accepted(model, batch: DecodeBatch, seq: Sequence, accepted: int) -> None:
+    """After a checked span on a recurrent model: the state must have seen only the accepted
+    prefix. Restore the state from before the span and forward that prefix again (its KV is
+    rewritten unchanged); nothing to do when the whole span was accepted."""
+    saved, forwarded = seq.snapshot, seq.replay
+    seq.snapshot, seq.replay = None, []
+    if saved is None or accepted + 1 == len(forwarded):  # the whole span: the state is right
+        return
+    tokens, rid = forwarded[: accepted + 1], seq.request_id
+    batch.restore(rid, saved)
+    batch.rewind(rid, len(tokens))
+    with routed(model, [seq.adapter_slot]):
+        batch.forward_rows(model, [batch.index(rid)], [tokens])
 
 
 def snapshot_spans(batch: DecodeBatch, rows: list[Sequence], appending: list[int], inputs: list[list[int]]) -> None:

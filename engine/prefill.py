@@ -6,6 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+from engine.lora import routed
 from engine.sequence import Sequence
 from protocols.model import LayerLayout
 
@@ -14,7 +15,8 @@ def prefill_one(model, seq: Sequence, num_tokens: int) -> None:
     start, end = seq.num_prefilled, seq.num_prefilled + num_tokens
     if seq.cache is None:
         seq.cache = make_prompt_cache(model)
-    model(mx.array(seq.admit.prompt_ids[start:end])[None], cache=seq.cache)
+    with routed(model, [seq.adapter_slot]):
+        model(mx.array(seq.admit.prompt_ids[start:end])[None], cache=seq.cache)
     mx.eval([c.state for c in seq.cache])
     seq.num_prefilled = end
 
@@ -27,19 +29,21 @@ def prefill_together(model, layout: list[LayerLayout], trimmable: bool, chunks: 
     tokens = [seq.admit.prompt_ids[:n] for seq, n in chunks]
     width = max(n for _, n in chunks)
     padding = [width - n for _, n in chunks]
-    if trimmable:
-        cache: list = [BatchKVCache(padding) for _ in layout]
-        model(mx.array([[0] * pad + t for pad, t in zip(padding, tokens)]), cache=cache)
-    else:
-        fresh = [make_prompt_cache(model) for _ in chunks]
-        cache = [type(layer[0]).merge(list(layer)) for layer in zip(*fresh)]
-        if max(padding):
-            for c in cache:
-                c.prepare(lengths=[n for _, n in chunks], right_padding=padding)
-        model(mx.array([t + [0] * pad for pad, t in zip(padding, tokens)]), cache=cache)
-        if max(padding):
-            for c in cache:
-                c.finalize()
+    cache: list
+    with routed(model, [seq.adapter_slot for seq, _ in chunks]):
+        if trimmable:
+            cache = [BatchKVCache(padding) for _ in layout]
+            model(mx.array([[0] * pad + t for pad, t in zip(padding, tokens)]), cache=cache)
+        else:
+            fresh = [make_prompt_cache(model) for _ in chunks]
+            cache = [type(layer[0]).merge(list(layer)) for layer in zip(*fresh)]
+            if max(padding):
+                for c in cache:
+                    c.prepare(lengths=[n for _, n in chunks], right_padding=padding)
+            model(mx.array([t + [0] * pad for pad, t in zip(padding, tokens)]), cache=cache)
+            if max(padding):
+                for c in cache:
+                    c.finalize()
     mx.eval([c.state for c in cache])
     for row, (seq, n) in enumerate(chunks):
         seq.cache = [c.extract(row) for c in cache]

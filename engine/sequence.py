@@ -53,6 +53,8 @@ class Sequence:
     # Speculative decoding: the row's adaptive state, its prompt-lookup index, and the draft
     # forwarded this step for the sampler to check (also in `extra`).
     spec: SpecRow | None = None
+    # The adapter slot its forwards are routed to (0: none).
+    adapter_slot: int = 0
     lookup: LookupSource | None = None
     draft: list[int] | None = None
 

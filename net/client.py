@@ -22,9 +22,9 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from actors.mailbox import CoalescingInbox, join_optional
 from net.framing import FrameReader, encode_frame
-from protocols.api import Event, Finished, GenerateRequest, TokenDelta, new_request_id
+from protocols.api import AdapterInfo, Event, Finished, GenerateRequest, TokenDelta, new_request_id
 from protocols.errors import ConnectionLostError, ServerError, error_for
-from protocols.wire import PROTOCOL_VERSION, Cancel, Error, Generate, GetStats, Hello, Resume, ServerMessage, Stats, Welcome
+from protocols.wire import PROTOCOL_VERSION, AdapterCommand, Adapters, Cancel, Error, Generate, GetStats, Hello, Resume, ServerMessage, Stats, Welcome
 from runtime.errors import DuplicateRequestError, RequestTooLargeError, single_errors
 
 MAX_FRAME_BYTES = 64 * 1024 * 1024
@@ -37,8 +37,9 @@ class Client:
         self._reader = reader
         self._send_lock = anyio.Lock()
         self._streams: dict[str, CoalescingInbox] = {}
-        self._stats_lock = anyio.Lock()
-        self._stats: MemoryObjectSendStream[Stats] | None = None
+        # One control call (stats, adapters) at a time: its answer is the next such frame.
+        self._control_lock = anyio.Lock()
+        self._control: MemoryObjectSendStream[Stats | Adapters] | None = None
         self._closed = False
 
     @classmethod
@@ -123,18 +124,42 @@ class Client:
             pass
 
     async def stats(self) -> Stats:
-        async with self._stats_lock:
-            send, receive = anyio.create_memory_object_stream[Stats](1)
-            self._stats = send
+        answer = await self._call(GetStats())
+        assert isinstance(answer, Stats)
+        return answer
+
+    async def load_adapter(self, name: str, path: str | Path, *, pinned: bool = False) -> AdapterInfo:
+        """Load a LoRA adapter on the server (`path` on the server's machine); see
+        `Runtime.load_adapter`. Raises the server's typed error."""
+        adapters = await self._adapter_call(AdapterCommand(op="load", name=name, path=str(path), pinned=pinned))
+        return next(a for a in adapters if a.name == name)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self._adapter_call(AdapterCommand(op="unload", name=name))
+
+    async def adapters(self) -> list[AdapterInfo]:
+        return await self._adapter_call(AdapterCommand(op="list"))
+
+    async def _adapter_call(self, command: AdapterCommand) -> list[AdapterInfo]:
+        answer = await self._call(command)
+        assert isinstance(answer, Adapters)
+        if answer.code is not None:
+            raise error_for(answer.code, answer.message, answer.field)
+        return answer.adapters
+
+    async def _call(self, message: msgspec.Struct) -> Stats | Adapters:
+        async with self._control_lock:
+            send, receive = anyio.create_memory_object_stream[Stats | Adapters](1)
+            self._control = send
             try:
                 with send, receive:
-                    await self._send(GetStats())
+                    await self._send(message)
                     try:
                         return await receive.receive()
                     except anyio.EndOfStream:
                         raise ConnectionLostError() from None
             finally:
-                self._stats = None
+                self._control = None
 
     async def _send(self, message: msgspec.Struct) -> None:
         await self._send_frame(encode_frame(message))
@@ -161,14 +186,14 @@ class Client:
             self._closed = True
             for inbox in list(self._streams.values()):
                 inbox.close()
-            if self._stats is not None:
-                self._stats.close()
+            if self._control is not None:
+                self._control.close()
 
     async def _route(self, message) -> None:
-        if isinstance(message, Stats):
-            if self._stats is not None:
+        if isinstance(message, Stats | Adapters):
+            if self._control is not None:
                 try:
-                    self._stats.send_nowait(message)
+                    self._control.send_nowait(message)
                 except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
                     pass  # the asker gave up; a late answer is dropped
             return

@@ -27,6 +27,8 @@ from protocols.api import Finished
 from protocols.errors import ErrorCode, MlxrtError, error_code
 from protocols.wire import (
     PROTOCOL_VERSION,
+    AdapterCommand,
+    Adapters,
     Cancel,
     ClientMessage,
     Error,
@@ -272,8 +274,21 @@ class Connection:
                         metrics=stats.metrics,
                     )
                 )
+            case AdapterCommand():
+                await self.send(await self._adapters(message))
             case Hello():
                 await self.send(Error(code="protocol_error", message="Hello was already received"))
+
+    async def _adapters(self, command: AdapterCommand) -> Adapters:
+        rt = self._runtime
+        try:
+            if command.op == "load":
+                await rt.load_adapter(command.name, command.path, pinned=command.pinned)
+            elif command.op == "unload":
+                await rt.unload_adapter(command.name)
+            return Adapters(adapters=await rt.adapters())
+        except MlxrtError as exc:
+            return Adapters(adapters=[], code=error_code(exc), message=str(exc), field=getattr(exc, "field", None))
 
     async def _start(self, rid: str | None, tg: TaskGroup, submit) -> None:
         """Submit now (the runtime claims the id, and refuses a live one, before anything else

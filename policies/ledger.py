@@ -39,6 +39,8 @@ class KvLedger:
         self._reserved: dict[str, int] = {}
         self._live_tokens: dict[str, int] = {}
         self._physical_bytes = 0
+        # Resident LoRA adapters' stacks: device memory the budget covers too.
+        self.adapter_bytes = 0
         self._hits = 0
         self._tokens_reused = 0
         self._queries = 0
@@ -52,24 +54,27 @@ class KvLedger:
     def reserved_bytes(self) -> int:
         return sum(self.request_bytes(n) for n in self._reserved.values())
 
-    def reserve(self, request_id: str, num_tokens: int, prompt_ids: Sequence[int] = (), max_prefix_tokens: int = 0) -> tuple[KvReservation, list[str]]:
+    def reserve(
+        self, request_id: str, num_tokens: int, prompt_ids: Sequence[int] = (), max_prefix_tokens: int = 0, namespace: str | None = None
+    ) -> tuple[KvReservation, list[str]]:
         """A reservation, and the prefix entries evicted to make room for it.
 
-        The request's own prefix match is pinned before anything is evicted, and
-        entries are evicted only when that makes the request fit.
+        The request's own prefix match (KV of its adapter) is pinned before anything is
+        evicted, and entries are evicted only when that makes the request fit.
         """
         need = self.request_bytes(num_tokens)
-        if self.budget_bytes and need > self.budget_bytes:
+        if self.budget_bytes and need + self.adapter_bytes > self.budget_bytes:
             return KvReservation(request_id=request_id, granted=False, reason="never_fits"), []
-        match = self.prefixes.lookup(prompt_ids, max_prefix_tokens, whole=self.whole_entries) if max_prefix_tokens > 0 else None
+        match = self.prefixes.lookup(prompt_ids, max_prefix_tokens, whole=self.whole_entries, namespace=namespace) if max_prefix_tokens > 0 else None
         if match is not None:
             self.prefixes.pin(match.entry_id)
         evicted = []
         if self.budget_bytes:
-            over = self.reserved_bytes + self.prefixes.num_bytes + need - self.budget_bytes
-            if over > 0 and self.reserved_bytes + need <= self.budget_bytes:
+            held = self.reserved_bytes + self.adapter_bytes
+            over = held + self.prefixes.num_bytes + need - self.budget_bytes
+            if over > 0 and held + need <= self.budget_bytes:
                 evicted = self.prefixes.evict(over)
-            if self.reserved_bytes + self.prefixes.num_bytes + need > self.budget_bytes:
+            if held + self.prefixes.num_bytes + need > self.budget_bytes:
                 if match is not None:
                     self.prefixes.unpin(match.entry_id)
                 return KvReservation(request_id=request_id, granted=False, reason="no_room"), evicted
@@ -96,16 +101,21 @@ class KvLedger:
         dropped = []
         for entry in entries:
             keep = self.prefix_cache_bytes > 0 and len(entry.tokens) >= self.prefix_min_tokens
-            if not (keep and self.prefixes.insert(entry.entry_id, entry.tokens, entry.num_bytes, whole=self.whole_entries)):
+            if not (keep and self.prefixes.insert(entry.entry_id, entry.tokens, entry.num_bytes, whole=self.whole_entries, namespace=entry.adapter)):
                 dropped.append(entry.entry_id)
         over_cap = self.prefixes.num_bytes - self.prefix_cache_bytes
         if over_cap > 0:
             dropped += self.prefixes.evict(over_cap)
         return dropped + self._make_room(0)
 
-    def record_usage(self, live_tokens: dict[str, int], physical_bytes: int) -> None:
+    def record_usage(self, live_tokens: dict[str, int], physical_bytes: int, adapter_bytes: int = 0) -> list[str]:
+        """The engine's figures after a step; returns prefix entries to drop when adapters
+        loaded since take room the budget needs."""
         self._live_tokens = dict(live_tokens)
         self._physical_bytes = physical_bytes
+        grew = adapter_bytes > self.adapter_bytes
+        self.adapter_bytes = adapter_bytes
+        return self._make_room(0) if grew else []
 
     def stats(self, **checkpoint_figures) -> KvStats:
         live = sum(self._live_tokens.values())
@@ -118,6 +128,7 @@ class KvLedger:
             physical_bytes=self._physical_bytes,
             bytes_per_token=self.bytes_per_token,
             budget_bytes=self.budget_bytes or None,
+            adapter_bytes=self.adapter_bytes,
             prefix_entries=len(self.prefixes),
             prefix_bytes=self.prefixes.num_bytes,
             prefix_hits=self._hits,
@@ -130,5 +141,5 @@ class KvLedger:
     def _make_room(self, need: int) -> list[str]:
         if not self.budget_bytes:
             return []
-        over = self.reserved_bytes + self.prefixes.num_bytes + need - self.budget_bytes
+        over = self.reserved_bytes + self.adapter_bytes + self.prefixes.num_bytes + need - self.budget_bytes
         return self.prefixes.evict(over) if over > 0 else []

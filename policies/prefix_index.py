@@ -34,6 +34,7 @@ class PrefixMatch:
 class _Entry:
     tokens: tuple[int, ...]
     num_bytes: int
+    namespace: str | None = None
     pins: int = 0
 
 
@@ -41,7 +42,7 @@ class PrefixIndex:
     """Longest-prefix lookup and LRU eviction over saved token sequences."""
 
     def __init__(self) -> None:
-        self._root = _Node()
+        self._roots: dict[str | None, _Node] = {}
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
 
     def __len__(self) -> int:
@@ -57,17 +58,17 @@ class PrefixIndex:
     def tokens(self, entry_id: str) -> tuple[int, ...]:
         return self._entries[entry_id].tokens
 
-    def insert(self, entry_id: str, tokens: list[int] | tuple[int, ...], num_bytes: int, *, whole: bool = False) -> bool:
+    def insert(self, entry_id: str, tokens: list[int] | tuple[int, ...], num_bytes: int, *, whole: bool = False, namespace: str | None = None) -> bool:
         """Add an entry; False (and nothing added) if an entry already covers `tokens` (with
         `whole`: if one already ends exactly there; a longer one cannot seed them)."""
         tokens = tuple(tokens)
         if not tokens or entry_id in self._entries:
             return False
-        match = self.lookup(tokens, len(tokens), whole=whole)
+        match = self.lookup(tokens, len(tokens), whole=whole, namespace=namespace)
         if match is not None and match.num_tokens == len(tokens):
             return False
-        self._entries[entry_id] = _Entry(tokens, num_bytes)
-        node, i = self._root, 0
+        self._entries[entry_id] = _Entry(tokens, num_bytes, namespace)
+        node, i = self._roots.setdefault(namespace, _Node()), 0
         while True:
             node.entries.add(entry_id)
             if i == len(tokens):
@@ -82,10 +83,12 @@ class PrefixIndex:
                 child = self._split(node, child, common)
             node, i = child, i + common
 
-    def lookup(self, tokens: Sequence[int], max_tokens: int, *, whole: bool = False) -> PrefixMatch | None:
-        """The longest prefix of `tokens` (at most `max_tokens`) some entry holds; with `whole`,
-        the longest one that is an entire entry."""
-        node, depth, best = self._root, 0, None
+    def lookup(self, tokens: Sequence[int], max_tokens: int, *, whole: bool = False, namespace: str | None = None) -> PrefixMatch | None:
+        """The longest prefix of `tokens` (at most `max_tokens`) some entry of `namespace`
+        holds; with `whole`, the longest one that is an entire entry."""
+        node, depth, best = self._roots.get(namespace), 0, None
+        if node is None:
+            return None
         while depth < min(len(tokens), max_tokens):
             child = node.children.get(tokens[depth])
             if child is None:
@@ -120,7 +123,7 @@ class PrefixIndex:
 
     def remove(self, entry_id: str) -> None:
         entry = self._entries.pop(entry_id)
-        node, i = self._root, 0
+        node, i = self._roots[entry.namespace], 0
         path = [node]
         while i < len(entry.tokens):
             node = node.children[entry.tokens[i]]

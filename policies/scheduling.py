@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from policies.adapters import AdapterSlots
 from protocols.api import CheckpointReport, FillStats
 from protocols.model import AdmitRequest, PrefillWork, StepOutcome, StepPlan
 from protocols.session import RequestTimeline, TraceSpan
@@ -174,8 +175,12 @@ class Ended:
 class SchedulePolicy:
     """Admission, batching and prefill/decode interleaving for one engine."""
 
-    def __init__(self, *, max_batch_size: int, max_queued: int, chunk_size: int, token_budget: int, max_skips: int = 4):
+    def __init__(
+        self, *, max_batch_size: int, max_queued: int, chunk_size: int, token_budget: int, max_skips: int = 4, adapter_slots: AdapterSlots | None = None
+    ):
         self.max_batch_size = max_batch_size
+        # Distinct LoRA adapters live requests may hold at once (`lora.max_resident`).
+        self.adapter_slots = adapter_slots or AdapterSlots(8)
         self.max_queued = max_queued
         self.chunk_size = chunk_size
         self.token_budget = token_budget
@@ -206,7 +211,9 @@ class SchedulePolicy:
         rejoining = sum(t.parked and not t.paused for t in self._active.values())
         if not self._waiting or self._num_slots_used() + rejoining >= self.max_batch_size:
             return None
-        return self._waiting[0]
+        head = self._waiting[0]
+        live = [t.admit.adapter for t in (*self._active.values(), *self._to_admit)]
+        return head if self.adapter_slots.allows(head.admit.adapter, live) else None
 
     def _num_slots_used(self) -> int:
         """Batch slots: every admitted request but the parked ones (they keep only their KV)."""

@@ -23,6 +23,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_PENALTY_CONTEXT = 4096
 MAX_MESSAGE_DEPTH = 32
 MAX_SEED = (1 << 64) - 1
+MAX_ADAPTER_NAME = 200
 
 
 def validate(request: GenerateRequest, info: ModelInfo, limits: LimitsConfig = LimitsConfig()) -> None:
@@ -53,6 +54,8 @@ def validate(request: GenerateRequest, info: ModelInfo, limits: LimitsConfig = L
     if (request.response_format is not None or forced_call) and request.ignore_eos:
         what = "response_format" if request.response_format is not None else "a forced tool_choice"
         raise InvalidRequestError(f"ignore_eos cannot be combined with {what}: a finished grammar only allows end of sequence", field="ignore_eos")
+    if request.adapter is not None and (not isinstance(request.adapter, str) or not 0 < len(request.adapter) <= MAX_ADAPTER_NAME):
+        raise InvalidRequestError(f"adapter must be a name of 1-{MAX_ADAPTER_NAME} characters", field="adapter")
     if request.checkpoint_every is not None and (not isinstance(request.checkpoint_every, int) or request.checkpoint_every < 0):
         raise InvalidRequestError("checkpoint_every must be an integer >= 0", field="checkpoint_every")
     if request.snapshot_at is not None and (not isinstance(request.snapshot_at, int) or request.snapshot_at < 1):

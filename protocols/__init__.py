@@ -5,6 +5,7 @@ are one inbox each (`model`, `kv`, `scheduler`, `session`).
 """
 
 from protocols.api import (
+    AdapterInfo,
     CheckpointReport,
     Event,
     FillStats,
@@ -23,6 +24,7 @@ from protocols.api import (
 )
 
 __all__ = [
+    "AdapterInfo",
     "CheckpointReport",
     "Event",
     "FillStats",

@@ -89,6 +89,28 @@ class GenerateRequest(Record, frozen=True):
     # included) or "rejection" (standard speculative sampling: the target's distribution,
     # higher acceptance). None: `speculative.acceptance`.
     acceptance: str | None = None
+    # A LoRA adapter the runtime knows (`[[adapters]]` or `load_adapter`): the request's rows
+    # add its delta, in the same batch as rows with other adapters or none.
+    adapter: str | None = None
+
+
+class AdapterInfo(Record, frozen=True):
+    """A LoRA adapter the runtime knows: where it is, and (once loaded into a slot) its shape."""
+
+    name: str
+    path: str
+    pinned: bool = False
+    # Loaded into one of the `lora.max_resident` slots (an idle adapter may be evicted and is
+    # loaded again when a request needs it).
+    resident: bool = False
+    rank: int = 0
+    scale: float = 0.0
+    # Linear layers it adds a delta to, and its weights' bytes.
+    modules: int = 0
+    num_bytes: int = 0
+    digest: str = ""
+    # Live requests holding it.
+    users: int = 0
 
 
 class TopLogprob(Record, frozen=True):

@@ -166,6 +166,24 @@ class SpeculativeConfig(Section, frozen=True):
     max_batch: NonNegative = 0
 
 
+class LoraConfig(Section, frozen=True):
+    # Adapter slots on the device: rows of this many distinct adapters (plus base rows) share
+    # a batch; a request for another waits until an adapter no live request holds can be
+    # evicted (least recently used; pinned adapters are never evicted and take a slot each).
+    max_resident: Annotated[int, msgspec.Meta(ge=1, le=256)] = 8
+    # Adapters of a higher rank are refused (every slot is padded to the largest rank loaded).
+    max_rank: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 64
+
+
+class AdapterConfig(Section, frozen=True):
+    """One `[[adapters]]` entry: a LoRA adapter directory in mlx-lm's format, loaded at start."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+    path: str
+    # Never evicted from its slot.
+    pinned: bool = False
+
+
 class CheckpointConfig(Section, frozen=True):
     # Where checkpoints are written; "" = $MLXRT_HOME/checkpoints (default ~/.cache/mlxrt/checkpoints).
     dir: str = ""

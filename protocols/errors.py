@@ -23,6 +23,8 @@ ErrorCode = Literal[
     "protocol_error",  # out-of-order message (e.g. anything before Hello), or a refused peer
     "shutting_down",  # the server is stopping
     "internal",  # a bug; the message says what, the server's log has the details
+    "adapter_not_found",  # the request or call names an adapter the runtime does not know
+    "adapter_invalid",  # an adapter directory cannot be applied (format, shapes, rank, slots)
     "connection_lost",  # client side only: the connection ended before the answer
     # HTTP only:
     "unauthorized",  # no or wrong API key
@@ -56,6 +58,8 @@ ERROR_KINDS: dict[str, ErrorKind] = {
     "protocol_error": ErrorKind(400, "invalid_request_error"),
     "shutting_down": ErrorKind(503, "server_unavailable"),
     "internal": ErrorKind(500, "server_error"),
+    "adapter_not_found": ErrorKind(404, "not_found_error"),
+    "adapter_invalid": ErrorKind(422, "invalid_request_error"),
     "connection_lost": ErrorKind(502, "server_error"),
     "unauthorized": ErrorKind(401, "authentication_error"),
     "model_not_found": ErrorKind(404, "not_found_error"),
@@ -105,6 +109,19 @@ class ServerBusyError(MlxrtError):
     """The admission queue is full; retry later."""
 
     code: ErrorCode = "busy"
+
+
+class AdapterNotFoundError(InvalidRequestError):
+    """The request (or an unload) names an adapter the runtime does not know."""
+
+    code: ErrorCode = "adapter_not_found"
+
+
+class AdapterLoadError(MlxrtError):
+    """An adapter cannot be applied: not mlx-lm's LoRA format, shapes that do not fit the
+    model, a rank over `lora.max_rank`, or no free adapter slot."""
+
+    code: ErrorCode = "adapter_invalid"
 
 
 class ModelLoadError(MlxrtError):
@@ -171,6 +188,8 @@ _BY_CODE: dict[str, type[MlxrtError]] = {
         InternalError,
         CheckpointError,
         CheckpointNotFoundError,
+        AdapterNotFoundError,
+        AdapterLoadError,
     )
 }
 

@@ -46,6 +46,8 @@ class KvStats(Record, frozen=True):
     # (`prefix_tokens_reused` of which were found).
     prefix_queries: int = 0
     prefix_tokens_queried: int = 0
+    # Resident LoRA adapters' stacks (counted against the budget).
+    adapter_bytes: int = 0
 
 
 class ReserveKv(Message, frozen=True):
@@ -57,6 +59,9 @@ class ReserveKv(Message, frozen=True):
     reply: Reply[KvReservation]
     prompt_ids: list[int] = msgspec.field(default_factory=list)
     max_prefix_tokens: int = 0
+    # The prefix cache's namespace of the request's LoRA adapter (`policies.adapters`): only
+    # KV computed under it can seed the request.
+    namespace: str | None = None
 
 
 class UnpinPrefix(Message, frozen=True):
@@ -97,6 +102,7 @@ class ReportKvUsage(Message, frozen=True):
 
     live_tokens: dict[str, int]
     physical_bytes: int
+    adapter_bytes: int = 0
 
 
 class GetKvStats(Message, frozen=True):

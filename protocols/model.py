@@ -10,7 +10,7 @@ from typing import Literal
 
 import msgspec
 
-from protocols.api import FillStats, SamplingParams, SpecStats, TokenLogprob
+from protocols.api import AdapterInfo, FillStats, SamplingParams, SpecStats, TokenLogprob
 from protocols.base import Message, Record, Reply
 
 
@@ -108,6 +108,10 @@ class AdmitRequest(Record, frozen=True):
     jump_forward: bool = False
     fill: FillPlan | None = None
     spec: SpecPlan | None = None
+    # The LoRA adapter its rows add (None: the base model), and the digest it was admitted
+    # with (KV and checkpoints belong to those weights).
+    adapter: str | None = None
+    adapter_digest: str = ""
 
     @property
     def context_ids(self) -> list[int]:
@@ -121,6 +125,8 @@ class SavedPrefix(Record, frozen=True):
     entry_id: str
     tokens: list[int]
     num_bytes: int
+    # The adapter the KV was computed under (None: the base model).
+    adapter: str | None = None
 
 
 class CheckpointData(Record, frozen=True):
@@ -130,6 +136,8 @@ class CheckpointData(Record, frozen=True):
     generated: list[int]
     num_kv_tokens: int
     kv_tensors: bytes
+    # The digest of the LoRA adapter the KV was computed under ("" for none).
+    adapter_digest: str = ""
 
 
 class PrefillWork(Record, frozen=True):
@@ -192,6 +200,8 @@ class StepOutcome(Record, frozen=True):
     step_s: float
     saved_prefixes: list[SavedPrefix] = msgspec.field(default_factory=list)
     checkpoints: list[CheckpointData] = msgspec.field(default_factory=list)
+    # Bytes of the resident LoRA adapters' stacks.
+    adapter_bytes: int = 0
 
 
 class StateArray(Record, frozen=True):
@@ -265,4 +275,15 @@ class DropPrefixes(Message, frozen=True):
     entry_ids: list[str]
 
 
-ModelInbox = RunStep | DropPrefixes
+class AdapterCall(Message, frozen=True):
+    """Load (and know by name), unload, or list LoRA adapters; answered with the adapters
+    known afterwards, or the typed error that refused the call."""
+
+    op: Literal["load", "unload", "list"]
+    reply: Reply[list[AdapterInfo] | Exception]
+    name: str = ""
+    path: str = ""
+    pinned: bool = False
+
+
+ModelInbox = RunStep | DropPrefixes | AdapterCall

@@ -7,7 +7,9 @@ events are the embedding API's own types (`protocols.api`). See README.md here.
 
 from __future__ import annotations
 
-from protocols.api import Finished, GenerateRequest, PrefillProgress, TokenDelta, ToolCall
+from typing import Literal
+
+from protocols.api import AdapterInfo, Finished, GenerateRequest, PrefillProgress, TokenDelta, ToolCall
 from protocols.base import Message, Record
 from protocols.errors import ErrorCode
 from protocols.kv import KvStats
@@ -46,7 +48,17 @@ class GetStats(Message, frozen=True):
     pass
 
 
-ClientMessage = Hello | Generate | Resume | Cancel | GetStats
+class AdapterCommand(Message, frozen=True):
+    """Load (`name`, `path` on the server's machine, `pinned`), unload (`name`) or list the
+    LoRA adapters; answered with `Adapters`."""
+
+    op: Literal["load", "unload", "list"]
+    name: str = ""
+    path: str = ""
+    pinned: bool = False
+
+
+ClientMessage = Hello | Generate | Resume | Cancel | GetStats | AdapterCommand
 
 
 # -- server -> client --------------------------------------------------------------
@@ -90,4 +102,14 @@ class Stats(Message, frozen=True):
     metrics: MetricsSnapshot | None = None
 
 
-ServerMessage = Welcome | TokenDelta | ToolCall | PrefillProgress | Finished | Error | Stats
+class Adapters(Message, frozen=True):
+    """The answer to an `AdapterCommand`: the adapters known after it, or why it was refused
+    (`code` and `message` as in `Error`)."""
+
+    adapters: list[AdapterInfo]
+    code: ErrorCode | None = None
+    message: str = ""
+    field: str | None = None
+
+
+ServerMessage = Welcome | TokenDelta | ToolCall | PrefillProgress | Finished | Error | Stats | Adapters

@@ -25,12 +25,21 @@ import structlog
 
 from policies import fill_plan as fill
 from policies import validation as requests
+from policies.adapters import AdapterRegistry
 from policies.speculation import plan_speculation
 from protocols.api import FillStats, GenerateRequest, SpecStats
 from protocols.model import AdmitRequest, GrammarSpec, ModelInfo, ResumeState
 from runtime import checkpoints
 from runtime.config import RuntimeConfig
-from runtime.errors import CorruptCheckpointError, InternalError, InvalidRequestError, MlxrtError, ServerBusyError
+from runtime.errors import (
+    AdapterNotFoundError,
+    CorruptCheckpointError,
+    ForeignCheckpointError,
+    InternalError,
+    InvalidRequestError,
+    MlxrtError,
+    ServerBusyError,
+)
 from runtime.grammar import GrammarCache, grammar_spec
 
 log = structlog.get_logger(actor="admission")
@@ -50,8 +59,18 @@ class Prepared:
 
 
 class Admission:
-    def __init__(self, config: RuntimeConfig, info: ModelInfo, tokenizer, grammars: GrammarCache, *, checkpoints_unavailable: str | None = None):
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        info: ModelInfo,
+        tokenizer,
+        grammars: GrammarCache,
+        *,
+        checkpoints_unavailable: str | None = None,
+        adapters: AdapterRegistry | None = None,
+    ):
         self._config = config
+        self._adapters = adapters or AdapterRegistry()
         self._info = info
         self._tokenizer = tokenizer
         self._grammars = grammars
@@ -117,6 +136,8 @@ class Admission:
             save_prefix=self._config.kv.prefix_cache_bytes > 0,
             # The last prompt token is never prefilled; a snapshot there is the end-of-request entry.
             snapshot_at=request.snapshot_at if request.snapshot_at and request.snapshot_at < len(prompt_ids) - 1 else None,
+            adapter=request.adapter,
+            adapter_digest=self._adapter_digest(request.adapter),
         )
         return await self._with_features(Prepared(admit=admit, request=request, checkpoint_every=checkpoint_every), grammar, fill_mode)
 
@@ -196,9 +217,31 @@ class Admission:
             top_logprobs=request.top_logprobs,
             save_prefix=self._config.kv.prefix_cache_bytes > 0,
             resume=ResumeState(generated=header.generated, num_kv_tokens=header.num_kv_tokens, kv_tensors=tensors),
+            adapter=request.adapter,
+            adapter_digest=self._resume_adapter(header, request_id),
         )
         prepared = Prepared(admit=admit, request=request, checkpoint_every=self.checkpoint_every(request))
         return await self._with_features(prepared, grammar, fill_mode)
+
+    def _adapter_digest(self, name: str | None) -> str:
+        """The digest a request's adapter is admitted with ("" for none)."""
+        if name is None:
+            return ""
+        info = self._adapters.get(name)
+        if info is None:
+            raise AdapterNotFoundError(f"no adapter named {name!r} (load it first, or list it in [[adapters]])", field="adapter")
+        return info.digest
+
+    def _resume_adapter(self, header: checkpoints.CheckpointHeader, request_id: str) -> str:
+        """A checkpoint's KV belongs to the adapter it was computed under: the same weights."""
+        name = header.request.adapter
+        info = self._adapters.get(name) if name is not None else None
+        digest = "" if name is None else info.digest if info is not None else None
+        if digest != header.adapter_digest:
+            what = f"adapter {name!r} ({header.adapter_digest})" if name is not None else "no adapter"
+            now = "is not loaded" if digest is None else f"is now {digest or 'none'}"
+            raise ForeignCheckpointError(f"checkpoint of {request_id!r} was written with {what}, which {now}")
+        return header.adapter_digest
 
     def _read_checkpoint(self, request_id: str):
         """A checkpoint this model can resume, its tensors checked against the model (blocking)."""

@@ -65,6 +65,8 @@ class CheckpointHeader(Record, frozen=True):
     generated: list[int]
     num_kv_tokens: int
     created_at: float
+    # The LoRA adapter (`request.adapter`) the KV was computed under: its digest.
+    adapter_digest: str = ""
 
 
 class CheckpointDirError(CheckpointError):
@@ -286,6 +288,7 @@ class CheckpointStore:
             generated=data.generated,
             num_kv_tokens=data.num_kv_tokens,
             created_at=time.time(),
+            adapter_digest=data.adapter_digest,
         )
         write_atomic(self.directory, data.request_id, encode(header, data.kv_tensors))
 

@@ -15,11 +15,13 @@ from pathlib import Path
 import msgspec
 
 from protocols.config import (
+    AdapterConfig,
     CheckpointConfig,
     GenerationConfig,
     KvConfig,
     LimitsConfig,
     LoggingConfig,
+    LoraConfig,
     ModelConfig,
     SchedulerConfig,
     Section,
@@ -31,11 +33,13 @@ from protocols.errors import ConfigError
 from runtime import env
 
 __all__ = [
+    "AdapterConfig",
     "CheckpointConfig",
     "GenerationConfig",
     "KvConfig",
     "LimitsConfig",
     "LoggingConfig",
+    "LoraConfig",
     "ModelConfig",
     "RuntimeConfig",
     "SchedulerConfig",
@@ -44,7 +48,7 @@ __all__ = [
     "TracingConfig",
 ]
 
-SECTIONS = ("model", "scheduler", "kv", "generation", "limits", "logging", "server", "checkpoints", "speculative", "tracing")
+SECTIONS = ("model", "scheduler", "kv", "generation", "limits", "logging", "server", "checkpoints", "speculative", "tracing", "lora")
 
 
 class RuntimeConfig(Section, frozen=True):
@@ -58,6 +62,9 @@ class RuntimeConfig(Section, frozen=True):
     checkpoints: CheckpointConfig = CheckpointConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
     tracing: TracingConfig = TracingConfig()
+    lora: LoraConfig = LoraConfig()
+    # `[[adapters]]`: LoRA adapters known (and loaded) at start; more through `load_adapter`.
+    adapters: list[AdapterConfig] = msgspec.field(default_factory=list)
 
     @classmethod
     def load(cls, path: str | Path, *, environ: Mapping[str, str] | None = None, overrides: Mapping[str, object] | None = None) -> RuntimeConfig:
@@ -108,6 +115,9 @@ class RuntimeConfig(Section, frozen=True):
         if config.checkpoints.dir:
             resolved = base / Path(config.checkpoints.dir).expanduser()
             config = msgspec.structs.replace(config, checkpoints=msgspec.structs.replace(config.checkpoints, dir=str(resolved)))
+        if config.adapters:
+            adapters = [msgspec.structs.replace(a, path=str(base / Path(a.path).expanduser())) for a in config.adapters]
+            config = msgspec.structs.replace(config, adapters=adapters)
         if config.tracing.span_log:
             resolved = base / Path(config.tracing.span_log).expanduser()
             config = msgspec.structs.replace(config, tracing=msgspec.structs.replace(config.tracing, span_log=str(resolved)))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from protocols.errors import (
+    AdapterLoadError,
+    AdapterNotFoundError,
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
@@ -24,6 +26,8 @@ from protocols.errors import (
 )
 
 __all__ = [
+    "AdapterLoadError",
+    "AdapterNotFoundError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "ConfigError",

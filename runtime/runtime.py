@@ -11,32 +11,33 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
 import structlog
 
 from actors.kv_store import KvStoreActor
-from actors.mailbox import EventChannel, ask
+from actors.mailbox import EventChannel, Mailbox, ask
 from actors.mlx_thread import MlxThread
 from actors.model import ModelActor, ModelReady
 from actors.scheduler import SchedulerActor
 from actors.session import SessionActor
+from policies.adapters import AdapterRegistry, AdapterSlots
 from policies.detokenize import make_detokenizer
 from policies.ledger import KvLedger
 from policies.output_parser import OutputParser
 from policies.scheduling import SchedulePolicy
-from protocols.api import Event, GenerateRequest, new_request_id
+from protocols.api import AdapterInfo, Event, GenerateRequest, new_request_id
 from protocols.kv import DrainFiles, GetKvStats, KvStats
 from protocols.metrics import MetricsSnapshot
-from protocols.model import ModelInfo
+from protocols.model import AdapterCall, ModelInbox, ModelInfo
 from protocols.scheduler import GetSchedulerStats, SchedulerStats
 from runtime import blas, env
 from runtime.admission import Admission, Prepared, checkpoint_directory_problem
 from runtime.checkpoints import CheckpointStore
 from runtime.config import RuntimeConfig
-from runtime.errors import ConfigError, RuntimeClosedError, single_errors
+from runtime.errors import ConfigError, InvalidRequestError, RuntimeClosedError, single_errors
 from runtime.grammar import GrammarCache
 from runtime.logging import configure_logging
 from runtime.metrics import RuntimeMetrics
@@ -58,15 +59,27 @@ class RuntimeStats:
     live_requests: int
     # Request counters and latency histograms since the runtime started.
     metrics: MetricsSnapshot
+    # The LoRA adapters known (as of the last load or unload; `adapters()` for live figures).
+    adapters: list[AdapterInfo] = field(default_factory=list)
 
 
 class Runtime:
     """A model served to many concurrent callers. Create with `Runtime.open`."""
 
     def __init__(
-        self, config: RuntimeConfig, ready: ModelReady, scheduler: SchedulerActor, kv: KvStoreActor, task_group, admission: Admission, telemetry: Telemetry
+        self,
+        config: RuntimeConfig,
+        ready: ModelReady,
+        actors: tuple[Mailbox[ModelInbox], SchedulerActor, KvStoreActor],
+        task_group,
+        admission: Admission,
+        telemetry: Telemetry,
+        adapters: AdapterRegistry,
     ):
         self.config = config
+        model, scheduler, kv = actors
+        self._model = model
+        self._adapters = adapters
         # Prometheus metrics of every request (`metrics.render()`); spans go out through `_telemetry`.
         self.metrics = telemetry.metrics
         self._telemetry = telemetry
@@ -121,9 +134,19 @@ class Runtime:
                 tokenizer, info.vocab_size, info.eos_token_ids, max_bytes=limits.grammar_cache_bytes, timeout_s=limits.grammar_compile_timeout_s
             )
 
-        model = ModelActor(config.model, thread, builtin_root=env.home(), make_grammars=make_grammars, progress=progress, speculative=config.speculative)
+        model = ModelActor(
+            config.model,
+            thread,
+            builtin_root=env.home(),
+            make_grammars=make_grammars,
+            progress=progress,
+            speculative=config.speculative,
+            lora=config.lora,
+            adapters=config.adapters,
+        )
         ready: ModelReady = await tg.start(model.run)
         progress.done(f"{ready.info.model_type} {ready.info.num_parameters / 1e6:.1f}M params, {ready.info.dtype} on {ready.info.device}")
+        adapters = AdapterRegistry(ready.adapters)
         ledger = KvLedger(
             bytes_per_token=ready.info.kv_bytes_per_token,
             layers=ready.info.layers,
@@ -141,17 +164,18 @@ class Runtime:
             max_queued=s.max_queued_requests,
             chunk_size=s.prefill_chunk_size,
             token_budget=config.step_token_budget,
+            adapter_slots=AdapterSlots(config.lora.max_resident, adapters),
         )
         scheduler = SchedulerActor(policy, model=model.inbox, kv=kv.inbox, capacity=s.max_queued_requests + 2 * s.max_batch_size + 16)
         await tg.start(scheduler.run)
         grammars = ready.grammars
         assert isinstance(grammars, GrammarCache)  # what make_grammars built
-        admission = Admission(config, info, ready.tokenizer, grammars, checkpoints_unavailable=problem)
+        admission = Admission(config, info, ready.tokenizer, grammars, checkpoints_unavailable=problem, adapters=adapters)
         span_log = Path(config.tracing.span_log).expanduser() if config.tracing.span_log else None
         telemetry = Telemetry(RuntimeMetrics(config.model_name, info.max_context), span_log=span_log, tracer_provider=tracer_provider)
         if span_log is not None:
             await tg.start(telemetry.run)
-        return cls(config, ready, scheduler, kv, tg, admission, telemetry)
+        return cls(config, ready, (model.inbox, scheduler, kv), tg, admission, telemetry, adapters)
 
     @property
     def tokenizer(self):
@@ -211,7 +235,44 @@ class Runtime:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
             raise RuntimeClosedError("the runtime is closed") from None
         self.metrics.update(scheduler, kv)
-        return RuntimeStats(scheduler=scheduler, kv=kv, live_requests=len(self._requests), metrics=self.metrics.snapshot())
+        return RuntimeStats(scheduler=scheduler, kv=kv, live_requests=len(self._requests), metrics=self.metrics.snapshot(), adapters=self._adapters.list())
+
+    async def load_adapter(self, name: str, path: str | Path, *, pinned: bool = False) -> AdapterInfo:
+        """Know a LoRA adapter (a directory in mlx-lm's format) by `name` and load it into a
+        slot now; requests then name it (`GenerateRequest.adapter`). Loading a name again from
+        the same directory only updates `pinned`.
+
+        Raises `AdapterLoadError` when it cannot be applied (format, shapes, rank, no free slot),
+        `InvalidRequestError` for a name already loaded from elsewhere."""
+        if not isinstance(name, str) or not 0 < len(name) <= 200:
+            raise InvalidRequestError("an adapter name has 1-200 characters", field="name")
+        resolved = await anyio.to_thread.run_sync(lambda: str(Path(path).expanduser().resolve()))
+        known = await self._adapter_call("load", name=name, path=resolved, pinned=pinned)
+        return next(a for a in known if a.name == name)
+
+    def known_adapters(self) -> list[str]:
+        """The names of the adapters known now (as of the last load or unload)."""
+        return [a.name for a in self._adapters.list()]
+
+    async def unload_adapter(self, name: str) -> None:
+        """Forget an adapter. Raises `AdapterNotFoundError` for an unknown name and
+        `InvalidRequestError` while live requests use it."""
+        await self._adapter_call("unload", name=name)
+
+    async def adapters(self) -> list[AdapterInfo]:
+        """The adapters known, with their slots' state now (resident, users)."""
+        return await self._adapter_call("list")
+
+    async def _adapter_call(self, op: str, **fields) -> list[AdapterInfo]:
+        self._check_open()
+        try:
+            result = await ask(self._model, AdapterCall, op=op, **fields)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
+            raise RuntimeClosedError("the runtime is closed") from None
+        if isinstance(result, Exception):
+            raise result
+        self._adapters.update(result)
+        return result
 
     def _make_session(self, prepared: Prepared, events: EventChannel) -> SessionActor:
         admit, request = prepared.admit, prepared.request

@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
         help="speculative decoding on against off (builtin:bench-spec drafted by builtin:bench-spec-draft; prompt lookup on builtin:bench-copy)",
     )
     bench.add_argument("--spec-workloads", default="single,lookup,concurrency,verify", help="with --speculative: comma-separated subset")
+    bench.add_argument(
+        "--adapters", action="store_true", help="16 streams with 8 distinct LoRA adapters in one batch against 16 base streams, and adapter load time"
+    )
     bench.set_defaults(func=_bench)
 
     bench_http = sub.add_parser("bench-http", help="TTFT over HTTP next to the Unix socket and in-process, one runtime")
@@ -292,6 +295,8 @@ def _bench(args) -> int:
     config = RuntimeConfig.load(args.config)
     if args.speculative:
         return _bench_speculative(args, config)
+    if args.adapters:
+        return _bench_adapters(args, config)
     if args.model:
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=args.model))
     workloads = tuple(w for w in args.workloads.split(",") if w)
@@ -328,6 +333,19 @@ def _bench_speculative(args, config: RuntimeConfig) -> int:
     options = SpecBenchOptions(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats, workloads=workloads, concurrency=concurrency)
     results = anyio.run(run_spec_bench, config, options)
     print(format_spec_table(results))
+    dump(results, args.json_path)
+    return EXIT_OK
+
+
+def _bench_adapters(args, config: RuntimeConfig) -> int:
+    from tools.bench import dump
+    from tools.bench_adapters import AdapterBenchOptions, format_adapter_table, run_adapter_bench
+
+    if args.model:
+        config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=args.model))
+    options = AdapterBenchOptions(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats)
+    results = anyio.run(run_adapter_bench, config, options)
+    print(format_adapter_table(results))
     dump(results, args.json_path)
     return EXIT_OK
 

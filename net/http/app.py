@@ -99,17 +99,17 @@ class Api:
         return Response(runtime.metrics.render() + generate_latest(self.registry), media_type=CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
-        return _json(oa.ModelList(data=[self._card()]))
+        adapters = self._ready().known_adapters()
+        return _json(oa.ModelList(data=[self._card(), *(self._card(name) for name in adapters)]))
 
     async def model(self, request: Request) -> Response:
-        self._check_model(request.path_params["model"])
-        return _json(self._card())
+        name = request.path_params["model"]
+        return _json(self._card(name if self._check_model(name) else None))
 
     async def chat_completions(self, request: Request) -> Response:
         runtime = self._ready()
         body = decode_body(await self._read_body(request), oa.ChatCompletionRequest)
-        self._check_model(body.model)
-        generate = chat_request(body)
+        generate = msgspec.structs.replace(chat_request(body), adapter=self._check_model(body.model))
         ids = self._ids("chatcmpl", generate)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         output = ChatOutput(ids, self._texts(), include_usage=include_usage, return_token_ids=body.return_token_ids, stream=body.stream)
@@ -118,8 +118,7 @@ class Api:
     async def completions(self, request: Request) -> Response:
         runtime = self._ready()
         body = decode_body(await self._read_body(request), oa.CompletionRequest)
-        self._check_model(body.model)
-        generate = completion_request(body)
+        generate = msgspec.structs.replace(completion_request(body), adapter=self._check_model(body.model))
         ids = self._ids("cmpl", generate)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         output = CompletionOutput(
@@ -176,16 +175,23 @@ class Api:
             raise HttpError("body_timeout", f"the request body did not arrive within {timeout:g} s (server.body_timeout_s)") from None
         return b"".join(chunks)
 
-    def _check_model(self, model: str) -> None:
-        if model != self.model_name:
-            raise HttpError("model_not_found", f"the model `{model}` does not exist; this server serves `{self.model_name}`", "model")
+    def _check_model(self, model: str) -> str | None:
+        """The LoRA adapter a request's `model` names (vLLM's convention: an adapter is served
+        under its own name), None for the base model; an unknown name is refused."""
+        if model == self.model_name:
+            return None
+        if model in self._ready().known_adapters():
+            return model
+        raise HttpError("model_not_found", f"the model `{model}` does not exist; this server serves `{self.model_name}`", "model")
 
-    def _card(self) -> oa.ModelCard:
+    def _card(self, adapter: str | None = None) -> oa.ModelCard:
         runtime = self._ready()
-        return oa.ModelCard(id=self.model_name, created=self._created, max_model_len=runtime.model_info.max_context)
+        name, parent = (adapter, self.model_name) if adapter is not None else (self.model_name, None)
+        return oa.ModelCard(id=name, created=self._created, max_model_len=runtime.model_info.max_context, parent=parent)
 
     def _ids(self, prefix: str, generate: GenerateRequest) -> ResponseIds:
-        return ResponseIds(id=f"{prefix}-{generate.request_id}", created=int(time.time()), model=self.model_name, fingerprint=self._fingerprint)
+        model = generate.adapter or self.model_name
+        return ResponseIds(id=f"{prefix}-{generate.request_id}", created=int(time.time()), model=model, fingerprint=self._fingerprint)
 
     def _texts(self) -> TokenTexts:
         assert self._token_text is not None

@@ -235,6 +235,8 @@ class ModelCard(msgspec.Struct, kw_only=True):
     max_model_len: int
     object: str = "model"
     owned_by: str = "mlxrt"
+    # A LoRA adapter served under its own name (as vLLM lists them): the base model's name.
+    parent: str | None = None
 
 
 class ModelList(msgspec.Struct, kw_only=True):

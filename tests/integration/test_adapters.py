@@ -1,0 +1,236 @@
+"""LoRA adapters in one batch: rows with different adapters (and none) decode together, each
+exactly as `mlx_lm.load(model, adapter_path=...)` decodes it alone; slots, prefix cache and
+checkpoints keep adapters apart."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import anyio
+import msgspec
+import pytest
+
+from protocols import Finished, GenerateRequest, TokenDelta
+from runtime import Runtime
+from runtime.config import AdapterConfig, KvConfig, LoraConfig
+from runtime.errors import AdapterLoadError, AdapterNotFoundError, ForeignCheckpointError, InvalidRequestError
+from tests.conftest import builtin_dir, make_config
+from tests.integration.reference import greedy_tokens
+from tools.lora_adapters import make_lora_adapter
+
+MAX_TOKENS = 16
+# (rank, num_layers, keys): different ranks, depths and layer sets.
+SHAPES = {"A": (4, 2, None), "B": (8, 4, None), "C": (16, 1, ["self_attn.q_proj", "mlp.down_proj"])}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    model_dir = builtin_dir("tiny")
+    return {
+        name: make_lora_adapter(model_dir, root / name, rank=rank, num_layers=layers, keys=keys, seed=i + 1)
+        for i, (name, (rank, layers, keys)) in enumerate(SHAPES.items())
+    }
+
+
+def _reference(adapter_dir, prompt: list[int]) -> list[int]:
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    model, tokenizer = load(str(builtin_dir("tiny")), adapter_path=str(adapter_dir) if adapter_dir else None)
+    model.set_dtype(mx.float32)
+    return greedy_tokens(model, tokenizer, prompt, MAX_TOKENS)
+
+
+def _prompt(i: int) -> list[int]:
+    return [(37 * i + 11 * j) % 900 + 3 for j in range(5 + 7 * i)]
+
+
+def _config(adapters: dict, names=("A", "B", "C"), **lora):
+    config = make_config()
+    return msgspec.structs.replace(
+        config, adapters=[AdapterConfig(name=n, path=str(adapters[n])) for n in names], lora=LoraConfig(**lora) if lora else config.lora
+    )
+
+
+async def _run(rt: Runtime, requests: list[GenerateRequest]) -> list[list[int]]:
+    results: list = [None] * len(requests)
+
+    async def one(i: int) -> None:
+        tokens = []
+        async for event in rt.generate(requests[i]):
+            if isinstance(event, TokenDelta):
+                tokens += event.token_ids
+            elif isinstance(event, Finished):
+                assert event.error is None, event.error
+        results[i] = tokens
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(requests)):
+            tg.start_soon(one, i)
+    return results
+
+
+async def test_rows_with_different_adapters_share_a_batch_exactly(adapters):
+    names = ["A", "B", None, "C", "A", "B", None, "C"]
+    prompts = [_prompt(i) for i in range(len(names))]
+    expected = [_reference(adapters.get(n) if n else None, p) for n, p in zip(names, prompts)]
+    base = [_reference(None, p) for p in prompts]
+    # Each adapter changes what the model says (otherwise this would prove nothing).
+    assert all(e != b for n, e, b in zip(names, expected, base) if n is not None)
+    async with Runtime.open(_config(adapters)) as rt:
+        got = await _run(rt, [GenerateRequest(prompt_ids=p, max_tokens=MAX_TOKENS, adapter=n) for n, p in zip(names, prompts)])
+        alone = await _run(rt, [GenerateRequest(prompt_ids=prompts[0], max_tokens=MAX_TOKENS, adapter="A")])
+        stats = await rt.stats()
+    assert got == expected
+    assert alone == [expected[0]], "a lone row with an adapter (no compiled step) too"
+    assert stats.kv.adapter_bytes > 0 and {a.name for a in stats.adapters} == {"A", "B", "C"}
+
+
+async def test_adapters_load_and_unload_at_run_time(adapters, tmp_path):
+    prompt = _prompt(2)
+    async with Runtime.open(_config(adapters, names=())) as rt:
+        with pytest.raises(AdapterNotFoundError) as missing:
+            async for _ in rt.generate(GenerateRequest(prompt_ids=prompt, max_tokens=4, adapter="B")):
+                pass
+        assert missing.value.field == "adapter"
+        info = await rt.load_adapter("B", adapters["B"])
+        assert (info.name, info.rank, info.resident, info.modules) == ("B", 8, True, 2 * 7)  # every linear layer of both blocks
+        assert await _run(rt, [GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS, adapter="B")]) == [_reference(adapters["B"], prompt)]
+        with pytest.raises(InvalidRequestError):
+            await rt.load_adapter("B", adapters["A"])  # the name is taken by another directory
+
+        # Unloading is refused while a request holds the adapter, then done.
+        async with rt.submit(GenerateRequest(prompt_ids=prompt, max_tokens=64, adapter="B", ignore_eos=True)) as stream:
+            async for event in stream:
+                if isinstance(event, TokenDelta):
+                    with pytest.raises(InvalidRequestError, match="in use"):
+                        await rt.unload_adapter("B")
+                    break
+        with anyio.fail_after(30):
+            while (await rt.adapters())[0].users:
+                await anyio.sleep(0.01)
+        await rt.unload_adapter("B")
+        assert await rt.adapters() == []
+        with pytest.raises(AdapterNotFoundError):
+            await rt.unload_adapter("B")
+
+        # Adapters this runtime cannot apply exactly are refused with the reason.
+        dora = tmp_path / "dora"
+        shutil.copytree(adapters["A"], dora)
+        config = json.loads((dora / "adapter_config.json").read_text())
+        (dora / "adapter_config.json").write_text(json.dumps(config | {"fine_tune_type": "dora"}))
+        with pytest.raises(AdapterLoadError, match="dora"):
+            await rt.load_adapter("D", dora)
+        with pytest.raises(AdapterLoadError, match="needs"):
+            await rt.load_adapter("E", tmp_path / "nothing")
+        other_model = make_lora_adapter(builtin_dir("tiny-qwen2"), tmp_path / "qwen2", rank=4, num_layers=1)
+        with pytest.raises(AdapterLoadError):
+            await rt.load_adapter("F", other_model)
+        assert await rt.adapters() == []
+        # The runtime goes on serving.
+        assert await _run(rt, [GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS)]) == [_reference(None, prompt)]
+
+
+async def test_slots_are_reused_least_recently_used_first_and_pins_stay(adapters):
+    # Two slots for three adapters: requests queue for a slot and every stream stays exact.
+    prompts = {n: _prompt(i + 1) for i, n in enumerate("ABC")}
+    expected = {n: _reference(adapters[n], prompts[n]) for n in "ABC"}
+    config = _config(adapters, names=("A",), max_resident=2)
+    config = msgspec.structs.replace(config, adapters=[AdapterConfig(name="A", path=str(adapters["A"]), pinned=True)])
+    async with Runtime.open(config) as rt:
+        await rt.load_adapter("B", adapters["B"])
+        await rt.load_adapter("C", adapters["C"])  # B is evicted: A is pinned
+        resident = {a.name: a.resident for a in await rt.adapters()}
+        assert resident == {"A": True, "B": False, "C": True}
+        names = ["B", "C", "A", "B", "C", "A"]
+        got = await _run(rt, [GenerateRequest(prompt_ids=prompts[n], max_tokens=MAX_TOKENS, adapter=n) for n in names])
+        assert got == [expected[n] for n in names]
+        assert {a.name: a.pinned for a in await rt.adapters()}["A"]
+
+
+async def test_prefix_cache_keeps_adapters_apart(adapters):
+    prompt = _prompt(4)
+    config = msgspec.structs.replace(_config(adapters), kv=KvConfig(prefix_cache_bytes=1 << 26))
+    async with Runtime.open(config) as rt:
+        first = await _run(rt, [GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS, adapter="A")])
+        base = await _run(rt, [GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS)])
+        hits_before = (await rt.stats()).kv.prefix_hits
+        again = await _run(rt, [GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS, adapter="A")])
+        hits_after = (await rt.stats()).kv.prefix_hits
+    assert base == [_reference(None, prompt)], "the base model never starts from an adapter's KV"
+    assert first == again == [_reference(adapters["A"], prompt)]
+    assert hits_after == hits_before + 1, "a request of the same adapter reuses its KV"
+
+
+async def test_checkpoint_resume_needs_the_same_adapter(adapters, tmp_path):
+    from runtime.checkpoints import path_for
+    from runtime.config import CheckpointConfig
+
+    directory = tmp_path / "ck"
+    config = msgspec.structs.replace(_config(adapters), checkpoints=CheckpointConfig(dir=str(directory)))
+    request = GenerateRequest(prompt_ids=_prompt(3), max_tokens=300, ignore_eos=True, adapter="C", request_id="ad-1", checkpoint_every=8)
+    async with Runtime.open(config) as rt:
+        [uninterrupted] = await _run(rt, [msgspec.structs.replace(request, request_id=None, checkpoint_every=None)])
+        # Stream until a checkpoint exists, then shut the runtime down under the open stream.
+        stream = rt.generate(request).__aiter__()
+        while not isinstance(await stream.__anext__(), TokenDelta):
+            pass
+        with anyio.fail_after(60):
+            while not path_for(directory, "ad-1").exists():
+                await anyio.sleep(0.02)
+    # The same name with other weights: the checkpoint's KV is not theirs.
+    swapped = msgspec.structs.replace(config, adapters=[AdapterConfig(name="C", path=str(adapters["B"]))])
+    async with Runtime.open(swapped) as rt:
+        with pytest.raises(ForeignCheckpointError, match="adapter 'C'"):
+            async for _ in rt.resume("ad-1"):
+                pass
+    async with Runtime.open(config) as rt:
+        resumed = []
+        async for event in rt.resume("ad-1"):
+            if isinstance(event, TokenDelta):
+                resumed += event.token_ids
+    assert resumed == uninterrupted
+
+
+async def test_adapters_over_the_socket(adapters, tmp_path):
+    from net.client import Client
+    from tests.integration.server_helpers import collect, running_server
+
+    prompt = _prompt(5)
+    with running_server(tmp_path, adapters=[{"name": "A", "path": str(adapters["A"])}]) as server:
+        async with Client.connect(server.socket) as client:
+            assert [a.name for a in await client.adapters()] == ["A"]
+            info = await client.load_adapter("B", adapters["B"], pinned=True)
+            assert (info.name, info.pinned, info.resident) == ("B", True, True)
+            outcome = await collect(client.generate(GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS, adapter="B", request_id="sock-b")))
+            assert outcome.tokens == _reference(adapters["B"], prompt)
+            with pytest.raises(AdapterNotFoundError):
+                await client.unload_adapter("Z")
+            with pytest.raises(AdapterLoadError):
+                await client.load_adapter("Z", tmp_path / "missing")
+            with pytest.raises(AdapterNotFoundError):
+                await collect(client.generate(GenerateRequest(prompt_ids=prompt, max_tokens=2, adapter="Z", request_id="sock-z")))
+            await client.unload_adapter("A")
+            assert [a.name for a in await client.adapters()] == ["B"]
+
+
+async def test_an_openai_client_selects_an_adapter_by_model_name(adapters):
+    from tests.net.http_support import serving
+
+    prompt = _prompt(6)
+    async with serving(_config(adapters, names=("A",))) as served:
+        client = served.client()
+        listed = await client.models.list()
+        cards = {m.id: (m.model_extra or {}).get("parent") for m in listed.data}
+        assert cards == {served.model: None, "A": served.model}
+        answers = {}
+        for model in (served.model, "A"):
+            completion = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"return_token_ids": True}
+            )
+            answers[model] = ((completion.choices[0].model_extra or {}).get("token_ids"), completion.model)
+        await client.close()
+    assert answers["A"] == (_reference(adapters["A"], prompt), "A")
+    assert answers[served.model][0] == _reference(None, prompt)
