@@ -234,3 +234,25 @@ async def test_an_openai_client_selects_an_adapter_by_model_name(adapters):
         await client.close()
     assert answers["A"] == (_reference(adapters["A"], prompt), "A")
     assert answers[served.model][0] == _reference(None, prompt)
+
+
+async def test_adapters_with_speculation_and_a_grammar(adapters):
+    """A draft without the adapter drafts worse, never differently: streams stay exact; a
+    grammar row with an adapter produces valid JSON."""
+    from runtime.config import SpeculativeConfig
+
+    prompts = [_prompt(i) * 2 for i in range(4)]  # repeats: prompt lookup has drafts to offer
+    names = ["A", "B", None, "C"]
+    expected = [_reference(adapters.get(n) if n else None, p) for n, p in zip(names, prompts)]
+    config = msgspec.structs.replace(_config(adapters), speculative=SpeculativeConfig(lookup=True))
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}
+    async with Runtime.open(config) as rt:
+        got = await _run(rt, [GenerateRequest(prompt_ids=p, max_tokens=MAX_TOKENS, adapter=n) for n, p in zip(names, prompts)])
+        text = ""
+        async for event in rt.generate(GenerateRequest(prompt="answer:", max_tokens=64, adapter="B", response_format=fmt)):
+            if isinstance(event, TokenDelta):
+                text += event.text
+        stats = await rt.stats()
+    assert got == expected
+    assert stats.scheduler.spec.drafted > 0, "the rows did speculate"
+    assert isinstance(json.loads(text)["ok"], bool)
