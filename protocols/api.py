@@ -92,6 +92,8 @@ class GenerateRequest(Record, frozen=True):
     # A LoRA adapter the runtime knows (`[[adapters]]` or `load_adapter`): the request's rows
     # add its delta, in the same batch as rows with other adapters or none.
     adapter: str | None = None
+    # With a `ModelPool`: the model (`[[models]]` name) that serves it; None: the default one.
+    model: str | None = None
 
 
 class AdapterInfo(Record, frozen=True):

@@ -175,6 +175,29 @@ class LoraConfig(Section, frozen=True):
     max_rank: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 64
 
 
+class PoolModelConfig(Section, frozen=True):
+    """One `[[models]]` entry: another model a `ModelPool` serves (its other options are
+    `[model]`'s)."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+    path: Annotated[str, msgspec.Meta(min_length=1)]
+    # Never swapped out (it must fit `model_pool.memory_bytes` beside the largest other model).
+    pinned: bool = False
+
+
+class ModelPoolConfig(Section, frozen=True):
+    # Weights of the models resident at once (bytes as loaded: float32 on the CPU backend);
+    # 0 = no limit. Loading one more swaps out the least recently used unpinned models.
+    memory_bytes: NonNegative = 0
+    # A model stays resident at least this long after it is loaded before another request's
+    # model may swap it out (no thrashing between two busy models).
+    min_resident_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    # Requests served by a pool checkpoint every this many tokens (a swapped-out model's requests
+    # resume from their checkpoint); 0 = they are regenerated from the start, skipping what the
+    # caller already has.
+    checkpoint_every: NonNegative = 16
+
+
 class AdapterConfig(Section, frozen=True):
     """One `[[adapters]]` entry: a LoRA adapter directory in mlx-lm's format, loaded at start."""
 

@@ -117,6 +117,12 @@ class AdapterNotFoundError(InvalidRequestError):
     code: ErrorCode = "adapter_not_found"
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this runtime does not serve."""
+
+    code: ErrorCode = "model_not_found"
+
+
 class AdapterLoadError(MlxrtError):
     """An adapter cannot be applied: not mlx-lm's LoRA format, shapes that do not fit the
     model, a rank over `lora.max_rank`, or no free adapter slot."""
@@ -190,6 +196,7 @@ _BY_CODE: dict[str, type[MlxrtError]] = {
         CheckpointNotFoundError,
         AdapterNotFoundError,
         AdapterLoadError,
+        ModelNotFoundError,
     )
 }
 

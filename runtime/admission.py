@@ -38,6 +38,7 @@ from runtime.errors import (
     InternalError,
     InvalidRequestError,
     MlxrtError,
+    ModelNotFoundError,
     ServerBusyError,
 )
 from runtime.grammar import GrammarCache, grammar_spec
@@ -116,6 +117,8 @@ class Admission:
     async def _prepare(self, request: GenerateRequest, request_id: str) -> Prepared:
         config, info = self._config, self._info
         requests.validate(request, info, config.limits)
+        if request.model is not None and request.model != config.model_name:
+            raise ModelNotFoundError(f"no model named {request.model!r}; this runtime serves {config.model_name!r}", field="model")
         checkpoint_every = self.checkpoint_every(request)
         grammar = grammar_spec(request, self._tool_markers)
         fill_mode = fill.resolve_mode(request, config.generation.fill)

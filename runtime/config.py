@@ -23,6 +23,8 @@ from protocols.config import (
     LoggingConfig,
     LoraConfig,
     ModelConfig,
+    ModelPoolConfig,
+    PoolModelConfig,
     SchedulerConfig,
     Section,
     ServerConfig,
@@ -41,6 +43,8 @@ __all__ = [
     "LoggingConfig",
     "LoraConfig",
     "ModelConfig",
+    "ModelPoolConfig",
+    "PoolModelConfig",
     "RuntimeConfig",
     "SchedulerConfig",
     "ServerConfig",
@@ -48,7 +52,7 @@ __all__ = [
     "TracingConfig",
 ]
 
-SECTIONS = ("model", "scheduler", "kv", "generation", "limits", "logging", "server", "checkpoints", "speculative", "tracing", "lora")
+SECTIONS = ("model", "scheduler", "kv", "generation", "limits", "logging", "server", "checkpoints", "speculative", "tracing", "lora", "model_pool")
 
 
 class RuntimeConfig(Section, frozen=True):
@@ -65,6 +69,9 @@ class RuntimeConfig(Section, frozen=True):
     lora: LoraConfig = LoraConfig()
     # `[[adapters]]`: LoRA adapters known (and loaded) at start; more through `load_adapter`.
     adapters: list[AdapterConfig] = msgspec.field(default_factory=list)
+    # `[[models]]`: more models a `ModelPool` serves beside `[model]` (the default one).
+    models: list[PoolModelConfig] = msgspec.field(default_factory=list)
+    model_pool: ModelPoolConfig = ModelPoolConfig()
 
     @classmethod
     def load(cls, path: str | Path, *, environ: Mapping[str, str] | None = None, overrides: Mapping[str, object] | None = None) -> RuntimeConfig:
@@ -115,6 +122,9 @@ class RuntimeConfig(Section, frozen=True):
         if config.checkpoints.dir:
             resolved = base / Path(config.checkpoints.dir).expanduser()
             config = msgspec.structs.replace(config, checkpoints=msgspec.structs.replace(config.checkpoints, dir=str(resolved)))
+        if config.models:
+            models = [m if m.path.startswith("builtin:") else msgspec.structs.replace(m, path=str(base / Path(m.path).expanduser())) for m in config.models]
+            config = msgspec.structs.replace(config, models=models)
         if config.adapters:
             adapters = [msgspec.structs.replace(a, path=str(base / Path(a.path).expanduser())) for a in config.adapters]
             config = msgspec.structs.replace(config, adapters=adapters)

@@ -97,13 +97,16 @@ class Runtime:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, config: RuntimeConfig, *, tracer_provider=None) -> AsyncIterator[Runtime]:
+    async def open(cls, config: RuntimeConfig, *, tracer_provider=None, thread: MlxThread | None = None) -> AsyncIterator[Runtime]:
         """Start the runtime; `tracer_provider`: an OpenTelemetry one for request spans (default:
-        the globally installed one, if an SDK installed any)."""
+        the globally installed one, if an SDK installed any); `thread`: an MLX thread to share
+        (a model pool's), else one of its own."""
         configure_logging(config.logging)
         _report_blas()
-        thread = MlxThread()
-        thread.start()
+        own_thread = thread is None
+        if thread is None:
+            thread = MlxThread()
+            thread.start()
         try:
             with single_errors():
                 async with anyio.create_task_group() as tg:
@@ -115,8 +118,9 @@ class Runtime:
                             await runtime.shutdown()
                         tg.cancel_scope.cancel()
         finally:
-            with anyio.CancelScope(shield=True):
-                await thread.stop()
+            if own_thread:
+                with anyio.CancelScope(shield=True):
+                    await thread.stop()
 
     @classmethod
     async def _start_actors(cls, config: RuntimeConfig, thread: MlxThread, tg, tracer_provider) -> Runtime:

@@ -1,0 +1,429 @@
+"""Several models in one process: `ModelPool` (embedding API).
+
+`[model]` is the default model and `[[models]]` adds others; `GenerateRequest.model` names one
+(an unknown name is `ModelNotFoundError`). Each resident model is a `Runtime` of its own, all
+sharing one MLX thread (one device, one thread). Their weights stay under
+`model_pool.memory_bytes`: a request for a model that is not resident loads it, swapping out
+the least recently used unpinned models first, once each has been resident at least
+`model_pool.min_resident_s` (no thrashing between two busy models).
+
+A swapped-out model's running requests are preempted: their runtime shuts down, keeping each
+request's last durable checkpoint (requests through a pool checkpoint every
+`model_pool.checkpoint_every` tokens, under a fixed seed), and each request waits for its model
+to come back, then resumes from its checkpoint (or, without one, is generated again from the
+start). Generation is exact given the seed, so the resumed stream repeats what the caller already
+has: those tokens, texts and tool calls are skipped, and the caller sees one uninterrupted stream.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import msgspec
+import structlog
+
+from actors.mlx_thread import MlxThread
+from protocols.api import Event, Finished, GenerateRequest, TokenDelta, ToolCall, Usage, new_request_id
+from protocols.base import Record
+from runtime.admission import checkpoint_directory_problem
+from runtime.checkpoints import path_for
+from runtime.config import RuntimeConfig
+from runtime.errors import ConfigError, InternalError, ModelNotFoundError, RuntimeClosedError, single_errors
+from runtime.runtime import Runtime, RuntimeStats
+
+log = structlog.get_logger(actor="pool")
+
+
+class ModelState(Record, frozen=True):
+    """One model of a pool, as `ModelPool.models()` reports it."""
+
+    name: str
+    path: str
+    pinned: bool
+    state: str  # "resident", "loading", "unloaded"
+    # Bytes of its weights as loaded (an estimate from its files until it has been loaded once).
+    weight_bytes: int
+    live_requests: int
+    loads: int
+    # Requests it had running when it was swapped out.
+    preempted: int
+
+
+@dataclass(eq=False)
+class _Model:
+    name: str
+    config: RuntimeConfig
+    pinned: bool
+    weight_bytes: int
+    runtime: Runtime | None = None
+    loading: bool = False
+    loaded_at: float = 0.0
+    last_used: float = 0.0
+    users: int = 0
+    # Its requests still repeating what their callers have after a swap: it is not swapped out
+    # again before they get past it (a request without a checkpoint would never progress).
+    replaying: int = 0
+    loads: int = 0
+    preempted: int = 0
+    # Bumped at each swap-out: a request whose stream ends under an older epoch was preempted.
+    epoch: int = 0
+    stop: anyio.Event = field(default_factory=anyio.Event)
+    stopped: anyio.Event = field(default_factory=anyio.Event)
+
+
+@dataclass
+class _Delivered:
+    """What the caller already has of a request: replays skip it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: int = 0
+
+
+class ModelPool:
+    """Models served from one process under a memory cap. Create with `ModelPool.open`."""
+
+    def __init__(self, config: RuntimeConfig, thread: MlxThread, task_group):
+        self.config = config
+        self._thread = thread
+        self._tg = task_group
+        self._lock = anyio.Lock()
+        self._changed = anyio.Event()
+        self._seeds = random.Random(config.generation.seed)
+        self._models: dict[str, _Model] = {}
+        self._cancelled: set[str] = set()
+        self._running: dict[str, _Model] = {}
+        self._closed = False
+        # The most weight bytes ever resident at once (checked against the cap by tests).
+        self.peak_weight_bytes = 0
+        entries = [(config.model_name, config.model.path, False), *((m.name, m.path, m.pinned) for m in config.models)]
+        for name, path, pinned in entries:
+            if name in self._models:
+                raise ConfigError(f"[[models]]: the name {name!r} is used twice")
+            model_config = msgspec.structs.replace(
+                config,
+                model=msgspec.structs.replace(config.model, path=path),
+                server=msgspec.structs.replace(config.server, served_model_name=name),
+                models=[],
+            )
+            self._models[name] = _Model(name, model_config, pinned, weight_bytes=0)
+        self.default_model = config.model_name
+        self._checkpoint_every = config.model_pool.checkpoint_every
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, config: RuntimeConfig) -> AsyncIterator[ModelPool]:
+        """Start the pool; the default model is loaded at once, the others on first use."""
+        thread = MlxThread()
+        thread.start()
+        try:
+            with single_errors():
+                async with anyio.create_task_group() as tg:
+                    pool = cls(config, thread, tg)
+                    for model in pool._models.values():
+                        model.weight_bytes = await thread.run(_estimate_bytes, model.config.model.path)
+                    pool._check_fits()
+                    problem = await anyio.to_thread.run_sync(checkpoint_directory_problem, config.checkpoint_directory())
+                    if problem is not None:
+                        pool._checkpoint_every = 0  # swapped-out requests are regenerated instead
+                    try:
+                        default = pool._models[pool.default_model]
+                        await pool._acquire(default)
+                        pool._release(default)
+                        yield pool
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            await pool._close()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await thread.stop()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
+        """Stream a request's events from the model it names, across swaps of that model."""
+        if self._closed:
+            raise RuntimeClosedError("the pool is shutting down")
+        model = self._model(request.model)
+        rid = request.request_id or new_request_id()
+        seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
+        every = request.checkpoint_every if request.checkpoint_every is not None else self._checkpoint_every
+        request = msgspec.structs.replace(
+            request, model=None, request_id=rid, sampling=msgspec.structs.replace(request.sampling, seed=seed), checkpoint_every=every
+        )
+        delivered = _Delivered()
+        first, catching_up = True, False
+        try:
+            while True:
+                rt = await self._acquire(model, rid)
+                if rt is None:
+                    yield _cancelled(rid, delivered)
+                    return
+                epoch = model.epoch
+                self._running[rid] = model
+                try:
+                    resume = not first and await anyio.to_thread.run_sync(path_for(rt.config.checkpoint_directory(), rid).exists)
+                    first = False
+                    replay, held = _Replay(delivered), None
+                    catching_up = bool(delivered.token_ids)
+                    model.replaying += catching_up
+                    async for event in rt.resume(rid) if resume else rt.generate(request):
+                        if isinstance(event, TokenDelta):
+                            part = replay.new(event)
+                            if part is not None and not part.token_ids:
+                                held = part  # text only (a final flush): kept until the run's end
+                            elif part is not None:
+                                held = None  # (its text is in this part: `held` was not recorded)
+                                if catching_up:
+                                    catching_up, model.replaying = False, model.replaying - 1
+                                replay.record(part)
+                                yield part
+                            continue
+                        if isinstance(event, Finished) and event.finish_reason == "cancelled" and model.epoch != epoch and rid not in self._cancelled:
+                            break  # preempted (with any flush of its cut text): resume when the model is back
+                        if held is not None:
+                            replay.record(held)
+                            yield held
+                            held = None
+                        if isinstance(event, Finished):
+                            yield event
+                            return
+                        if isinstance(event, ToolCall):
+                            if replay.new_tool_call():
+                                yield event
+                        elif not delivered.token_ids:
+                            yield event  # prefill progress, before any token
+                    else:
+                        if model.epoch == epoch:
+                            raise InternalError(f"request {rid!r} ended without Finished")
+                except RuntimeClosedError:
+                    if model.epoch == epoch or self._closed:
+                        raise
+                finally:
+                    if catching_up:
+                        model.replaying -= 1
+                    self._running.pop(rid, None)
+                    self._release(model)
+                log.info("request_preempted", request_id=rid, model=model.name, delivered=len(delivered.token_ids))
+        finally:
+            self._cancelled.discard(rid)
+
+    async def cancel(self, request_id: str) -> None:
+        """End a request; one waiting for its model ends as soon as it is noticed."""
+        self._cancelled.add(request_id)
+        model = self._running.get(request_id)
+        if model is not None and model.runtime is not None:
+            await model.runtime.cancel(request_id)
+        self._notify()
+
+    def models(self) -> list[ModelState]:
+        return [
+            ModelState(
+                name=m.name,
+                path=m.config.model.path,
+                pinned=m.pinned,
+                state="loading" if m.loading else "resident" if m.runtime is not None else "unloaded",
+                weight_bytes=m.weight_bytes,
+                live_requests=m.users,
+                loads=m.loads,
+                preempted=m.preempted,
+            )
+            for m in self._models.values()
+        ]
+
+    async def stats(self, model: str | None = None) -> RuntimeStats | None:
+        """A resident model's runtime stats (None while it is not resident)."""
+        m = self._model(model)
+        return await m.runtime.stats() if m.runtime is not None else None
+
+    # -- residency ---------------------------------------------------------------------------
+
+    def _model(self, name: str | None) -> _Model:
+        model = self._models.get(name or self.default_model)
+        if model is None:
+            raise ModelNotFoundError(f"no model named {name!r}; this pool serves {', '.join(self._models)}", field="model")
+        return model
+
+    def _check_fits(self) -> None:
+        cap = self.config.model_pool.memory_bytes
+        if not cap:
+            return
+        pinned = sum(m.weight_bytes for m in self._models.values() if m.pinned)
+        largest = max((m.weight_bytes for m in self._models.values() if not m.pinned), default=0)
+        if pinned + largest > cap:
+            raise ConfigError(f"model_pool.memory_bytes = {cap} cannot hold the pinned models ({pinned} bytes) and the largest other ({largest})")
+
+    async def _acquire(self, model: _Model, rid: str | None = None) -> Runtime | None:
+        """The model's runtime, loading it (and swapping others out) if it is not resident;
+        None once request `rid` is cancelled while it waits."""
+        while True:
+            if rid in self._cancelled:
+                return None
+            async with self._lock:
+                if self._closed:
+                    raise RuntimeClosedError("the pool is shutting down")
+                if model.runtime is not None:
+                    model.users += 1
+                    model.last_used = time.monotonic()
+                    return model.runtime
+                wait_s = await self._make_room(model)
+                if wait_s is None:
+                    await self._load(model)
+                    continue
+            with anyio.move_on_after(wait_s):
+                await self._changed.wait()
+
+    def _release(self, model: _Model) -> None:
+        model.users -= 1
+        model.last_used = time.monotonic()
+        self._notify()
+
+    async def _make_room(self, model: _Model) -> float | None:
+        """Swap out models until `model` fits; None when it does, else how long to wait before
+        trying again (the models in the way are too fresh)."""
+        cap = self.config.model_pool.memory_bytes
+        if not cap:
+            return None
+        now, floor = time.monotonic(), self.config.model_pool.min_resident_s
+        while self._resident_bytes() + model.weight_bytes > cap:
+            candidates = [m for m in self._models.values() if m.runtime is not None and not m.pinned and m is not model]
+            candidates = [m for m in candidates if not m.replaying]
+            ready = [m for m in candidates if now - m.loaded_at >= floor]
+            if not ready:
+                return max(0.01, min((floor - (now - m.loaded_at) for m in candidates), default=floor))
+            # Idle models first, then the least recently used.
+            victim = min(ready, key=lambda m: (m.users > 0, m.last_used))
+            await self._unload(victim)
+        return None
+
+    def _resident_bytes(self) -> int:
+        return sum(m.weight_bytes for m in self._models.values() if m.runtime is not None or m.loading)
+
+    async def _load(self, model: _Model) -> None:
+        model.loading, model.stop, model.stopped = True, anyio.Event(), anyio.Event()
+        try:
+            model.runtime = await self._tg.start(self._host, model)
+        finally:
+            model.loading = False
+        model.loads += 1
+        model.loaded_at = time.monotonic()
+        info = model.runtime.model_info
+        model.weight_bytes = info.num_parameters * _DTYPE_BYTES.get(info.dtype, 4)
+        self.peak_weight_bytes = max(self.peak_weight_bytes, self._resident_bytes())
+        log.info("model_resident", model=model.name, weight_bytes=model.weight_bytes, resident_bytes=self._resident_bytes())
+
+    async def _host(self, model: _Model, *, task_status) -> None:
+        try:
+            async with Runtime.open(model.config, thread=self._thread) as rt:
+                task_status.started(rt)
+                await model.stop.wait()
+        finally:
+            model.stopped.set()
+
+    async def _unload(self, model: _Model) -> None:
+        """Swap a model out: its runtime shuts down (live requests keep their checkpoints and
+        wait for it), its memory goes back."""
+        model.epoch += 1
+        model.preempted += model.users
+        model.runtime = None
+        model.stop.set()
+        await model.stopped.wait()
+        await self._thread.run(_release_memory)
+        log.info("model_swapped_out", model=model.name, preempted=model.users)
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _close(self) -> None:
+        self._closed = True
+        for model in self._models.values():
+            if model.runtime is not None:
+                model.runtime = None
+                model.stop.set()
+                await model.stopped.wait()
+        self._notify()
+
+
+class _Replay:
+    """One run's events against what the caller already has (a run after a swap repeats it
+    exactly): `new` is the part of a delta past it, `record` marks a part delivered."""
+
+    def __init__(self, delivered: _Delivered):
+        self.delivered = delivered
+        self.seen = _Delivered()
+
+    def new(self, event: TokenDelta) -> TokenDelta | None:
+        seen, have = self.seen, self.delivered
+        seen.token_ids += event.token_ids
+        seen.text += event.text
+        seen.reasoning += event.reasoning
+        fresh = len(seen.token_ids) - len(have.token_ids)
+        if fresh <= 0 and len(seen.text) <= len(have.text) and len(seen.reasoning) <= len(have.reasoning):
+            return None
+        if not (seen.text.startswith(have.text) and seen.reasoning.startswith(have.reasoning)):
+            raise InternalError("a resumed stream differs from what it replays")
+        return msgspec.structs.replace(
+            event,
+            token_ids=seen.token_ids[len(have.token_ids) :] if fresh > 0 else [],
+            text=seen.text[len(have.text) :],
+            reasoning=seen.reasoning[len(have.reasoning) :],
+            logprobs=(event.logprobs[-fresh:] if fresh > 0 else []) if event.logprobs else event.logprobs,
+        )
+
+    def record(self, part: TokenDelta) -> None:
+        self.delivered.token_ids += part.token_ids
+        self.delivered.text += part.text
+        self.delivered.reasoning += part.reasoning
+
+    def new_tool_call(self) -> bool:
+        self.seen.tool_calls += 1
+        if self.seen.tool_calls <= self.delivered.tool_calls:
+            return False
+        self.delivered.tool_calls = self.seen.tool_calls
+        return True
+
+
+def _cancelled(rid: str, delivered: _Delivered) -> Finished:
+    return Finished(request_id=rid, finish_reason="cancelled", usage=Usage(prompt_tokens=0, completion_tokens=len(delivered.token_ids)))
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _estimate_bytes(path: str) -> int:
+    """(MLX thread.) Weight bytes as the model will be loaded, before it has been: float32 on the CPU backend,
+    from its config's parameter shapes where built in, else from its files (16-bit weights
+    doubled)."""
+    import json
+
+    from engine.builtin import BUILTIN_MODELS, builtin_name, parameter_count
+
+    name = builtin_name(path)
+    if name is not None and name in BUILTIN_MODELS:
+        return 4 * parameter_count(BUILTIN_MODELS[name])
+    directory = Path(path).expanduser()
+    files = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    try:
+        dtype = json.loads((directory / "config.json").read_text()).get("torch_dtype", "float32")
+    except (OSError, ValueError):
+        dtype = "float32"
+    return files * (2 if dtype in ("float16", "bfloat16") else 1)
+
+
+def _release_memory() -> None:
+    """On the MLX thread: return a swapped-out model's buffers to the system."""
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()

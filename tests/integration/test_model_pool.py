@@ -1,0 +1,126 @@
+"""Several models in one process: requests name a model, weights stay under the cap, and a
+swapped-out model's requests resume exactly where their callers are."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+
+from engine.builtin import BUILTIN_MODELS, parameter_count
+from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
+from runtime import Runtime
+from runtime.config import CheckpointConfig, ModelPoolConfig, PoolModelConfig
+from runtime.errors import ConfigError, ModelNotFoundError
+from runtime.pool import ModelPool
+from tests.conftest import make_config
+
+MODELS = {None: "builtin:tiny", "qwen": "builtin:tiny-qwen2"}
+
+
+def _config(tmp_path, *, cap: int, pinned: bool = False, min_resident_s: float = 0.05, checkpoint_every: int = 16):
+    config = make_config(MODELS[None])
+    return msgspec.structs.replace(
+        config,
+        models=[PoolModelConfig(name="qwen", path=MODELS["qwen"], pinned=pinned)],
+        model_pool=ModelPoolConfig(memory_bytes=cap, min_resident_s=min_resident_s, checkpoint_every=checkpoint_every),
+        checkpoints=CheckpointConfig(dir=str(tmp_path / "checkpoints")),
+    )
+
+
+def _sizes() -> dict:
+    return {name: 4 * parameter_count(BUILTIN_MODELS[path.removeprefix("builtin:")]) for name, path in MODELS.items()}
+
+
+def _requests() -> list[GenerateRequest]:
+    requests = []
+    for i in range(8):
+        sampling = SamplingParams() if i % 2 == 0 else SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i)
+        prompt = [(13 * i + 7 * j) % 900 + 5 for j in range(9 + i)]
+        requests.append(GenerateRequest(prompt_ids=prompt, max_tokens=300, ignore_eos=True, sampling=sampling, model=(None, "qwen")[i % 2 == 1]))
+    return requests
+
+
+async def _collect(events) -> tuple[list[int], str, Finished | None]:
+    tokens, text, finished = [], "", None
+    async for event in events:
+        if isinstance(event, TokenDelta):
+            tokens += event.token_ids
+            text += event.text
+        elif isinstance(event, Finished):
+            finished = event
+    return tokens, text, finished
+
+
+@pytest.mark.parametrize("checkpoint_every", [16, 0])
+async def test_two_models_over_the_cap_alternate_and_preempted_streams_are_exact(tmp_path, checkpoint_every):
+    sizes = _sizes()
+    cap = max(sizes.values()) + min(sizes.values()) // 2  # one model at a time
+    requests = _requests()
+    expected = {}
+    for name, path in MODELS.items():
+        async with Runtime.open(make_config(path)) as rt:
+            for i, request in enumerate(requests):
+                if request.model == name:
+                    expected[i] = await _collect(rt.generate(msgspec.structs.replace(request, model=None)))
+    got: dict = {}
+    # Without checkpoints a preempted request starts over: its model must stay long enough for it
+    # to get past where it was (with them, a short stay makes the swaps frequent).
+    min_resident_s = 0.05 if checkpoint_every else 0.2
+    async with ModelPool.open(_config(tmp_path, cap=cap, checkpoint_every=checkpoint_every, min_resident_s=min_resident_s)) as pool:
+
+        async def one(i: int) -> None:
+            got[i] = await _collect(pool.generate(requests[i]))
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for i in range(len(requests)):
+                    tg.start_soon(one, i)
+        states = {m.name: m for m in pool.models()}
+        peak = pool.peak_weight_bytes
+    for i in range(len(requests)):
+        assert got[i][0] == expected[i][0], f"request {i} ({requests[i].model or 'default'}) differs from its uninterrupted stream"
+        assert got[i][1] == expected[i][1]
+        assert got[i][2] is not None and got[i][2].finish_reason == "length"
+    assert sum(m.preempted for m in states.values()) > 0, "the models were swapped with requests running"
+    assert all(m.loads >= 1 for m in states.values())
+    assert peak <= cap, "the weights resident at once stay under model_pool.memory_bytes"
+
+
+async def test_unknown_models_and_impossible_pins_are_refused(tmp_path):
+    sizes = _sizes()
+    with pytest.raises(ConfigError, match="pinned"):
+        async with ModelPool.open(_config(tmp_path, cap=max(sizes.values()) + 1, pinned=True)):
+            pass
+    async with ModelPool.open(_config(tmp_path, cap=0)) as pool:
+        with pytest.raises(ModelNotFoundError) as refused:
+            async for _ in pool.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=2, model="nope")):
+                pass
+        assert refused.value.field == "model"
+        tokens, _, finished = await _collect(pool.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=4, model="qwen")))
+        assert finished is not None and finished.finish_reason == "length" and len(tokens) == 4
+        assert {m.name: m.state for m in pool.models()} == {"builtin:tiny": "resident", "qwen": "resident"}
+    async with Runtime.open(make_config()) as rt:
+        with pytest.raises(ModelNotFoundError):
+            async for _ in rt.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=2, model="qwen")):
+                pass
+
+
+async def test_a_request_waiting_for_its_model_can_be_cancelled(tmp_path):
+    sizes = _sizes()
+    cap = max(sizes.values()) + min(sizes.values()) // 2
+    async with ModelPool.open(_config(tmp_path, cap=cap, min_resident_s=30.0)) as pool:
+        # The default model was just loaded: another model's request waits (30 s at least).
+        waiting = GenerateRequest(prompt_ids=[4, 5, 6], max_tokens=4, model="qwen", request_id="w-1")
+        ended: list[Finished | None] = []
+
+        async def wait_for_qwen() -> None:
+            ended.append((await _collect(pool.generate(waiting)))[2])
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait_for_qwen)
+                await anyio.sleep(0.2)
+                await pool.cancel("w-1")
+        assert ended and ended[0] is not None and ended[0].finish_reason == "cancelled"
+        assert {m.name: m.state for m in pool.models()}["qwen"] == "unloaded"
