@@ -272,6 +272,7 @@ class Connection:
                         live_requests=stats.live_requests,
                         connections=len(self._server.connections),
                         metrics=stats.metrics,
+                        models=stats.models,
                     )
                 )
             case AdapterCommand():

@@ -96,6 +96,21 @@ class GenerateRequest(Record, frozen=True):
     model: str | None = None
 
 
+class ModelStatus(Record, frozen=True):
+    """One model of a model pool (`ModelPool.models()`, the socket's `Stats.models`)."""
+
+    name: str
+    path: str
+    pinned: bool
+    state: Literal["resident", "loading", "unloaded"]
+    # Bytes of its weights as loaded (an estimate from its files until it has been loaded once).
+    weight_bytes: int
+    live_requests: int
+    loads: int
+    # Requests it had running when it was swapped out.
+    preempted: int
+
+
 class AdapterInfo(Record, frozen=True):
     """A LoRA adapter the runtime knows: where it is, and (once loaded into a slot) its shape."""
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from protocols.api import AdapterInfo, Finished, GenerateRequest, PrefillProgress, TokenDelta, ToolCall
+import msgspec
+
+from protocols.api import AdapterInfo, Finished, GenerateRequest, ModelStatus, PrefillProgress, TokenDelta, ToolCall
 from protocols.base import Message, Record
 from protocols.errors import ErrorCode
 from protocols.kv import KvStats
@@ -100,6 +102,9 @@ class Stats(Message, frozen=True):
     connections: int
     # Request counters and latency histograms since the server started (`/metrics` over HTTP).
     metrics: MetricsSnapshot | None = None
+    # A server with several models (`[[models]]`): each one's state; `scheduler`, `kv` and
+    # `metrics` are then the default model's.
+    models: list[ModelStatus] = msgspec.field(default_factory=list)
 
 
 class Adapters(Message, frozen=True):

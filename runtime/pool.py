@@ -17,6 +17,7 @@ has: those tokens, texts and tool calls are skipped, and the caller sees one uni
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import AsyncIterator
@@ -29,30 +30,15 @@ import msgspec
 import structlog
 
 from actors.mlx_thread import MlxThread
-from protocols.api import Event, Finished, GenerateRequest, TokenDelta, ToolCall, Usage, new_request_id
-from protocols.base import Record
+from protocols.api import AdapterInfo, Event, Finished, GenerateRequest, ModelStatus, TokenDelta, ToolCall, Usage, new_request_id
+from protocols.model import ModelInfo
 from runtime.admission import checkpoint_directory_problem
 from runtime.checkpoints import path_for
 from runtime.config import RuntimeConfig
-from runtime.errors import ConfigError, InternalError, ModelNotFoundError, RuntimeClosedError, single_errors
+from runtime.errors import ConfigError, DuplicateRequestError, InternalError, InvalidRequestError, ModelNotFoundError, RuntimeClosedError, single_errors
 from runtime.runtime import Runtime, RuntimeStats
 
 log = structlog.get_logger(actor="pool")
-
-
-class ModelState(Record, frozen=True):
-    """One model of a pool, as `ModelPool.models()` reports it."""
-
-    name: str
-    path: str
-    pinned: bool
-    state: str  # "resident", "loading", "unloaded"
-    # Bytes of its weights as loaded (an estimate from its files until it has been loaded once).
-    weight_bytes: int
-    live_requests: int
-    loads: int
-    # Requests it had running when it was swapped out.
-    preempted: int
 
 
 @dataclass(eq=False)
@@ -100,6 +86,8 @@ class ModelPool:
         self._models: dict[str, _Model] = {}
         self._cancelled: set[str] = set()
         self._running: dict[str, _Model] = {}
+        self._live: set[str] = set()
+        self._default_info: ModelInfo | None = None
         self._closed = False
         # The most weight bytes ever resident at once (checked against the cap by tests).
         self.peak_weight_bytes = 0
@@ -112,6 +100,8 @@ class ModelPool:
                 model=msgspec.structs.replace(config.model, path=path),
                 server=msgspec.structs.replace(config.server, served_model_name=name),
                 models=[],
+                # `[[adapters]]` are the default model's (an adapter fits one model's shapes).
+                adapters=config.adapters if name == config.model_name else [],
             )
             self._models[name] = _Model(name, model_config, pinned, weight_bytes=0)
         self.default_model = config.model_name
@@ -149,10 +139,56 @@ class ModelPool:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Event]:
         """Stream a request's events from the model it names, across swaps of that model."""
+        async with self.submit(request) as stream:
+            async for event in stream:
+                yield event
+
+    def submit(self, request: GenerateRequest) -> PoolStream:
+        """Claim the request's id and return its stream (as `Runtime.submit`): raises
+        `ModelNotFoundError` for an unknown model, `DuplicateRequestError` for a live id."""
         if self._closed:
             raise RuntimeClosedError("the pool is shutting down")
         model = self._model(request.model)
         rid = request.request_id or new_request_id()
+        if rid in self._live:
+            raise DuplicateRequestError(f"request {rid!r} is already live", field="request_id")
+        self._live.add(rid)
+        return PoolStream(rid, self._events(model, msgspec.structs.replace(request, request_id=rid)), self)
+
+    def submit_resume(self, request_id: str) -> PoolStream:
+        raise InvalidRequestError("resuming a checkpoint by id is not available with several models", field="request_id")
+
+    @property
+    def model_info(self) -> ModelInfo:
+        """The default model's (what the socket's Welcome describes)."""
+        assert self._default_info is not None
+        return self._default_info
+
+    async def stats(self) -> RuntimeStats:
+        """A resident model's runtime stats (the default model's when it is resident; loading
+        none for this), with every model's state."""
+        resident = sorted((m for m in self._models.values() if m.runtime is not None), key=lambda m: m.name != self.default_model)
+        model = resident[0] if resident else self._models[self.default_model]
+        rt = await self._acquire(model)
+        assert rt is not None
+        try:
+            stats = await rt.stats()
+        finally:
+            self._release(model)
+        return dataclasses.replace(stats, models=self.models())
+
+    async def load_adapter(self, name: str, path, *, pinned: bool = False) -> AdapterInfo:
+        raise InvalidRequestError("with several models, adapters are the default model's [[adapters]]", field="name")
+
+    async def unload_adapter(self, name: str) -> None:
+        raise InvalidRequestError("with several models, adapters are the default model's [[adapters]]", field="name")
+
+    async def adapters(self) -> list[AdapterInfo]:
+        return []
+
+    async def _events(self, model: _Model, request: GenerateRequest) -> AsyncIterator[Event]:
+        rid = request.request_id
+        assert rid is not None
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
         every = request.checkpoint_every if request.checkpoint_every is not None else self._checkpoint_every
         request = msgspec.structs.replace(
@@ -214,6 +250,7 @@ class ModelPool:
                 log.info("request_preempted", request_id=rid, model=model.name, delivered=len(delivered.token_ids))
         finally:
             self._cancelled.discard(rid)
+            self._live.discard(rid)
 
     async def cancel(self, request_id: str) -> None:
         """End a request; one waiting for its model ends as soon as it is noticed."""
@@ -223,9 +260,9 @@ class ModelPool:
             await model.runtime.cancel(request_id)
         self._notify()
 
-    def models(self) -> list[ModelState]:
+    def models(self) -> list[ModelStatus]:
         return [
-            ModelState(
+            ModelStatus(
                 name=m.name,
                 path=m.config.model.path,
                 pinned=m.pinned,
@@ -237,11 +274,6 @@ class ModelPool:
             )
             for m in self._models.values()
         ]
-
-    async def stats(self, model: str | None = None) -> RuntimeStats | None:
-        """A resident model's runtime stats (None while it is not resident)."""
-        m = self._model(model)
-        return await m.runtime.stats() if m.runtime is not None else None
 
     # -- residency ---------------------------------------------------------------------------
 
@@ -315,6 +347,8 @@ class ModelPool:
         model.loads += 1
         model.loaded_at = time.monotonic()
         info = model.runtime.model_info
+        if model.name == self.default_model:
+            self._default_info = info
         model.weight_bytes = info.num_parameters * _DTYPE_BYTES.get(info.dtype, 4)
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._resident_bytes())
         log.info("model_resident", model=model.name, weight_bytes=model.weight_bytes, resident_bytes=self._resident_bytes())
@@ -342,6 +376,10 @@ class ModelPool:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
+
+    async def shutdown(self) -> None:
+        """Stop every model (live requests end `cancelled`, keeping their checkpoints)."""
+        await self._close()
 
     async def _close(self) -> None:
         self._closed = True
@@ -390,6 +428,37 @@ class _Replay:
             return False
         self.delivered.tool_calls = self.seen.tool_calls
         return True
+
+
+class PoolStream:
+    """A pool request's events (as `runtime.streams.RequestStream`): leaving early cancels it."""
+
+    def __init__(self, request_id: str, events: AsyncIterator[Event], pool: ModelPool):
+        self.request_id = request_id
+        self._events = events
+        self._pool = pool
+        self._finished = False
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Event]:
+        async for event in self._events:
+            self._finished = isinstance(event, Finished)
+            yield event
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            if not self._finished:
+                await self._pool.cancel(self.request_id)
+            await self._events.aclose()  # type: ignore[attr-defined]
+            self._pool._live.discard(self.request_id)
+
+    async def __aenter__(self) -> PoolStream:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()
 
 
 def _cancelled(rid: str, delivered: _Delivered) -> Finished:

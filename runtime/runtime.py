@@ -28,7 +28,7 @@ from policies.detokenize import make_detokenizer
 from policies.ledger import KvLedger
 from policies.output_parser import OutputParser
 from policies.scheduling import SchedulePolicy
-from protocols.api import AdapterInfo, Event, GenerateRequest, new_request_id
+from protocols.api import AdapterInfo, Event, GenerateRequest, ModelStatus, new_request_id
 from protocols.kv import DrainFiles, GetKvStats, KvStats
 from protocols.metrics import MetricsSnapshot
 from protocols.model import AdapterCall, ModelInbox, ModelInfo
@@ -61,6 +61,8 @@ class RuntimeStats:
     metrics: MetricsSnapshot
     # The LoRA adapters known (as of the last load or unload; `adapters()` for live figures).
     adapters: list[AdapterInfo] = field(default_factory=list)
+    # With a `ModelPool`: every model's state (the figures above are the default model's).
+    models: list[ModelStatus] = field(default_factory=list)
 
 
 class Runtime:

@@ -124,3 +124,28 @@ async def test_a_request_waiting_for_its_model_can_be_cancelled(tmp_path):
                 await pool.cancel("w-1")
         assert ended and ended[0] is not None and ended[0].finish_reason == "cancelled"
         assert {m.name: m.state for m in pool.models()}["qwen"] == "unloaded"
+
+
+async def test_several_models_over_the_socket(tmp_path):
+    from net.client import Client
+    from tests.integration.server_helpers import collect, running_server
+
+    sizes = _sizes()
+    cap = max(sizes.values()) + min(sizes.values()) // 2
+    request = GenerateRequest(prompt_ids=[7, 8, 9, 10], max_tokens=24, ignore_eos=True)
+    expected = {}
+    for name, path in MODELS.items():
+        async with Runtime.open(make_config(path)) as rt:
+            expected[name] = (await _collect(rt.generate(request)))[0]
+    pool = {"memory_bytes": cap, "min_resident_s": 0.05}
+    with running_server(tmp_path, models=[{"name": "qwen", "path": MODELS["qwen"]}], model_pool=pool) as server:
+        async with Client.connect(server.socket) as client:
+            for i, name in enumerate([None, "qwen", None]):
+                outcome = await collect(client.generate(msgspec.structs.replace(request, model=name, request_id=f"s-{i}")))
+                assert outcome.tokens == expected[name]
+            with pytest.raises(ModelNotFoundError):
+                await collect(client.generate(msgspec.structs.replace(request, model="nope", request_id="s-x")))
+            stats = await client.stats()
+    states = {m.name: m for m in stats.models}
+    assert set(states) == {"builtin:tiny", "qwen"}
+    assert states["qwen"].loads == 1 and states["builtin:tiny"].loads == 2, "one model resident at a time under the cap"
