@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -36,6 +37,7 @@ from runtime.admission import checkpoint_directory_problem
 from runtime.checkpoints import path_for
 from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError, DuplicateRequestError, InternalError, InvalidRequestError, ModelNotFoundError, RuntimeClosedError, single_errors
+from runtime.metrics import RuntimeMetrics
 from runtime.runtime import Runtime, RuntimeStats
 
 log = structlog.get_logger(actor="pool")
@@ -48,6 +50,8 @@ class _Model:
     pinned: bool
     weight_bytes: int
     runtime: Runtime | None = None
+    # Kept across swaps (plain Python: token texts for HTTP responses).
+    tokenizer: Any = None
     loading: bool = False
     loaded_at: float = 0.0
     last_used: float = 0.0
@@ -88,6 +92,7 @@ class ModelPool:
         self._running: dict[str, _Model] = {}
         self._live: set[str] = set()
         self._default_info: ModelInfo | None = None
+        self._default_metrics: RuntimeMetrics | None = None
         self._closed = False
         # The most weight bytes ever resident at once (checked against the cap by tests).
         self.peak_weight_bytes = 0
@@ -176,6 +181,30 @@ class ModelPool:
         finally:
             self._release(model)
         return dataclasses.replace(stats, models=self.models())
+
+    def known_models(self) -> list[str]:
+        return list(self._models)
+
+    def known_adapters(self) -> list[str]:
+        """Adapters are the default model's, not addressed by name over HTTP with several models."""
+        return []
+
+    @property
+    def tokenizer(self):
+        return self.tokenizer_for(None)
+
+    def tokenizer_for(self, model: str | None):
+        """A model's tokenizer (known once it has been loaded: a request's model has been by the
+        time its tokens need texts)."""
+        tokenizer = self._model(model).tokenizer
+        if tokenizer is None:
+            raise InternalError(f"the tokenizer of {model!r} is asked for before the model was loaded")
+        return tokenizer
+
+    @property
+    def metrics(self):
+        """The default model's request metrics (its latest runtime's)."""
+        return self._default_metrics
 
     async def load_adapter(self, name: str, path, *, pinned: bool = False) -> AdapterInfo:
         raise InvalidRequestError("with several models, adapters are the default model's [[adapters]]", field="name")
@@ -347,8 +376,9 @@ class ModelPool:
         model.loads += 1
         model.loaded_at = time.monotonic()
         info = model.runtime.model_info
+        model.tokenizer = model.runtime.tokenizer
         if model.name == self.default_model:
-            self._default_info = info
+            self._default_info, self._default_metrics = info, model.runtime.metrics
         model.weight_bytes = info.num_parameters * _DTYPE_BYTES.get(info.dtype, 4)
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._resident_bytes())
         log.info("model_resident", model=model.name, weight_bytes=model.weight_bytes, resident_bytes=self._resident_bytes())

@@ -256,6 +256,14 @@ class Runtime:
         known = await self._adapter_call("load", name=name, path=resolved, pinned=pinned)
         return next(a for a in known if a.name == name)
 
+    def known_models(self) -> list[str]:
+        """The models this runtime serves: its own (a `ModelPool` serves several)."""
+        return [self.config.model_name]
+
+    def tokenizer_for(self, model: str | None):
+        """The tokenizer of `model` (here always this runtime's own)."""
+        return self._tokenizer
+
     def known_adapters(self) -> list[str]:
         """The names of the adapters known now (as of the last load or unload)."""
         return [a.name for a in self._adapters.list()]

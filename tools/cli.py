@@ -242,12 +242,10 @@ async def _serve_runtime(config: RuntimeConfig, path, http) -> None:
     """One runtime (a model pool with `[[models]]`) behind the socket (and HTTP, when on) until
     SIGTERM or SIGINT."""
     from net.server import Server
-    from runtime.errors import ConfigError, single_errors
+    from runtime.errors import single_errors
     from runtime.pool import ModelPool
     from runtime.runtime import Runtime
 
-    if config.models and http is not None:
-        raise ConfigError("[[models]]: several models are served over the socket only (server.http serves one model)")
     async with ModelPool.open(config) if config.models else Runtime.open(config) as rt:
         server = Server(rt, config.server, path)
         with single_errors():

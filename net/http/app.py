@@ -67,7 +67,7 @@ class Api:
         self.model_name = model_name
         self.runtime: Any = None
         self.draining = False
-        self._token_text: TokenTexts | None = None
+        self._token_texts: dict[str | None, TokenTexts] = {}
         self._fingerprint = ""
         self._created = 0
         self.registry = CollectorRegistry(auto_describe=True)
@@ -76,7 +76,7 @@ class Api:
     def attach(self, runtime) -> None:
         """Serve this runtime (its model is loaded): /health turns ready."""
         self.runtime = runtime
-        self._token_text = TokenTexts(runtime.tokenizer)
+        self._token_texts = {}
         self._fingerprint = f"mlxrt-{runtime.model_info.model_id[:12]}"
         self._created = int(time.time())
 
@@ -99,30 +99,34 @@ class Api:
         return Response(runtime.metrics.render() + generate_latest(self.registry), media_type=CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
-        adapters = self._ready().known_adapters()
-        return _json(oa.ModelList(data=[self._card(), *(self._card(name) for name in adapters)]))
+        runtime = self._ready()
+        models = [self._card(name) for name in runtime.known_models()]
+        return _json(oa.ModelList(data=[*models, *(self._card(name, adapter=True) for name in runtime.known_adapters())]))
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        return _json(self._card(name if self._check_model(name) else None))
+        _, adapter = self._check_model(name)
+        return _json(self._card(name, adapter=adapter is not None))
 
     async def chat_completions(self, request: Request) -> Response:
         runtime = self._ready()
         body = decode_body(await self._read_body(request), oa.ChatCompletionRequest)
-        generate = msgspec.structs.replace(chat_request(body), adapter=self._check_model(body.model))
-        ids = self._ids("chatcmpl", generate)
+        model, adapter = self._check_model(body.model)
+        generate = msgspec.structs.replace(chat_request(body), model=model, adapter=adapter)
+        ids = self._ids("chatcmpl", generate, body.model)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        output = ChatOutput(ids, self._texts(), include_usage=include_usage, return_token_ids=body.return_token_ids, stream=body.stream)
+        output = ChatOutput(ids, self._texts(model), include_usage=include_usage, return_token_ids=body.return_token_ids, stream=body.stream)
         return await self._respond(request, runtime, generate, output, endpoint="chat")
 
     async def completions(self, request: Request) -> Response:
         runtime = self._ready()
         body = decode_body(await self._read_body(request), oa.CompletionRequest)
-        generate = msgspec.structs.replace(completion_request(body), adapter=self._check_model(body.model))
-        ids = self._ids("cmpl", generate)
+        model, adapter = self._check_model(body.model)
+        generate = msgspec.structs.replace(completion_request(body), model=model, adapter=adapter)
+        ids = self._ids("cmpl", generate, body.model)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         output = CompletionOutput(
-            ids, self._texts(), include_usage=include_usage, return_token_ids=body.return_token_ids, stream=body.stream, want_logprobs=generate.logprobs
+            ids, self._texts(model), include_usage=include_usage, return_token_ids=body.return_token_ids, stream=body.stream, want_logprobs=generate.logprobs
         )
         return await self._respond(request, runtime, generate, output, endpoint="completions")
 
@@ -175,27 +179,34 @@ class Api:
             raise HttpError("body_timeout", f"the request body did not arrive within {timeout:g} s (server.body_timeout_s)") from None
         return b"".join(chunks)
 
-    def _check_model(self, model: str) -> str | None:
-        """The LoRA adapter a request's `model` names (vLLM's convention: an adapter is served
-        under its own name), None for the base model; an unknown name is refused."""
-        if model == self.model_name:
-            return None
-        if model in self._ready().known_adapters():
-            return model
-        raise HttpError("model_not_found", f"the model `{model}` does not exist; this server serves `{self.model_name}`", "model")
-
-    def _card(self, adapter: str | None = None) -> oa.ModelCard:
+    def _check_model(self, model: str) -> tuple[str | None, str | None]:
+        """The model (None: the default) and LoRA adapter a request's `model` names: a model
+        the runtime serves (several with `[[models]]`), or an adapter of the default model,
+        served under its own name as vLLM does; an unknown name is refused."""
         runtime = self._ready()
-        name, parent = (adapter, self.model_name) if adapter is not None else (self.model_name, None)
-        return oa.ModelCard(id=name, created=self._created, max_model_len=runtime.model_info.max_context, parent=parent)
+        if model == self.model_name:
+            return None, None
+        if model in runtime.known_models():
+            return model, None
+        if model in runtime.known_adapters():
+            return None, model
+        served = ", ".join(f"`{name}`" for name in runtime.known_models())
+        raise HttpError("model_not_found", f"the model `{model}` does not exist; this server serves {served}", "model")
 
-    def _ids(self, prefix: str, generate: GenerateRequest) -> ResponseIds:
-        model = generate.adapter or self.model_name
+    def _card(self, name: str, *, adapter: bool = False) -> oa.ModelCard:
+        runtime = self._ready()
+        return oa.ModelCard(id=name, created=self._created, max_model_len=runtime.model_info.max_context, parent=self.model_name if adapter else None)
+
+    def _ids(self, prefix: str, generate: GenerateRequest, model: str) -> ResponseIds:
         return ResponseIds(id=f"{prefix}-{generate.request_id}", created=int(time.time()), model=model, fingerprint=self._fingerprint)
 
-    def _texts(self) -> TokenTexts:
-        assert self._token_text is not None
-        return self._token_text
+    def _texts(self, model: str | None) -> TokenTexts:
+        """Token texts with the tokenizer of the model the request names (resolved when first
+        needed: by then the request's model is loaded)."""
+        if model not in self._token_texts:
+            runtime = self.runtime
+            self._token_texts[model] = TokenTexts(lambda: runtime.tokenizer_for(model))
+        return self._token_texts[model]
 
 
 # -- responses ---------------------------------------------------------------------

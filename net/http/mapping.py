@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -188,14 +189,15 @@ def completion_request(body: oa.CompletionRequest) -> GenerateRequest:
 class TokenTexts:
     """The text of single tokens (for logprobs), decoded once each (at most the vocabulary)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: Callable[[], Any]):
+        # The tokenizer, asked for when first needed.
         self._tokenizer = tokenizer
         self._texts: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
-            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+            text = self._texts[token_id] = self._tokenizer().decode([token_id])
         return text
 
 
