@@ -299,8 +299,7 @@ def _bench(args) -> int:
         return _bench_speculative(args, config)
     if args.adapters:
         return _bench_adapters(args, config)
-    if args.model:
-        config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=args.model))
+    config = _with_model(config, args.model)
     workloads = tuple(w for w in args.workloads.split(",") if w)
     unknown = set(workloads) - set(BenchOptions.workloads)
     if unknown:
@@ -339,12 +338,16 @@ def _bench_speculative(args, config: RuntimeConfig) -> int:
     return EXIT_OK
 
 
+def _with_model(config: RuntimeConfig, model: str | None) -> RuntimeConfig:
+    """`config` serving `model` instead of its own (`--model`), when given."""
+    return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=model)) if model else config
+
+
 def _bench_adapters(args, config: RuntimeConfig) -> int:
     from tools.bench import dump
     from tools.bench_adapters import AdapterBenchOptions, format_adapter_table, run_adapter_bench
 
-    if args.model:
-        config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=args.model))
+    config = _with_model(config, args.model)
     options = AdapterBenchOptions(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats)
     results = anyio.run(run_adapter_bench, config, options)
     print(format_adapter_table(results))
@@ -356,8 +359,7 @@ def _bench_http(args) -> int:
     from tools.bench_http import HttpBenchOptions, dump_http, format_http_table, run_http_bench
 
     config = RuntimeConfig.load(args.config)
-    if args.model:
-        config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=args.model))
+    config = _with_model(config, args.model)
     options = HttpBenchOptions(requests=args.requests, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
     results = anyio.run(run_http_bench, config, options)
     print(format_http_table(results))

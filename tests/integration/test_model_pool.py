@@ -152,39 +152,30 @@ async def test_several_models_over_the_socket(tmp_path):
 
 
 async def test_an_openai_client_picks_a_model_by_name(tmp_path):
-    from net.http.server import HttpServer
-    from tests.net.http_support import Served, http_config
+    import openai
+
+    from tests.net.http_support import serving
 
     prompt = [7, 8, 9, 10, 11]
     expected = {}
     for name, path in MODELS.items():
         async with Runtime.open(make_config(path)) as rt:
             expected[name] = (await _collect(rt.generate(GenerateRequest(prompt_ids=prompt, max_tokens=12, ignore_eos=True))))[0]
-    config = http_config(_config(tmp_path, cap=0))
-    async with ModelPool.open(config) as pool:
-        http = HttpServer(config)
-        async with anyio.create_task_group() as tg:
-            url = await tg.start(http.serve)
-            http.attach(pool)
-            try:
-                client = Served(pool, http, url, config.model_name).client()  # type: ignore[arg-type]
-                assert {m.id for m in (await client.models.list()).data} == {"builtin:tiny", "qwen"}
-                for name in (None, "qwen"):
-                    completion = await client.completions.create(
-                        model=name or config.model_name,
-                        prompt=prompt,
-                        max_tokens=12,
-                        temperature=0,
-                        logprobs=1,
-                        extra_body={"return_token_ids": True, "ignore_eos": True},
-                    )
-                    choice = completion.choices[0]
-                    assert (choice.model_extra or {}).get("token_ids") == expected[name] and completion.model == (name or config.model_name)
-                    assert choice.logprobs is not None and len(choice.logprobs.tokens or []) == 12
-                import openai
-
-                with pytest.raises(openai.NotFoundError):
-                    await client.completions.create(model="nope", prompt=prompt, max_tokens=2)
-                await client.close()
-            finally:
-                http.stop()
+    async with serving(_config(tmp_path, cap=0), pool=True) as served:
+        client = served.client()
+        assert {m.id for m in (await client.models.list()).data} == {"builtin:tiny", "qwen"}
+        for name in (None, "qwen"):
+            completion = await client.completions.create(
+                model=name or served.model,
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                logprobs=1,
+                extra_body={"return_token_ids": True, "ignore_eos": True},
+            )
+            choice = completion.choices[0]
+            assert (choice.model_extra or {}).get("token_ids") == expected[name] and completion.model == (name or served.model)
+            assert choice.logprobs is not None and len(choice.logprobs.tokens or []) == 12
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model="nope", prompt=prompt, max_tokens=2)
+        await client.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import msgspec
@@ -18,7 +19,7 @@ from tests.conftest import make_config
 
 @dataclass
 class Served:
-    runtime: Runtime
+    runtime: Any
     http: HttpServer
     url: str
     model: str
@@ -33,10 +34,13 @@ def http_config(config: RuntimeConfig | None = None, **server) -> RuntimeConfig:
 
 
 @asynccontextmanager
-async def serving(config: RuntimeConfig | None = None, **server) -> AsyncIterator[Served]:
-    """A runtime and its HTTP server on a free loopback port, stopped on exit."""
+async def serving(config: RuntimeConfig | None = None, *, pool: bool = False, **server) -> AsyncIterator[Served]:
+    """A runtime (a `ModelPool` with `pool`) and its HTTP server on a free loopback port,
+    stopped on exit."""
+    from runtime.pool import ModelPool
+
     config = http_config(config, **server)
-    async with Runtime.open(config) as rt:
+    async with ModelPool.open(config) if pool else Runtime.open(config) as rt:
         http = HttpServer(config)
         async with anyio.create_task_group() as tg:
             url = await tg.start(http.serve)
