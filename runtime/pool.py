@@ -34,7 +34,7 @@ from actors.mlx_thread import MlxThread
 from protocols.api import AdapterInfo, Event, Finished, GenerateRequest, ModelStatus, TokenDelta, ToolCall, Usage, new_request_id
 from protocols.model import ModelInfo
 from runtime.admission import checkpoint_directory_problem
-from runtime.checkpoints import path_for
+from runtime.checkpoints import check_request_id, path_for
 from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError, DuplicateRequestError, InternalError, InvalidRequestError, ModelNotFoundError, RuntimeClosedError, single_errors
 from runtime.metrics import RuntimeMetrics
@@ -219,7 +219,9 @@ class ModelPool:
         rid = request.request_id
         assert rid is not None
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
-        every = request.checkpoint_every if request.checkpoint_every is not None else self._checkpoint_every
+        # The pool's cadence (none for an id that cannot name a checkpoint file: such a request is
+        # generated again after a swap); a request's own `checkpoint_every` is checked as usual.
+        every = request.checkpoint_every if request.checkpoint_every is not None else self._checkpoint_every if _checkpointable(rid) else 0
         request = msgspec.structs.replace(
             request, model=None, request_id=rid, sampling=msgspec.structs.replace(request.sampling, seed=seed), checkpoint_every=every
         )
@@ -234,7 +236,7 @@ class ModelPool:
                 epoch = model.epoch
                 self._running[rid] = model
                 try:
-                    resume = not first and await anyio.to_thread.run_sync(path_for(rt.config.checkpoint_directory(), rid).exists)
+                    resume = not first and every > 0 and await anyio.to_thread.run_sync(path_for(rt.config.checkpoint_directory(), rid).exists)
                     first = False
                     replay, held = _Replay(delivered), None
                     catching_up = bool(delivered.token_ids)
@@ -489,6 +491,14 @@ class PoolStream:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
+
+
+def _checkpointable(request_id: str) -> bool:
+    try:
+        check_request_id(request_id)
+    except InvalidRequestError:
+        return False
+    return True
 
 
 def _cancelled(rid: str, delivered: _Delivered) -> Finished:

@@ -11,7 +11,7 @@ from engine.builtin import BUILTIN_MODELS, parameter_count
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
 from runtime import Runtime
 from runtime.config import CheckpointConfig, ModelPoolConfig, PoolModelConfig
-from runtime.errors import ConfigError, ModelNotFoundError
+from runtime.errors import ConfigError, ModelLoadError, ModelNotFoundError
 from runtime.pool import ModelPool
 from tests.conftest import make_config
 
@@ -179,3 +179,15 @@ async def test_an_openai_client_picks_a_model_by_name(tmp_path):
         with pytest.raises(openai.NotFoundError):
             await client.completions.create(model="nope", prompt=prompt, max_tokens=2)
         await client.close()
+
+
+async def test_a_model_that_cannot_load_fails_its_requests_alone(tmp_path):
+    config = msgspec.structs.replace(_config(tmp_path, cap=0), models=[PoolModelConfig(name="broken", path=str(tmp_path / "no-model"))])
+    async with ModelPool.open(config) as pool:
+        with pytest.raises(ModelLoadError):
+            async for _ in pool.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=2, model="broken")):
+                pass
+        # Any request id works (one that cannot name a checkpoint file is regenerated after a swap).
+        tokens, _, finished = await _collect(pool.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=3, request_id="a/b c")))
+        assert finished is not None and finished.finish_reason == "length" and len(tokens) == 3
+        assert {m.name: m.state for m in pool.models()}["broken"] == "unloaded"
