@@ -30,7 +30,7 @@ from engine.known import KnownTokens
 from engine.lora import AdapterBank
 from engine.prefill import prefill_one, prefill_together
 from engine.sampler import BatchSampler, RowSampling
-from engine.sequence import EngineInvariantError, InFlight, Sequence
+from engine.sequence import EngineInvariantError, InFlight, Sequence, capture_checkpoints
 from engine.speculation import Speculator
 from policies.adapters import prefix_namespace
 from policies.fill_session import FillSession
@@ -40,6 +40,7 @@ from protocols.config import LoraConfig
 from protocols.model import (
     AdmitRequest,
     CheckpointData,
+    DeviceMemory,
     GrammarSpec,
     LayerLayout,
     PrefillReport,
@@ -143,6 +144,7 @@ class Engine:
             saved_prefixes=saved,
             checkpoints=self._take_checkpoint_list(),
             adapter_bytes=self.adapters.nbytes,
+            device=DeviceMemory(active=mx.get_active_memory(), peak=mx.get_peak_memory(), cache=mx.get_cache_memory()),
         )
 
     def _take_checkpoint_list(self) -> list[CheckpointData]:
@@ -330,7 +332,8 @@ class Engine:
             self._in_flight = None
         self._retire_exhausted()
         self._join_ready()
-        self._capture_checkpoints()
+        in_flight = self._in_flight.rows if self._in_flight is not None else []
+        self._checkpoints += capture_checkpoints(self._sequences.values(), self._batch, self._layout, in_flight)
         dispatched = self._dispatch() if len(self._batch) else None
         if self._in_flight is not None:
             outputs += self._collect(self._in_flight)
@@ -480,28 +483,3 @@ class Engine:
         """End one request with `error`; its KV is not kept (its state is suspect)."""
         self._release(seq.request_id, save_prefix=False)
         return RowOutput(request_id=seq.request_id, token_ids=[], finish_reason="error", error=str(exc) or type(exc).__name__)
-
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def _capture_checkpoints(self) -> None:
-        """Capture the checkpoints that are due and possible now, between a step's read and the
-        next dispatch: a row's state then covers exactly its context but the last token (the
-        pending input). A row with a token in flight or known tokens waiting is taken at the
-        next chance. A failed capture skips that checkpoint and is logged, never fails the step."""
-        in_flight = {id(seq) for seq in self._in_flight.rows} if self._in_flight is not None else set()
-        for seq in self._sequences.values():
-            if not (seq.checkpoint_due and seq.in_batch and seq.generated and not seq.extra) or id(seq) in in_flight:
-                continue
-            seq.checkpoint_due = False
-            num_kv = len(seq.context) - 1
-            try:
-                if self._batch.lengths[self._batch.index(seq.request_id)] != num_kv:
-                    raise EngineInvariantError(f"row holds {self._batch.lengths[self._batch.index(seq.request_id)]} positions, expected {num_kv}")
-                tensors = caches.to_tensors(self._batch.extract(seq.request_id), self._layout, num_kv)
-            except Exception:
-                log.exception("checkpoint_failed", request_id=seq.request_id)
-                continue
-            data = CheckpointData(
-                request_id=seq.request_id, generated=list(seq.generated), num_kv_tokens=num_kv, kv_tensors=tensors, adapter_digest=seq.admit.adapter_digest
-            )
-            self._checkpoints.append(data)

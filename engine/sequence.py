@@ -1,16 +1,25 @@
-"""One admitted request's engine-side state, and a dispatched step not read yet."""
+"""One admitted request's engine-side state, a dispatched step not read yet, and the
+checkpoints of rows that are due one."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
+import structlog
 
+from engine import caches
 from engine.sampler import SampleResult
 from policies.fill_session import FillSession, Proposal
 from policies.speculation import LookupSource, SpecRow
-from protocols.model import AdmitRequest
+from protocols.model import AdmitRequest, CheckpointData, LayerLayout
+
+if TYPE_CHECKING:
+    from engine.batch import DecodeBatch
+
+log = structlog.get_logger(actor="engine")
 
 
 class EngineInvariantError(RuntimeError):
@@ -122,3 +131,28 @@ class InFlight:
     def must_be_read_first(self) -> bool:
         """Some row needs this step's token before the next step can be built."""
         return any(seq.needs_token_before_next_step for seq in self.rows)
+
+
+def capture_checkpoints(seqs: Iterable[Sequence], batch: DecodeBatch, layout: list[LayerLayout], in_flight: list[Sequence]) -> list[CheckpointData]:
+    """The checkpoints that are due and possible now, between a step's read and the next
+    dispatch: a row's state then covers exactly its context but the last token (the pending
+    input). A row with a token in flight or known tokens waiting is taken at the next chance. A
+    failed capture skips that checkpoint and is logged, never fails the step."""
+    flying = {id(seq) for seq in in_flight}
+    taken = []
+    for seq in seqs:
+        if not (seq.checkpoint_due and seq.in_batch and seq.generated and not seq.extra) or id(seq) in flying:
+            continue
+        seq.checkpoint_due = False
+        num_kv = len(seq.context) - 1
+        try:
+            held = batch.lengths[batch.index(seq.request_id)]
+            if held != num_kv:
+                raise EngineInvariantError(f"row holds {held} positions, expected {num_kv}")
+            tensors = caches.to_tensors(batch.extract(seq.request_id), layout, num_kv)
+        except Exception:
+            log.exception("checkpoint_failed", request_id=seq.request_id)
+            continue
+        admit = seq.admit
+        taken.append(CheckpointData(seq.request_id, list(seq.generated), num_kv, tensors, adapter_digest=admit.adapter_digest))
+    return taken

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from policies.layout import is_trimmable, request_bytes
 from policies.prefix_index import PrefixIndex
 from protocols.kv import KvReservation, KvStats
-from protocols.model import LayerLayout, SavedPrefix
+from protocols.model import DeviceMemory, LayerLayout, SavedPrefix
 
 
 class KvLedger:
@@ -41,6 +41,7 @@ class KvLedger:
         self._physical_bytes = 0
         # Resident LoRA adapters' stacks: device memory the budget covers too.
         self.adapter_bytes = 0
+        self._device = DeviceMemory()
         self._hits = 0
         self._tokens_reused = 0
         self._queries = 0
@@ -108,11 +109,12 @@ class KvLedger:
             dropped += self.prefixes.evict(over_cap)
         return dropped + self._make_room(0)
 
-    def record_usage(self, live_tokens: dict[str, int], physical_bytes: int, adapter_bytes: int = 0) -> list[str]:
+    def record_usage(self, live_tokens: dict[str, int], physical_bytes: int, adapter_bytes: int = 0, device: DeviceMemory | None = None) -> list[str]:
         """The engine's figures after a step; returns prefix entries to drop when adapters
         loaded since take room the budget needs."""
         self._live_tokens = dict(live_tokens)
         self._physical_bytes = physical_bytes
+        self._device = device or self._device
         grew = adapter_bytes > self.adapter_bytes
         self.adapter_bytes = adapter_bytes
         return self._make_room(0) if grew else []
@@ -129,6 +131,9 @@ class KvLedger:
             bytes_per_token=self.bytes_per_token,
             budget_bytes=self.budget_bytes or None,
             adapter_bytes=self.adapter_bytes,
+            device_active_bytes=self._device.active,
+            device_peak_bytes=self._device.peak,
+            device_cache_bytes=self._device.cache,
             prefix_entries=len(self.prefixes),
             prefix_bytes=self.prefixes.num_bytes,
             prefix_hits=self._hits,

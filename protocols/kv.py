@@ -10,7 +10,7 @@ import msgspec
 
 from protocols.api import GenerateRequest
 from protocols.base import Message, Record, Reply
-from protocols.model import CheckpointData, SavedPrefix
+from protocols.model import CheckpointData, DeviceMemory, SavedPrefix
 from protocols.scheduler import CheckpointWritten
 
 
@@ -48,6 +48,11 @@ class KvStats(Record, frozen=True):
     prefix_tokens_queried: int = 0
     # Resident LoRA adapters' stacks (counted against the budget).
     adapter_bytes: int = 0
+    # The device's memory as MLX reports it after the latest step: in use (weights, KV, work
+    # buffers), the peak since start, and freed buffers MLX keeps for reuse.
+    device_active_bytes: int = 0
+    device_peak_bytes: int = 0
+    device_cache_bytes: int = 0
 
 
 class ReserveKv(Message, frozen=True):
@@ -103,6 +108,7 @@ class ReportKvUsage(Message, frozen=True):
     live_tokens: dict[str, int]
     physical_bytes: int
     adapter_bytes: int = 0
+    device: DeviceMemory | None = None
 
 
 class GetKvStats(Message, frozen=True):

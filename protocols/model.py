@@ -187,6 +187,14 @@ class PrefillReport(Record, frozen=True):
     total_tokens: int
 
 
+class DeviceMemory(Record, frozen=True):
+    """MLX's memory figures (`mx.get_active_memory` and friends), in bytes."""
+
+    active: int = 0
+    peak: int = 0
+    cache: int = 0
+
+
 class StepOutcome(Record, frozen=True):
     """Everything a step produced. Requests in `outputs` with a finish reason are gone."""
 
@@ -202,6 +210,8 @@ class StepOutcome(Record, frozen=True):
     checkpoints: list[CheckpointData] = msgspec.field(default_factory=list)
     # Bytes of the resident LoRA adapters' stacks.
     adapter_bytes: int = 0
+    # MLX's own figures after the step: memory in use, its peak, and freed buffers it keeps.
+    device: DeviceMemory | None = None
 
 
 class StateArray(Record, frozen=True):

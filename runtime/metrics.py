@@ -192,6 +192,13 @@ class _StatsCollector:
         for kind, value in (("reserved", kv.reserved_bytes), ("live", kv.live_bytes), ("prefix", kv.prefix_bytes), ("physical", kv.physical_bytes)):
             by_kind.add_metric([name, kind], value)
         yield by_kind
+        yield gauge("lora_adapter_bytes", "Bytes of the resident LoRA adapters' stacks.", kv.adapter_bytes)
+        device = GaugeMetricFamily(
+            PREFIX + "device_memory_bytes", "MLX memory: active (in use), peak, cache (freed, kept for reuse).", labels=["model_name", "kind"]
+        )
+        for kind, value in (("active", kv.device_active_bytes), ("peak", kv.device_peak_bytes), ("cache", kv.device_cache_bytes)):
+            device.add_metric([name, kind], value)
+        yield device
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", kv.prefix_tokens_queried)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_tokens_reused)
         yield counter("checkpoints_written", "Durable checkpoints written.", kv.checkpoints_written)
