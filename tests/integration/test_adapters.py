@@ -256,3 +256,37 @@ async def test_adapters_with_speculation_and_a_grammar(adapters):
     assert got == expected
     assert stats.scheduler.spec.drafted > 0, "the rows did speculate"
     assert isinstance(json.loads(text)["ok"], bool)
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen2", "tiny-gemma3", "tiny-lfm2", "tiny-qwen3next"])
+async def test_adapter_rows_are_exact_on_every_family(family, tmp_path):
+    """Biases (qwen2), sliding windows (gemma3), convolution state (lfm2), linear attention
+    (qwen3-next): an adapter row decodes as mlx-lm does with the adapter alone, beside others."""
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    model_dir = builtin_dir(family)
+    # qwen3-next's experts (SwitchLinear) take no routed deltas: its adapters leave them alone.
+    keys = ["linear_attn.in_proj_qkvz", "linear_attn.out_proj", "self_attn.q_proj", "mlp.shared_expert.up_proj"] if family == "tiny-qwen3next" else None
+    paths = {
+        "P": make_lora_adapter(model_dir, tmp_path / "P", rank=4, num_layers=1, seed=5, keys=keys),
+        "Q": make_lora_adapter(model_dir, tmp_path / "Q", rank=8, num_layers=8, seed=6, keys=keys),
+    }
+    names = ["P", None, "Q", "P", "Q", None]
+    prompts = [_prompt(i) for i in range(len(names))]
+    expected = []
+    for name, prompt in zip(names, prompts):
+        model, tokenizer = load(str(model_dir), adapter_path=str(paths[name]) if name else None)
+        model.set_dtype(mx.float32)
+        expected.append(greedy_tokens(model, tokenizer, prompt, MAX_TOKENS))
+    config = msgspec.structs.replace(make_config(f"builtin:{family}"), adapters=[AdapterConfig(name=n, path=str(p)) for n, p in paths.items()])
+    async with Runtime.open(config) as rt:
+        got = await _run(rt, [GenerateRequest(prompt_ids=p, max_tokens=MAX_TOKENS, adapter=n) for n, p in zip(names, prompts)])
+    assert got == expected
+
+
+async def test_an_adapter_on_expert_layers_is_refused_with_the_reason(tmp_path):
+    experts = make_lora_adapter(builtin_dir("tiny-qwen3next"), tmp_path / "E", rank=4, num_layers=1)
+    async with Runtime.open(make_config("builtin:tiny-qwen3next")) as rt:
+        with pytest.raises(AdapterLoadError, match="SwitchLinear"):
+            await rt.load_adapter("E", experts)
