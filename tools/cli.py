@@ -92,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--adapters", action="store_true", help="16 streams with 8 distinct LoRA adapters in one batch against 16 base streams, and adapter load time"
     )
+    bench.add_argument("--pool", action="store_true", help="two models in one process: swap latency, and alternating streams under a one-model cap")
     bench.set_defaults(func=_bench)
 
     bench_http = sub.add_parser("bench-http", help="TTFT over HTTP next to the Unix socket and in-process, one runtime")
@@ -299,6 +300,8 @@ def _bench(args) -> int:
         return _bench_speculative(args, config)
     if args.adapters:
         return _bench_adapters(args, config)
+    if args.pool:
+        return _bench_pool(args, config)
     config = _with_model(config, args.model)
     workloads = tuple(w for w in args.workloads.split(",") if w)
     unknown = set(workloads) - set(BenchOptions.workloads)
@@ -351,6 +354,17 @@ def _bench_adapters(args, config: RuntimeConfig) -> int:
     options = AdapterBenchOptions(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats)
     results = anyio.run(run_adapter_bench, config, options)
     print(format_adapter_table(results))
+    dump(results, args.json_path)
+    return EXIT_OK
+
+
+def _bench_pool(args, config: RuntimeConfig) -> int:
+    from tools.bench import dump
+    from tools.bench_pool import PoolBenchOptions, format_pool_table, run_pool_bench
+
+    options = PoolBenchOptions(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats)
+    results = anyio.run(run_pool_bench, _with_model(config, args.model), options)
+    print(format_pool_table(results))
     dump(results, args.json_path)
     return EXIT_OK
 
