@@ -329,6 +329,11 @@ class ModelPool:
         while True:
             if rid in self._cancelled:
                 return None
+            if model.runtime is not None and not self._closed:
+                # Resident: no need to wait behind a load or a swap of another model.
+                model.users += 1
+                model.last_used = time.monotonic()
+                return model.runtime
             async with self._lock:
                 if self._closed:
                     raise RuntimeClosedError("the pool is shutting down")
