@@ -23,7 +23,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -31,13 +30,15 @@ import msgspec
 import structlog
 
 from actors.mlx_thread import MlxThread
-from protocols.api import AdapterInfo, Event, Finished, GenerateRequest, ModelStatus, TokenDelta, ToolCall, Usage, new_request_id
+from engine.memory import DTYPE_BYTES, estimate_weight_bytes, release_memory
+from protocols.api import AdapterInfo, Event, Finished, GenerateRequest, ModelStatus, TokenDelta, ToolCall, new_request_id
 from protocols.model import ModelInfo
 from runtime.admission import checkpoint_directory_problem
 from runtime.checkpoints import check_request_id, path_for
 from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError, DuplicateRequestError, InternalError, InvalidRequestError, ModelNotFoundError, RuntimeClosedError, single_errors
 from runtime.metrics import RuntimeMetrics
+from runtime.replay import Delivered, Replay, cancelled
 from runtime.runtime import Runtime, RuntimeStats
 
 log = structlog.get_logger(actor="pool")
@@ -65,16 +66,6 @@ class _Model:
     epoch: int = 0
     stop: anyio.Event = field(default_factory=anyio.Event)
     stopped: anyio.Event = field(default_factory=anyio.Event)
-
-
-@dataclass
-class _Delivered:
-    """What the caller already has of a request: replays skip it."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    reasoning: str = ""
-    tool_calls: int = 0
 
 
 class ModelPool:
@@ -123,7 +114,7 @@ class ModelPool:
                 async with anyio.create_task_group() as tg:
                     pool = cls(config, thread, tg)
                     for model in pool._models.values():
-                        model.weight_bytes = await thread.run(_estimate_bytes, model.config.model.path)
+                        model.weight_bytes = await thread.run(estimate_weight_bytes, model.config.model.path)
                     pool._check_fits()
                     problem = await anyio.to_thread.run_sync(checkpoint_directory_problem, config.checkpoint_directory())
                     if problem is not None:
@@ -225,20 +216,20 @@ class ModelPool:
         request = msgspec.structs.replace(
             request, model=None, request_id=rid, sampling=msgspec.structs.replace(request.sampling, seed=seed), checkpoint_every=every
         )
-        delivered = _Delivered()
+        delivered = Delivered()
         first, catching_up = True, False
         try:
             while True:
                 rt = await self._acquire(model, rid)
                 if rt is None:
-                    yield _cancelled(rid, delivered)
+                    yield cancelled(rid, delivered)
                     return
                 epoch = model.epoch
                 self._running[rid] = model
                 try:
                     resume = not first and every > 0 and await anyio.to_thread.run_sync(path_for(rt.config.checkpoint_directory(), rid).exists)
                     first = False
-                    replay, held = _Replay(delivered), None
+                    replay, held = Replay(delivered), None
                     catching_up = bool(delivered.token_ids)
                     model.replaying += catching_up
                     async for event in rt.resume(rid) if resume else rt.generate(request):
@@ -386,7 +377,7 @@ class ModelPool:
         model.tokenizer = model.runtime.tokenizer
         if model.name == self.default_model:
             self._default_info, self._default_metrics = info, model.runtime.metrics
-        model.weight_bytes = info.num_parameters * _DTYPE_BYTES.get(info.dtype, 4)
+        model.weight_bytes = info.num_parameters * DTYPE_BYTES.get(info.dtype, 4)
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._resident_bytes())
         log.info("model_resident", model=model.name, weight_bytes=model.weight_bytes, resident_bytes=self._resident_bytes())
 
@@ -406,7 +397,7 @@ class ModelPool:
         model.runtime = None
         model.stop.set()
         await model.stopped.wait()
-        await self._thread.run(_release_memory)
+        await self._thread.run(release_memory)
         log.info("model_swapped_out", model=model.name, preempted=model.users)
         self._notify()
 
@@ -426,45 +417,6 @@ class ModelPool:
                 model.stop.set()
                 await model.stopped.wait()
         self._notify()
-
-
-class _Replay:
-    """One run's events against what the caller already has (a run after a swap repeats it
-    exactly): `new` is the part of a delta past it, `record` marks a part delivered."""
-
-    def __init__(self, delivered: _Delivered):
-        self.delivered = delivered
-        self.seen = _Delivered()
-
-    def new(self, event: TokenDelta) -> TokenDelta | None:
-        seen, have = self.seen, self.delivered
-        seen.token_ids += event.token_ids
-        seen.text += event.text
-        seen.reasoning += event.reasoning
-        fresh = len(seen.token_ids) - len(have.token_ids)
-        if fresh <= 0 and len(seen.text) <= len(have.text) and len(seen.reasoning) <= len(have.reasoning):
-            return None
-        if not (seen.text.startswith(have.text) and seen.reasoning.startswith(have.reasoning)):
-            raise InternalError("a resumed stream differs from what it replays")
-        return msgspec.structs.replace(
-            event,
-            token_ids=seen.token_ids[len(have.token_ids) :] if fresh > 0 else [],
-            text=seen.text[len(have.text) :],
-            reasoning=seen.reasoning[len(have.reasoning) :],
-            logprobs=(event.logprobs[-fresh:] if fresh > 0 else []) if event.logprobs else event.logprobs,
-        )
-
-    def record(self, part: TokenDelta) -> None:
-        self.delivered.token_ids += part.token_ids
-        self.delivered.text += part.text
-        self.delivered.reasoning += part.reasoning
-
-    def new_tool_call(self) -> bool:
-        self.seen.tool_calls += 1
-        if self.seen.tool_calls <= self.delivered.tool_calls:
-            return False
-        self.delivered.tool_calls = self.seen.tool_calls
-        return True
 
 
 class PoolStream:
@@ -504,40 +456,3 @@ def _checkpointable(request_id: str) -> bool:
     except InvalidRequestError:
         return False
     return True
-
-
-def _cancelled(rid: str, delivered: _Delivered) -> Finished:
-    return Finished(request_id=rid, finish_reason="cancelled", usage=Usage(prompt_tokens=0, completion_tokens=len(delivered.token_ids)))
-
-
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def _estimate_bytes(path: str) -> int:
-    """(MLX thread.) Weight bytes as the model will be loaded, before it has been: float32 on the CPU backend,
-    from its config's parameter shapes where built in, else from its files (16-bit weights
-    doubled)."""
-    import json
-
-    from engine.builtin import BUILTIN_MODELS, builtin_name, parameter_count
-
-    name = builtin_name(path)
-    if name is not None and name in BUILTIN_MODELS:
-        return 4 * parameter_count(BUILTIN_MODELS[name])
-    directory = Path(path).expanduser()
-    files = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-    try:
-        dtype = json.loads((directory / "config.json").read_text()).get("torch_dtype", "float32")
-    except (OSError, ValueError):
-        dtype = "float32"
-    return files * (2 if dtype in ("float16", "bfloat16") else 1)
-
-
-def _release_memory() -> None:
-    """On the MLX thread: return a swapped-out model's buffers to the system."""
-    import gc
-
-    import mlx.core as mx
-
-    gc.collect()
-    mx.clear_cache()

@@ -1,0 +1,68 @@
+"""What a caller already has of a request, and a later run's events past it.
+
+A model pool's request may run more than once (its model was swapped out under it); generation
+is exact given the seed, so a later run repeats what the caller has: `Replay` yields only what
+is new (tokens, text, reasoning, tool calls), from the same detokenizer's cumulative text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from protocols.api import Finished, TokenDelta, Usage
+from runtime.errors import InternalError
+
+
+@dataclass
+class Delivered:
+    """What the caller already has of a request: replays skip it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: int = 0
+
+
+class Replay:
+    """One run's events against what the caller already has (a run after a swap repeats it
+    exactly): `new` is the part of a delta past it, `record` marks a part delivered."""
+
+    def __init__(self, delivered: Delivered):
+        self.delivered = delivered
+        self.seen = Delivered()
+
+    def new(self, event: TokenDelta) -> TokenDelta | None:
+        seen, have = self.seen, self.delivered
+        seen.token_ids += event.token_ids
+        seen.text += event.text
+        seen.reasoning += event.reasoning
+        fresh = len(seen.token_ids) - len(have.token_ids)
+        if fresh <= 0 and len(seen.text) <= len(have.text) and len(seen.reasoning) <= len(have.reasoning):
+            return None
+        if not (seen.text.startswith(have.text) and seen.reasoning.startswith(have.reasoning)):
+            raise InternalError("a resumed stream differs from what it replays")
+        return msgspec.structs.replace(
+            event,
+            token_ids=seen.token_ids[len(have.token_ids) :] if fresh > 0 else [],
+            text=seen.text[len(have.text) :],
+            reasoning=seen.reasoning[len(have.reasoning) :],
+            logprobs=(event.logprobs[-fresh:] if fresh > 0 else []) if event.logprobs else event.logprobs,
+        )
+
+    def record(self, part: TokenDelta) -> None:
+        self.delivered.token_ids += part.token_ids
+        self.delivered.text += part.text
+        self.delivered.reasoning += part.reasoning
+
+    def new_tool_call(self) -> bool:
+        self.seen.tool_calls += 1
+        if self.seen.tool_calls <= self.delivered.tool_calls:
+            return False
+        self.delivered.tool_calls = self.seen.tool_calls
+        return True
+
+
+def cancelled(rid: str, delivered: Delivered) -> Finished:
+    return Finished(request_id=rid, finish_reason="cancelled", usage=Usage(prompt_tokens=0, completion_tokens=len(delivered.token_ids)))
