@@ -131,6 +131,8 @@ def _request_args(parser: argparse.ArgumentParser, *, required: bool = True) -> 
     parser.add_argument(
         "--speculative", choices=("on", "off"), default=None, help="speculate (a draft model, else prompt lookup) or not; default: the server's config"
     )
+    parser.add_argument("--adapter", default=None, help="a LoRA adapter the server knows ([[adapters]] or loaded)")
+    parser.add_argument("--model", dest="request_model", default=None, help="with several models ([[models]]): the one that serves the request")
     parser.add_argument("--json", action="store_true", help="print each event as one JSON object per line")
 
 
@@ -145,6 +147,8 @@ def _request_from(args) -> GenerateRequest:
         request_id=args.request_id,
         checkpoint_every=args.checkpoint_every,
         speculative=None if args.speculative is None else args.speculative == "on",
+        adapter=args.adapter,
+        model=args.request_model,
     )
 
 

@@ -81,3 +81,9 @@ def test_bench_http_times_every_face(tmp_path):
     assert set(results["faces"]) == {"in_process", "socket", "http"}
     assert all(face["requests"] == 3 and face["p50_ttft_ms"] > 0 for face in results["faces"].values())
     assert "HTTP - socket" in result.stdout
+
+
+def test_a_request_for_another_model_or_an_unknown_adapter_exits_3():
+    for flag, value in (("--model", "other"), ("--adapter", "missing")):
+        result = _mlxrt("generate", "--config", "configs/tiny.toml", "--prompt-ids", "5,6", flag, value)
+        assert result.returncode == 3 and ("other" in result.stderr or "missing" in result.stderr), result.stderr
