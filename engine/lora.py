@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -70,12 +71,18 @@ def read_adapter(name: str, path: str | Path, model: nn.Module) -> AdapterWeight
         weights = mx.load(str(weights_path))
     except (OSError, ValueError, RuntimeError) as exc:
         raise AdapterLoadError(f"adapter {name!r}: cannot read {directory}: {exc}") from None
+    if not isinstance(config, dict):
+        raise AdapterLoadError(f"adapter {name!r}: {CONFIG_FILE} is not a JSON object")
     kind = config.get("fine_tune_type", "lora")
     if kind != "lora":
         raise AdapterLoadError(f"adapter {name!r}: fine_tune_type {kind!r} is not supported (only LoRA deltas can share a batch)")
     params = config.get("lora_parameters") or {}
-    if "scale" not in params or "rank" not in params:
-        raise AdapterLoadError(f"adapter {name!r}: lora_parameters needs 'rank' and 'scale'")
+    try:
+        rank, scale = int(params["rank"]), float(params["scale"])
+    except (KeyError, TypeError, ValueError):
+        raise AdapterLoadError(f"adapter {name!r}: lora_parameters needs a numeric 'rank' and 'scale'") from None
+    if not math.isfinite(scale):
+        raise AdapterLoadError(f"adapter {name!r}: scale {scale} is not finite")
     if not isinstance(weights, dict):
         raise AdapterLoadError(f"adapter {name!r}: {WEIGHTS_FILE} holds no named tensors")
     modules_by_name = dict(model.named_modules())
@@ -86,7 +93,6 @@ def read_adapter(name: str, path: str | Path, model: nn.Module) -> AdapterWeight
             raise AdapterLoadError(f"adapter {name!r}: {key} is not a LoRA weight (lora_a, lora_b)")
         paired.setdefault(module, {})[leaf] = value
     modules: dict[str, tuple[mx.array, mx.array]] = {}
-    rank = int(params["rank"])
     for module, pair in sorted(paired.items()):
         base = modules_by_name.get(module)
         if isinstance(base, RoutedLoRA):
@@ -102,11 +108,14 @@ def read_adapter(name: str, path: str | Path, model: nn.Module) -> AdapterWeight
             raise AdapterLoadError(f"adapter {name!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, the layer maps {in_dims} -> {out_dims}")
         rank = max(rank, a.shape[1])
         # Float32 stacks: an adapter's weights as stored, promoted like mlx-lm's matmul does.
-        modules[module] = (a.astype(mx.float32), b.astype(mx.float32))
+        a, b = a.astype(mx.float32), b.astype(mx.float32)
+        if not (mx.isfinite(a).all() and mx.isfinite(b).all()).item():
+            raise AdapterLoadError(f"adapter {name!r}: {module} holds values that are not finite")
+        modules[module] = (a, b)
     if not modules:
         raise AdapterLoadError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     num_bytes = sum(a.nbytes + b.nbytes for a, b in modules.values())
-    return AdapterWeights(name, str(directory), rank, float(params["scale"]), modules, digest, num_modules=len(modules), num_bytes=num_bytes)
+    return AdapterWeights(name, str(directory), rank, scale, modules, digest, num_modules=len(modules), num_bytes=num_bytes)
 
 
 def _dims(linear: nn.Module) -> tuple[int, int]:

@@ -125,6 +125,19 @@ async def test_adapters_load_and_unload_at_run_time(adapters, tmp_path):
             await rt.load_adapter("D", dora)
         with pytest.raises(AdapterLoadError, match="needs"):
             await rt.load_adapter("E", tmp_path / "nothing")
+        for broken, expected in (("[]", "JSON object"), (json.dumps(config | {"lora_parameters": {"rank": "x", "scale": 1}}), "numeric")):
+            (dora / "adapter_config.json").write_text(broken)
+            with pytest.raises(AdapterLoadError, match=expected):
+                await rt.load_adapter("G", dora)
+        import mlx.core as mx
+
+        nan = tmp_path / "nan"
+        shutil.copytree(adapters["A"], nan)
+        weights = mx.load(str(nan / "adapters.safetensors"))
+        key = next(k for k in weights if k.endswith("lora_b"))
+        mx.save_safetensors(str(nan / "adapters.safetensors"), weights | {key: weights[key] * float("nan")})
+        with pytest.raises(AdapterLoadError, match="not finite"):
+            await rt.load_adapter("H", nan)
         other_model = make_lora_adapter(builtin_dir("tiny-qwen2"), tmp_path / "qwen2", rank=4, num_layers=1)
         with pytest.raises(AdapterLoadError):
             await rt.load_adapter("F", other_model)
