@@ -133,6 +133,10 @@ class ServerConfig(Section, frozen=True):
     http_max_connections: Positive = 256
     # Seconds an idle keep-alive HTTP connection stays open.
     http_keepalive_s: Seconds = 5.0
+    # vLLM's runtime LoRA routes, POST /v1/load_lora_adapter {"lora_name", "lora_path"} and
+    # /v1/unload_lora_adapter {"lora_name"}: off by default (they read a path on this machine;
+    # set `api_key` too when the port is reachable by others).
+    http_adapter_updates: bool = False
 
 
 class TracingConfig(Section, frozen=True):

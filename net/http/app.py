@@ -130,6 +130,22 @@ class Api:
         )
         return await self._respond(request, runtime, generate, output, endpoint="completions")
 
+    async def load_lora_adapter(self, request: Request) -> Response:
+        body = decode_body(await self._read_body(request), oa.LoadLoraAdapterRequest)
+        info = await self._adapter_updates().load_adapter(body.lora_name, body.lora_path)
+        return _json({"status": "ok", "adapter": info})
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body = decode_body(await self._read_body(request), oa.UnloadLoraAdapterRequest)
+        await self._adapter_updates().unload_adapter(body.lora_name)
+        return _json({"status": "ok"})
+
+    def _adapter_updates(self):
+        runtime = self._ready()
+        if not self.config.http_adapter_updates:
+            raise HttpError("not_found", "runtime LoRA updates are off (server.http_adapter_updates)")
+        return runtime
+
     # -- plumbing --------------------------------------------------------------------
 
     async def _respond(self, request: Request, runtime, generate: GenerateRequest, output: Output, *, endpoint: str) -> Response:
@@ -428,6 +444,8 @@ def build_app(api: Api) -> Starlette:
         Route("/v1/completions", _endpoint(api, api.completions, "completions"), methods=["POST"]),
         Route("/v1/models", _endpoint(api, api.models, "models"), methods=["GET"]),
         Route("/v1/models/{model:path}", _endpoint(api, api.model, "models"), methods=["GET"]),
+        Route("/v1/load_lora_adapter", _endpoint(api, api.load_lora_adapter, "adapters"), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", _endpoint(api, api.unload_lora_adapter, "adapters"), methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", _endpoint(api, api.metrics, "metrics"), methods=["GET"]),
     ]

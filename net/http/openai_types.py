@@ -239,6 +239,20 @@ class ModelCard(msgspec.Struct, kw_only=True):
     parent: str | None = None
 
 
+class LoadLoraAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's `/v1/load_lora_adapter` body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's `/v1/unload_lora_adapter` body."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 class ModelList(msgspec.Struct, kw_only=True):
     data: list[ModelCard]
     object: str = "list"

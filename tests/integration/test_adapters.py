@@ -303,3 +303,31 @@ async def test_an_adapter_on_expert_layers_is_refused_with_the_reason(tmp_path):
     async with Runtime.open(make_config("builtin:tiny-qwen3next")) as rt:
         with pytest.raises(AdapterLoadError, match="SwitchLinear"):
             await rt.load_adapter("E", experts)
+
+
+async def test_vllm_runtime_lora_routes_load_and_unload_over_http(adapters):
+    from tests.net.http_support import raw_request, serving
+
+    async def post(url: str, path: str, body: dict) -> tuple[int, dict]:
+        data = json.dumps(body).encode()
+        head = f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n".encode()
+        status, _, answer = await raw_request(url, head, data)
+        return status, json.loads(answer)
+
+    prompt = _prompt(7)
+    load_a = {"lora_name": "A", "lora_path": str(adapters["A"])}
+    async with serving(_config(adapters, names=())) as served:
+        assert (await post(served.url, "/v1/load_lora_adapter", load_a))[0] == 404, "off unless server.http_adapter_updates"
+    async with serving(_config(adapters, names=()), http_adapter_updates=True) as served:
+        status, loaded = await post(served.url, "/v1/load_lora_adapter", load_a)
+        assert status == 200 and loaded["adapter"]["rank"] == 4
+        body = {"model": "A", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+        status, completion = await post(served.url, "/v1/completions", body)
+        assert status == 200 and completion["choices"][0]["token_ids"] == _reference(adapters["A"], prompt)
+        status, bad = await post(served.url, "/v1/load_lora_adapter", {"lora_name": "B", "lora_path": "/nonexistent"})
+        assert status == 422 and bad["error"]["code"] == "adapter_invalid"
+        assert (await post(served.url, "/v1/unload_lora_adapter", {"lora_name": "A"}))[0] == 200
+        assert (await post(served.url, "/v1/unload_lora_adapter", {"lora_name": "A"}))[0] == 404
+        client = served.client()
+        assert [m.id for m in (await client.models.list()).data] == [served.model]
+        await client.close()
