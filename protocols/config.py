@@ -180,13 +180,22 @@ class LoraConfig(Section, frozen=True):
 
 
 class PoolModelConfig(Section, frozen=True):
-    """One `[[models]]` entry: another model a `ModelPool` serves (its other options are
-    `[model]`'s)."""
+    """One `[[models]]` entry: another model a `ModelPool` serves; the `[model]` options it does
+    not set are `[model]`'s."""
 
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
     path: Annotated[str, msgspec.Meta(min_length=1)]
     # Never swapped out (it must fit `model_pool.memory_bytes` beside the largest other model).
     pinned: bool = False
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+    max_context: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    trust_remote_code: bool | None = None
+    cpu_dequantize: Literal["auto", "always", "never"] | None = None
+
+    def model_config(self, defaults: ModelConfig) -> ModelConfig:
+        """This model's `[model]` options: its own where set, the defaults' elsewhere."""
+        own = {name: getattr(self, name) for name in ("dtype", "max_context", "trust_remote_code", "cpu_dequantize") if getattr(self, name) is not None}
+        return msgspec.structs.replace(defaults, path=self.path, **own)
 
 
 class ModelPoolConfig(Section, frozen=True):

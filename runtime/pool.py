@@ -87,13 +87,13 @@ class ModelPool:
         self._closed = False
         # The most weight bytes ever resident at once (checked against the cap by tests).
         self.peak_weight_bytes = 0
-        entries = [(config.model_name, config.model.path, False), *((m.name, m.path, m.pinned) for m in config.models)]
-        for name, path, pinned in entries:
+        entries = [(config.model_name, config.model, False), *((m.name, m.model_config(config.model), m.pinned) for m in config.models)]
+        for name, model_options, pinned in entries:
             if name in self._models:
                 raise ConfigError(f"[[models]]: the name {name!r} is used twice")
             model_config = msgspec.structs.replace(
                 config,
-                model=msgspec.structs.replace(config.model, path=path),
+                model=model_options,
                 server=msgspec.structs.replace(config.server, served_model_name=name),
                 models=[],
                 # `[[adapters]]` are the default model's (an adapter fits one model's shapes).

@@ -191,3 +191,29 @@ async def test_a_model_that_cannot_load_fails_its_requests_alone(tmp_path):
         tokens, _, finished = await _collect(pool.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=3, request_id="a/b c")))
         assert finished is not None and finished.finish_reason == "length" and len(tokens) == 3
         assert {m.name: m.state for m in pool.models()}["broken"] == "unloaded"
+
+
+async def test_a_models_own_options_apply_to_it_alone(tmp_path):
+    from runtime.config import RuntimeConfig
+    from runtime.errors import InvalidRequestError
+
+    text = f"""
+[model]
+path = "builtin:tiny"
+[[models]]
+name = "short"
+path = "builtin:tiny-qwen2"
+max_context = 40
+[checkpoints]
+dir = "{tmp_path / "checkpoints"}"
+"""
+    config = RuntimeConfig.from_toml(text)
+    assert config.models[0].model_config(config.model).max_context == 40 and config.model.max_context is None
+    request = GenerateRequest(prompt_ids=list(range(5, 35)), max_tokens=20, ignore_eos=True)
+    async with ModelPool.open(config) as pool:
+        tokens, _, _ = await _collect(pool.generate(request))
+        assert len(tokens) == 20, "the default model's context is its own"
+        tokens, _, finished = await _collect(pool.generate(msgspec.structs.replace(request, model="short")))
+        assert len(tokens) == 10 and finished is not None and finished.finish_reason == "length", "fitted to the 40 this model was given"
+        with pytest.raises(InvalidRequestError):  # a prompt that fills its context
+            await _collect(pool.generate(GenerateRequest(prompt_ids=list(range(5, 50)), max_tokens=2, model="short")))
