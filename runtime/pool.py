@@ -321,23 +321,24 @@ class ModelPool:
             if rid in self._cancelled:
                 return None
             if model.runtime is not None and not self._closed:
-                # Resident: no need to wait behind a load or a swap of another model.
-                model.users += 1
-                model.last_used = time.monotonic()
-                return model.runtime
+                return self._use(model, model.runtime)  # resident: no waiting behind another model's load
             async with self._lock:
                 if self._closed:
                     raise RuntimeClosedError("the pool is shutting down")
                 if model.runtime is not None:
-                    model.users += 1
-                    model.last_used = time.monotonic()
-                    return model.runtime
+                    return self._use(model, model.runtime)
                 wait_s = await self._make_room(model)
                 if wait_s is None:
                     await self._load(model)
                     continue
             with anyio.move_on_after(wait_s):
                 await self._changed.wait()
+
+    @staticmethod
+    def _use(model: _Model, runtime: Runtime) -> Runtime:
+        model.users += 1
+        model.last_used = time.monotonic()
+        return runtime
 
     def _release(self, model: _Model) -> None:
         model.users -= 1
