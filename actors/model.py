@@ -20,10 +20,10 @@ import structlog
 from actors.mailbox import Mailbox, answer
 from actors.mlx_thread import MlxThread
 from engine.engine import Engine, Grammars
-from engine.loader import load_model, load_speculator
+from engine.loader import load_model, load_speculator, with_kv_format
 from engine.lora import AdapterBank
 from protocols.api import AdapterInfo
-from protocols.config import AdapterConfig, LoraConfig, ModelConfig, SpeculativeConfig
+from protocols.config import AdapterConfig, KvConfig, LoraConfig, ModelConfig, SpeculativeConfig
 from protocols.errors import InternalError, MlxrtError
 from protocols.model import AdapterCall, DropPrefixes, ModelInbox, ModelInfo, RunStep, StepFailed, StepOutcome, StepPlan
 
@@ -59,8 +59,10 @@ class ModelActor:
         speculative: SpeculativeConfig | None = None,
         lora: LoraConfig | None = None,
         adapters: list[AdapterConfig] | None = None,
+        kv: KvConfig | None = None,
     ):
         self._config = config
+        self._kv = kv or KvConfig()
         self._speculative = speculative or SpeculativeConfig()
         self._lora = lora or LoraConfig()
         self._adapters = adapters or []
@@ -73,6 +75,7 @@ class ModelActor:
     async def run(self, *, task_status) -> None:
         with self.inbox:  # closed however this ends, a failed load included
             loaded = await self._thread.run(load_model, self._config, self._builtin_root, self._progress)
+            loaded = with_kv_format(loaded, self._kv)
             grammars = await anyio.to_thread.run_sync(self._make_grammars, loaded.tokenizer, loaded.info)
             speculator = await self._thread.run(load_speculator, loaded, self._speculative, self._config, self._builtin_root, self._progress)
             bank = await self._thread.run(AdapterBank, loaded.model, self._lora.max_resident, self._lora.max_rank)

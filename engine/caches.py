@@ -18,6 +18,7 @@ import safetensors.numpy
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
+from engine.kvquant import QuantizedKV
 from engine.layout import DTYPES
 from engine.sequence import EngineInvariantError
 from policies.layout import leaves, tensor_shapes
@@ -40,6 +41,8 @@ def _cut(source: Any, length: int, copy: bool) -> Any:
     """The cache over its first `length` positions: sliced (full attention), else as it is
     (a window or a state is only ever used at its own length)."""
     cache: Any = source  # (mlx-lm's caches type their arrays as None until first written)
+    if type(cache) is QuantizedKV:
+        return cache.cut(length, copy)
     if type(cache) is KVCache:
         full = KVCache()
         keys, values = source.keys[..., :length, :], source.values[..., :length, :]
@@ -89,6 +92,9 @@ def to_tensors(caches: Sequence[Any], layout: Sequence[LayerLayout], length: int
     tensors = {}
     for name, shape in tensor_shapes(layout, length).items():
         layer, _, field = name.rpartition(".")
+        if field in ("packed", "scales", "biases") or type(flat.get(layer)) is QuantizedKV:
+            tensors[name] = _quantized_tensor(flat, name, shape)
+            continue
         cache = flat[layer]
         if field in ("keys", "values"):
             keys, values = _in_order(cache)
@@ -99,6 +105,23 @@ def to_tensors(caches: Sequence[Any], layout: Sequence[LayerLayout], length: int
             array = cache[int(field.removeprefix("state"))]
         tensors[name] = np.array(array.astype(mx.float32))
     return safetensors.numpy.save(tensors)
+
+
+_PARTS = {"packed": 0, "scales": 1, "biases": 2}
+
+
+def _quantized_tensor(flat: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A quantized layer's tensor: `<layer>.<keys|values>.<packed|scales|biases>`, or its float
+    head `<layer>.<keys|values>` (scales and biases widened to float32 like float KV)."""
+    path, _, last = name.rpartition(".")
+    if last in _PARTS:
+        layer, _, field = path.rpartition(".")
+        cache = flat[layer]
+        array = (cache.keys if field == "keys" else cache.values)[_PARTS[last]][:, :, : shape[2]]
+        return np.array(array if last == "packed" else array.astype(mx.float32))
+    cache = flat[path]
+    head = cache.head_keys if last == "keys" else cache.head_values
+    return np.array(head[:, :, : shape[2]].astype(mx.float32))
 
 
 def from_tensors(data: bytes, layout: Sequence[LayerLayout], length: int) -> list:
@@ -119,6 +142,8 @@ def _restore(tensors: dict, name: str, layer: LayerLayout, length: int) -> Any:
             if spec.dtype:
                 cache[j] = mx.array(tensors[f"{name}.state{j}"]).astype(DTYPES[spec.dtype])
         return cache
+    if layer.kind == "full" and layer.kv_bits:
+        return _restore_quantized(tensors, name, layer, length)
     keys = mx.array(tensors[f"{name}.keys"]).astype(DTYPES[layer.dtype])
     values = mx.array(tensors[f"{name}.values"]).astype(DTYPES[layer.dtype])
     if layer.kind == "window":
@@ -128,6 +153,26 @@ def _restore(tensors: dict, name: str, layer: LayerLayout, length: int) -> Any:
     full = KVCache()
     full.keys, full.values, full.offset = keys, values, length
     return full
+
+
+def _restore_quantized(tensors: dict, name: str, layer: LayerLayout, length: int) -> QuantizedKV:
+    dtype = DTYPES[layer.dtype]
+    cache = QuantizedKV(layer)
+
+    def parts(field: str) -> list[mx.array]:
+        words = mx.array(tensors[f"{name}.{field}.packed"])
+        return [words, *(mx.array(tensors[f"{name}.{field}.{p}"]).astype(dtype) for p in ("scales", "biases"))]
+
+    cache.keys, cache.values, cache.offset = parts("keys"), parts("values"), length
+    if layer.kv_start:
+        heads = []
+        for field, dim in (("keys", layer.key_dim), ("values", layer.value_dim)):
+            head = mx.zeros((1, layer.heads, layer.kv_start, dim), dtype)
+            kept = min(length, layer.kv_start)
+            head[:, :, :kept] = mx.array(tensors[f"{name}.{field}"]).astype(dtype)
+            heads.append(head)
+        cache.head_keys, cache.head_values = heads
+    return cache
 
 
 def _leaf_caches(caches: Sequence[Any], layout: Sequence[LayerLayout]):

@@ -27,6 +27,7 @@ from engine.batch import DecodeBatch
 from engine.compiled import compile_decode_step
 from engine.forward import append_known, forward_drafts, forward_pending, grammar_mask, host, read_logprobs, replay_accepted
 from engine.known import KnownTokens
+from engine.kvquant import is_quantized, quantized_start
 from engine.lora import AdapterBank
 from engine.prefill import prefill_one, prefill_together
 from engine.sampler import BatchSampler, RowSampling
@@ -95,7 +96,10 @@ class Engine:
         self._thread = threading.current_thread()
         self._sequences: dict[str, Sequence] = {}
         self._batch = DecodeBatch(layout)
-        self._decode_step = compile_decode_step(model, layout)
+        # Quantized KV layers are not traced: a lone row decodes uncompiled with them.
+        self._quantized = is_quantized(layout)
+        self._decode_step = None if self._quantized else compile_decode_step(model, layout)
+        self._float_prefill = quantized_start(layout) if self._quantized else float("inf")
         self._sampler = BatchSampler()
         self._pending: mx.array | None = None
         self._in_flight: InFlight | None = None
@@ -289,12 +293,13 @@ class Engine:
         models with recurrent layers only chunks of one length together); later chunks extend
         their request's own cache one at a time."""
         seqs = [self._prefill_target(work) for work in works]
-        first = [(s, w.num_tokens) for s, w in zip(seqs, works) if s.num_prefilled == 0]
+        # With quantized KV, a batched first chunk must stay below quantized_start (float).
+        first = [(s, w.num_tokens) for s, w in zip(seqs, works) if s.num_prefilled == 0 and w.num_tokens <= self._float_prefill]
         together = [group for group in self._batch.unpadded_groups([n for _, n in first]) if len(group) > 1]
         batched = {id(first[i][0]) for group in together for i in group}
         for seq, work in zip(seqs, works):
             if id(seq) not in batched:
-                prefill_one(self._model, seq, work.num_tokens)
+                prefill_one(self._model, self._layout, seq, work.num_tokens)
         for group in together:
             prefill_together(self._model, self._layout, self._trimmable, [first[i] for i in group])
         draft = self._speculator.draft

@@ -18,6 +18,7 @@ from typing import Any, cast
 import mlx.core as mx
 import mlx.nn as nn
 import msgspec
+import structlog
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
@@ -28,13 +29,15 @@ from engine.draft import DraftRunner
 from engine.layout import dtype_name, probe_layout
 from engine.quantized import apply_cpu_policy
 from engine.speculation import Speculator
-from policies.layout import full_token_bytes
+from policies.layout import full_token_bytes, is_trimmable, with_kv_quantization
 from policies.speculation import MEASURED_MAX_BATCH, SpeculationGate
-from protocols.config import ModelConfig, SpeculativeConfig
+from protocols.config import KvConfig, ModelConfig, SpeculativeConfig
 from protocols.errors import ModelLoadError
 from protocols.model import LayerLayout, ModelInfo
 
 DEFAULT_CONTEXT = 4096
+
+log = structlog.get_logger(actor="model")
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -44,6 +47,21 @@ class LoadedModel:
     tokenizer: TokenizerWrapper
     layout: list[LayerLayout]
     info: ModelInfo
+
+
+def with_kv_format(loaded: LoadedModel, kv: KvConfig) -> LoadedModel:
+    """The model with `kv.bits`-bit KV on the layers that can store it (`engine.kvquant`).
+    A model none of whose layers can is refused: the configuration asks for what cannot be."""
+    if not kv.bits:
+        return loaded
+    layout, kept_float = with_kv_quantization(loaded.layout, kv.bits, kv.group_size, kv.quantized_start)
+    if layout == loaded.layout:
+        raise ModelLoadError(f"kv.bits = {kv.bits}: no layer of this model can store quantized KV ({'; '.join(kept_float)})")
+    for reason in kept_float:
+        log.warning("kv_layer_kept_float", reason=reason)
+    assert is_trimmable(layout) == is_trimmable(loaded.layout)
+    info = msgspec.structs.replace(loaded.info, layers=layout, kv_bytes_per_token=full_token_bytes(layout))
+    return LoadedModel(model=loaded.model, tokenizer=loaded.tokenizer, layout=layout, info=info)
 
 
 def resolve_model_path(path: str, builtin_root: Path, progress: Callable[[str], None] | None = None) -> Path:

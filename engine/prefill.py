@@ -6,15 +6,16 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+from engine.kvquant import new_caches, quantized_caches
 from engine.lora import routed
 from engine.sequence import Sequence
 from protocols.model import LayerLayout
 
 
-def prefill_one(model, seq: Sequence, num_tokens: int) -> None:
+def prefill_one(model, layout: list[LayerLayout], seq: Sequence, num_tokens: int) -> None:
     start, end = seq.num_prefilled, seq.num_prefilled + num_tokens
     if seq.cache is None:
-        seq.cache = make_prompt_cache(model)
+        seq.cache = new_caches(model, layout)
     with routed(model, [seq.adapter_slot]):
         model(mx.array(seq.admit.prompt_ids[start:end])[None], cache=seq.cache)
     mx.eval([c.state for c in seq.cache])
@@ -25,7 +26,8 @@ def prefill_together(model, layout: list[LayerLayout], trimmable: bool, chunks: 
     """First chunks of several prompts in one forward through mlx-lm's batch caches, each row
     then extracted as its own cache. Full-attention models pad on the left; sliding windows on
     the right, with each row's length passed to the caches (which roll the windows back into
-    place), as mlx-lm's BatchGenerator does; recurrent ones never pad."""
+    place), as mlx-lm's BatchGenerator does; recurrent ones never pad. With quantized KV, only
+    chunks that stay below `kv.quantized_start` come here (float), quantized once extracted."""
     tokens = [seq.admit.prompt_ids[:n] for seq, n in chunks]
     width = max(n for _, n in chunks)
     padding = [width - n for _, n in chunks]
@@ -46,5 +48,5 @@ def prefill_together(model, layout: list[LayerLayout], trimmable: bool, chunks: 
                     c.finalize()
     mx.eval([c.state for c in cache])
     for row, (seq, n) in enumerate(chunks):
-        seq.cache = [c.extract(row) for c in cache]
+        seq.cache = quantized_caches([c.extract(row) for c in cache], layout)
         seq.num_prefilled = n

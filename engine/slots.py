@@ -487,6 +487,10 @@ Slots = FullSlots | WindowSlots | StateSlots | ListSlots
 
 def make_slots(batch, layout: LayerLayout) -> Slots:
     match layout.kind:
+        case "full" if layout.kv_bits:
+            from engine.kvquant import QuantizedSlots  # (it builds on FullSlots)
+
+            return QuantizedSlots(batch, layout)
         case "full":
             return FullSlots(batch, layout)
         case "window":

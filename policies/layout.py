@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+import msgspec
+
 from protocols.model import LayerLayout
 
 # Positions a sliding-window ring keeps beyond its window: the most tokens one forward may
@@ -34,10 +36,61 @@ def leaves(layers: Sequence[LayerLayout], prefix: str = "") -> Iterator[tuple[st
 
 
 def token_bytes(layer: LayerLayout) -> int:
-    """Bytes one token's KV takes in an attention layer (0 for state layers)."""
+    """Bytes one token's float KV takes in an attention layer (0 for state layers)."""
     if layer.kind not in ("full", "window"):
         return 0
     return layer.heads * (layer.key_dim + layer.value_dim) * dtype_bytes(layer.dtype)
+
+
+def packed_dim(dim: int, bits: int) -> int:
+    """uint32 words holding `dim` elements of `bits` bits."""
+    return dim * bits // 32
+
+
+def quantized_token_bytes(layer: LayerLayout) -> int:
+    """Bytes one token's quantized KV takes in a quantized full layer: packed words, and a
+    scale and a bias (the model's dtype) per group."""
+    groups = (layer.key_dim + layer.value_dim) // layer.kv_group_size
+    return layer.heads * (packed_dim(layer.key_dim + layer.value_dim, layer.kv_bits) * 4 + 2 * groups * dtype_bytes(layer.dtype))
+
+
+def full_layer_bytes(layer: LayerLayout, num_tokens: int) -> int:
+    """A full-attention layer's bytes for `num_tokens` positions: float, or quantized plus the
+    float copy of the first `kv_start` positions."""
+    if not layer.kv_bits:
+        return token_bytes(layer) * num_tokens
+    return quantized_token_bytes(layer) * num_tokens + token_bytes(layer) * min(num_tokens, layer.kv_start)
+
+
+def kv_format(layers: Sequence[LayerLayout]) -> str:
+    """How the layers store KV, for checkpoint headers and stats: "float", or e.g.
+    "int8/g64/start0" (any quantized layer: they share one setting)."""
+    for _, layer in leaves(layers):
+        if layer.kind == "full" and layer.kv_bits:
+            return f"int{layer.kv_bits}/g{layer.kv_group_size}/start{layer.kv_start}"
+    return "float"
+
+
+def with_kv_quantization(layers: Sequence[LayerLayout], bits: int, group_size: int, start: int) -> tuple[list[LayerLayout], list[str]]:
+    """The layers with `bits`-bit KV on every full-attention layer that can take it, and why
+    the others cannot (by layer name). Windows stay float: mlx-lm has no quantized ring."""
+    refused: list[str] = []
+
+    def convert(layer: LayerLayout, name: str) -> LayerLayout:
+        if layer.kind == "list":
+            return msgspec.structs.replace(layer, parts=[convert(part, f"{name}.{j}") for j, part in enumerate(layer.parts)])
+        if layer.kind == "window":
+            refused.append(f"layer {name}: sliding window (kept float: no quantized rotating cache)")
+        if layer.kind != "full":
+            return layer
+        if layer.key_dim % group_size or layer.value_dim % group_size:
+            refused.append(f"layer {name}: head dims {layer.key_dim}/{layer.value_dim} not divisible by kv.group_size {group_size} (kept float)")
+            return layer
+        return msgspec.structs.replace(layer, kv_bits=bits, kv_group_size=group_size, kv_start=start)
+
+    if not bits:
+        return list(layers), []
+    return [convert(layer, str(i)) for i, layer in enumerate(layers)], refused
 
 
 def state_bytes(layer: LayerLayout) -> int:
@@ -61,7 +114,7 @@ def request_bytes(layers: Sequence[LayerLayout], num_tokens: int) -> int:
     total = 0
     for _, layer in leaves(layers):
         if layer.kind == "full":
-            total += token_bytes(layer) * num_tokens
+            total += full_layer_bytes(layer, num_tokens)
         elif layer.kind == "window":
             total += token_bytes(layer) * min(num_tokens, ring_capacity(layer))
         else:
@@ -70,8 +123,8 @@ def request_bytes(layers: Sequence[LayerLayout], num_tokens: int) -> int:
 
 
 def full_token_bytes(layers: Sequence[LayerLayout]) -> int:
-    """Bytes per token of the layers whose KV grows without bound."""
-    return sum(token_bytes(layer) for _, layer in leaves(layers) if layer.kind == "full")
+    """Bytes per token of the layers whose KV grows without bound (past `kv_start`)."""
+    return sum(quantized_token_bytes(layer) if layer.kv_bits else token_bytes(layer) for _, layer in leaves(layers) if layer.kind == "full")
 
 
 def is_trimmable(layers: Sequence[LayerLayout]) -> bool:
@@ -88,7 +141,9 @@ def tensor_shapes(layers: Sequence[LayerLayout], num_tokens: int) -> dict[str, t
     """The tensors a checkpoint of `num_tokens` positions holds, by name, with their shapes."""
     shapes: dict[str, tuple[int, ...]] = {}
     for name, layer in leaves(layers):
-        if layer.kind in ("full", "window"):
+        if layer.kind == "full" and layer.kv_bits:
+            shapes.update(_quantized_shapes(name, layer, num_tokens))
+        elif layer.kind in ("full", "window"):
             length = num_tokens if layer.kind == "full" else min(num_tokens, layer.window)
             shapes[f"{name}.keys"] = (1, layer.heads, length, layer.key_dim)
             shapes[f"{name}.values"] = (1, layer.heads, length, layer.value_dim)
@@ -96,4 +151,15 @@ def tensor_shapes(layers: Sequence[LayerLayout], num_tokens: int) -> dict[str, t
             for j, array in enumerate(layer.states):
                 if array.dtype:
                     shapes[f"{name}.state{j}"] = (1, *array.shape)
+    return shapes
+
+
+def _quantized_shapes(name: str, layer: LayerLayout, num_tokens: int) -> dict[str, tuple[int, ...]]:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for field, dim in (("keys", layer.key_dim), ("values", layer.value_dim)):
+        shapes[f"{name}.{field}.packed"] = (1, layer.heads, num_tokens, packed_dim(dim, layer.kv_bits))
+        shapes[f"{name}.{field}.scales"] = (1, layer.heads, num_tokens, dim // layer.kv_group_size)
+        shapes[f"{name}.{field}.biases"] = (1, layer.heads, num_tokens, dim // layer.kv_group_size)
+        if layer.kv_start:
+            shapes[f"{name}.{field}"] = (1, layer.heads, min(num_tokens, layer.kv_start), dim)
     return shapes

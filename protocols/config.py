@@ -55,6 +55,15 @@ class KvConfig(Section, frozen=True):
     prefix_cache_bytes: NonNegative = 1 << 30
     # Shorter sequences are not worth keeping.
     prefix_min_tokens: NonNegative = 16
+    # Quantized KV for full-attention layers: 0 (float, the model's dtype), 8 or 4 bits per
+    # element, with a scale and a bias per `group_size` elements (as mlx-lm's QuantizedKVCache).
+    # Sliding-window layers stay float (mlx-lm has no quantized rotating cache); so does a layer
+    # whose head dims `group_size` does not divide (the load log names such layers).
+    bits: Literal[0, 4, 8] = 0
+    group_size: Literal[32, 64, 128] = 64
+    # Each request's first `quantized_start` positions are kept in full precision as well, and
+    # attention reads those (a system prompt, attention sinks); later positions are quantized.
+    quantized_start: NonNegative = 0
 
 
 class GenerationConfig(Section, frozen=True):

@@ -231,6 +231,10 @@ class LayerLayout(Record, frozen=True):
       most `window` positions;
     - "state": recurrent or convolution state (`ArraysCache`): `states`, fixed per request;
     - "list": several of the above in one layer (`CacheList`): `parts`.
+
+    A "full" layer with `kv_bits` (4 or 8, `kv.bits`) stores every position's keys and values
+    quantized per `kv_group_size` elements (packed, scales, biases: `engine.kvquant`), and its
+    first `kv_start` positions in full precision too, which attention reads instead.
     """
 
     kind: Literal["full", "window", "state", "list"]
@@ -241,6 +245,9 @@ class LayerLayout(Record, frozen=True):
     window: int = 0
     states: list[StateArray] = msgspec.field(default_factory=list)
     parts: list[LayerLayout] = msgspec.field(default_factory=list)
+    kv_bits: int = 0
+    kv_group_size: int = 0
+    kv_start: int = 0
 
 
 class ModelInfo(Record, frozen=True):

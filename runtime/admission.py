@@ -26,6 +26,7 @@ import structlog
 from policies import fill_plan as fill
 from policies import validation as requests
 from policies.adapters import AdapterRegistry
+from policies.layout import kv_format
 from policies.speculation import plan_speculation
 from protocols.api import FillStats, GenerateRequest, SpecStats
 from protocols.model import AdmitRequest, GrammarSpec, ModelInfo, ResumeState
@@ -251,7 +252,12 @@ class Admission:
         info = self._info
         try:
             header, tensors = checkpoints.read(
-                self._checkpoint_dir, request_id, model_id=info.model_id, tokenizer_id=info.tokenizer_id, max_bytes=self._max_checkpoint_bytes
+                self._checkpoint_dir,
+                request_id,
+                model_id=info.model_id,
+                tokenizer_id=info.tokenizer_id,
+                max_bytes=self._max_checkpoint_bytes,
+                kv_format=kv_format(info.layers),
             )
         except (OSError, RecursionError, ValueError) as exc:
             raise CorruptCheckpointError(f"checkpoint of {request_id!r} cannot be read: {type(exc).__name__}") from None

@@ -42,7 +42,7 @@ from protocols.errors import (
 )
 from protocols.model import LayerLayout
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 _MAGIC_PREFIX = b"MLXRTCK"
 MAGIC = _MAGIC_PREFIX + str(FORMAT_VERSION).encode()
 _LENGTH = struct.Struct(">I")
@@ -67,6 +67,8 @@ class CheckpointHeader(Record, frozen=True):
     created_at: float
     # The LoRA adapter (`request.adapter`) the KV was computed under: its digest.
     adapter_digest: str = ""
+    # How the KV tensors are stored (`policies.layout.kv_format`: "float", "int8/g64/start0"...).
+    kv_format: str = "float"
 
 
 class CheckpointDirError(CheckpointError):
@@ -157,12 +159,15 @@ def _write_file(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def read(directory: Path, request_id: str, *, model_id: str, tokenizer_id: str, max_bytes: int) -> tuple[CheckpointHeader, bytes]:
-    """The header and tensor bytes of a checkpoint that this model can resume."""
+def read(directory: Path, request_id: str, *, model_id: str, tokenizer_id: str, max_bytes: int, kv_format: str = "float") -> tuple[CheckpointHeader, bytes]:
+    """The header and tensor bytes of a checkpoint that this model, storing KV as
+    `kv_format`, can resume."""
     path = path_for(directory, request_id)
     header, tensors = decode(_read_regular(path, max_bytes, request_id), source=str(path))
     if header.model_id != model_id or header.tokenizer_id != tokenizer_id:
         raise ForeignCheckpointError(f"{path} was written for another model or tokenizer")
+    if header.kv_format != kv_format:
+        raise ForeignCheckpointError(f"{path} holds {header.kv_format} KV; this runtime stores {kv_format} KV (kv.bits, kv.group_size, kv.quantized_start)")
     if header.request.request_id != request_id:
         raise CorruptCheckpointError(f"{path} belongs to request {header.request.request_id!r}")
     return header, tensors
@@ -270,10 +275,11 @@ class CheckpointStore:
     The KV store actor calls these from worker threads (they block on the disk).
     """
 
-    def __init__(self, directory: Path, *, model_id: str, tokenizer_id: str):
+    def __init__(self, directory: Path, *, model_id: str, tokenizer_id: str, kv_format: str = "float"):
         self.directory = directory
         self.model_id = model_id
         self.tokenizer_id = tokenizer_id
+        self.kv_format = kv_format
 
     def write(self, request: GenerateRequest, prompt_ids: list[int], seed: int, max_tokens: int, stop_token_ids: list[int], data) -> None:
         """Write a request's captured state (`protocols.model.CheckpointData`) atomically."""
@@ -289,6 +295,7 @@ class CheckpointStore:
             num_kv_tokens=data.num_kv_tokens,
             created_at=time.time(),
             adapter_digest=data.adapter_digest,
+            kv_format=self.kv_format,
         )
         write_atomic(self.directory, data.request_id, encode(header, data.kv_tensors))
 

@@ -25,6 +25,7 @@ from actors.scheduler import SchedulerActor
 from actors.session import SessionActor
 from policies.adapters import AdapterRegistry, AdapterSlots
 from policies.detokenize import make_detokenizer
+from policies.layout import kv_format
 from policies.ledger import KvLedger
 from policies.output_parser import OutputParser
 from policies.scheduling import SchedulePolicy
@@ -147,6 +148,7 @@ class Runtime:
             make_grammars=make_grammars,
             progress=progress,
             speculative=config.speculative,
+            kv=config.kv,
             lora=config.lora,
             adapters=config.adapters,
         )
@@ -161,7 +163,11 @@ class Runtime:
             prefix_min_tokens=config.kv.prefix_min_tokens,
         )
         info = ready.info
-        store = None if problem is not None else CheckpointStore(directory, model_id=info.model_id, tokenizer_id=info.tokenizer_id)
+        store = (
+            None
+            if problem is not None
+            else CheckpointStore(directory, model_id=info.model_id, tokenizer_id=info.tokenizer_id, kv_format=kv_format(info.layers))
+        )
         kv = KvStoreActor(ledger, model=model.inbox, checkpoints=store, max_age_s=config.checkpoints.max_age_s)
         await tg.start(kv.run)
         s = config.scheduler

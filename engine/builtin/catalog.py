@@ -90,24 +90,70 @@ _TINY_SPEC = BuiltinSpec(
     scale=((r"model\.layers\.[23]\..*(?:o_proj|down_proj)\.weight", 0.1),),
 )
 
+_TINY = BuiltinSpec(
+    name="tiny",
+    model_type="llama",
+    hidden_size=64,
+    num_hidden_layers=2,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=2048,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    seed=0,
+    tokenizer=TINY_TOKENIZER,
+)
+
+# Sliding-window attention (window 16) on layers 0, 1 and 3, global on layer 2;
+# the head is tied to the embeddings as in Gemma 3 checkpoints.
+_TINY_GEMMA3 = BuiltinSpec(
+    name="tiny-gemma3",
+    model_type="gemma3_text",
+    hidden_size=64,
+    num_hidden_layers=4,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    vocab_size=1024,
+    max_position_embeddings=2048,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    seed=4,
+    tokenizer=TINY_TOKENIZER,
+    extra=config_fields(
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=16,
+        sliding_window_pattern=3,
+        rope_local_base_freq=10000.0,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
+    omit_weights=("lm_head",),
+)
+
+# `tiny` and `tiny-gemma3` with 64-dimensional heads, so their KV can be quantized (MLX
+# quantizes groups of 32, 64 or 128 elements along the head dim; `kv.bits`).
+_TINY_KV = dataclasses.replace(_TINY, name="tiny-kv", extra=config_fields(head_dim=64))
+_TINY_GEMMA3_KV = dataclasses.replace(
+    _TINY_GEMMA3,
+    name="tiny-gemma3-kv",
+    extra=config_fields(
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=16,
+        sliding_window_pattern=3,
+        rope_local_base_freq=10000.0,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
+)
+
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     spec.name: spec
     for spec in (
-        BuiltinSpec(
-            name="tiny",
-            model_type="llama",
-            hidden_size=64,
-            num_hidden_layers=2,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=1024,
-            max_position_embeddings=2048,
-            rope_theta=10000.0,
-            tie_word_embeddings=True,
-            seed=0,
-            tokenizer=TINY_TOKENIZER,
-        ),
+        _TINY,
+        _TINY_KV,
         BuiltinSpec(
             name="tiny-qwen2",
             model_type="qwen2",
@@ -123,32 +169,8 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
             seed=1,
             tokenizer=TINY_TOKENIZER,
         ),
-        # Sliding-window attention (window 16) on layers 0, 1 and 3, global on layer 2;
-        # the head is tied to the embeddings as in Gemma 3 checkpoints.
-        BuiltinSpec(
-            name="tiny-gemma3",
-            model_type="gemma3_text",
-            hidden_size=64,
-            num_hidden_layers=4,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            vocab_size=1024,
-            max_position_embeddings=2048,
-            rope_theta=1000000.0,
-            tie_word_embeddings=True,
-            seed=4,
-            tokenizer=TINY_TOKENIZER,
-            extra=config_fields(
-                head_dim=16,
-                query_pre_attn_scalar=16,
-                sliding_window=16,
-                sliding_window_pattern=3,
-                rope_local_base_freq=10000.0,
-                hidden_activation="gelu_pytorch_tanh",
-            ),
-            omit_weights=("lm_head",),
-        ),
+        _TINY_GEMMA3,
+        _TINY_GEMMA3_KV,
         # Three gated-delta (linear attention) layers, then one full attention layer;
         # every MLP a mixture of 4 experts (2 active) plus a shared expert.
         BuiltinSpec(
