@@ -1,0 +1,145 @@
+"""Quantized KV in the decode batch: fidelity against mlx-lm's own `QuantizedKVCache`, and the
+stored form surviving every way out of the batch (extract, prefix views, checkpoint tensors)."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+from engine import caches
+from engine.batch import DecodeBatch
+from engine.kvquant import QuantizedKV, new_caches
+from engine.layout import probe_layout
+from policies.layout import full_token_bytes, kv_format, with_kv_quantization
+from tests.integration.reference import load_reference
+
+PROMPT, FORCED = 40, 48
+
+
+def _logprobs(logits: mx.array) -> mx.array:
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _forced_mlx_lm(model, prompt: list[int], forced: list[int], cache: list) -> list[float]:
+    """The logprob of each forced token, fed one at a time through mlx-lm's caches."""
+    logits = model(mx.array(prompt)[None], cache=cache)[:, -1]
+    out = []
+    for token in forced:
+        out.append(_logprobs(logits)[0, token].item())
+        logits = model(mx.array([[token]]), cache=cache)[:, -1]
+    return out
+
+
+def _forced_batch(model, layout, prompts: list[list[int]], forced: list[list[int]]) -> list[list[float]]:
+    """The same through the decode batch: every prompt prefilled into its own cache, joined as
+    rows of one batch, then each row's forced tokens one step at a time for all rows."""
+    batch = DecodeBatch(layout)
+    pending = []
+    for i, prompt in enumerate(prompts):
+        cache = new_caches(model, layout)
+        model(mx.array(prompt[:-1])[None], cache=cache)
+        batch.add_row(str(i), cache, len(prompt) - 1)
+        pending.append(prompt[-1])
+    out: list[list[float]] = [[] for _ in prompts]
+    for step in range(len(forced[0])):
+        batch.begin_step([1] * len(prompts))
+        try:
+            logits = model(mx.array(pending)[:, None], cache=batch.layers)[:, -1]
+        finally:
+            batch.end_step()
+        logprobs = _logprobs(logits)
+        for i in range(len(prompts)):
+            out[i].append(logprobs[i, forced[i][step]].item())
+        pending = [f[step] for f in forced]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_kv():
+    model, _ = load_reference("builtin:tiny-kv")
+    rng = random.Random(11)
+    prompts = [[rng.randrange(4, 1000) for _ in range(PROMPT + 7 * i)] for i in range(3)]
+    # The float run's greedy choices: the forced continuation every run is scored on.
+    forced = []
+    for prompt in prompts:
+        cache = make_prompt_cache(model)
+        logits, tokens = model(mx.array(prompt)[None], cache=cache)[:, -1], []
+        for _ in range(FORCED):
+            tokens.append(int(mx.argmax(logits, axis=-1).item()))
+            logits = model(mx.array([[tokens[-1]]]), cache=cache)[:, -1]
+        forced.append(tokens)
+    return model, probe_layout(model), prompts, forced
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_logprob_error_is_within_twice_mlx_lms_quantized_cache(tiny_kv, bits):
+    model, float_layout, prompts, forced = tiny_kv
+    layout, kept_float = with_kv_quantization(float_layout, bits, 64, 0)
+    assert not kept_float and kv_format(layout) == f"int{bits}/g64/start0"
+    reference = [_forced_mlx_lm(model, p, f, make_prompt_cache(model)) for p, f in zip(prompts, forced)]
+    theirs = [_forced_mlx_lm(model, p, f, [QuantizedKVCache(group_size=64, bits=bits) for _ in layout]) for p, f in zip(prompts, forced)]
+    ours = _forced_batch(model, layout, prompts, forced)
+    floats = _forced_batch(model, float_layout, prompts, forced)
+
+    def error(run: list[list[float]]) -> float:
+        pairs = [(a, b) for row, ref in zip(run, reference) for a, b in zip(row, ref)]
+        return sum(abs(a - b) for a, b in pairs) / len(pairs)
+
+    assert error(floats) < 1e-4  # the float batch is the reference, up to rounding
+    mlx_error, our_error = error(theirs), error(ours)
+    assert mlx_error > 0 and our_error > 0  # both really quantize
+    assert our_error <= 2 * mlx_error, f"{bits}-bit KV: mean |dlogprob| {our_error:.4f} vs mlx-lm's {mlx_error:.4f}"
+
+
+def test_a_float_head_below_quantized_start_is_closer_to_float(tiny_kv):
+    model, float_layout, prompts, forced = tiny_kv
+    reference = _forced_batch(model, float_layout, prompts, forced)
+
+    def error(start: int) -> float:
+        layout, _ = with_kv_quantization(float_layout, 4, 64, start)
+        run = _forced_batch(model, layout, prompts, forced)
+        return sum(abs(a - b) for row, ref in zip(run, reference) for a, b in zip(row, ref))
+
+    assert error(PROMPT) < error(0)
+    assert error(PROMPT + 14 + FORCED + 1) < 1e-3  # every position below the start: float attention
+
+
+def test_the_stored_form_survives_extract_views_and_checkpoint_tensors(tiny_kv):
+    model, float_layout, prompts, _ = tiny_kv
+    layout, _ = with_kv_quantization(float_layout, 8, 32, 20)
+    prompt = prompts[1]
+    cache = new_caches(model, layout)
+    model(mx.array(prompt[:30])[None], cache=cache)
+    model(mx.array(prompt[30:])[None], cache=cache)  # a second chunk crossing nothing, past the start
+    n = len(prompt)
+    assert all(type(c) is QuantizedKV and c.offset == n for c in cache)
+
+    def same(a: QuantizedKV, b: QuantizedKV, length: int) -> bool:
+        assert a.keys and b.keys and a.values and b.values
+        packed = all(mx.array_equal(x[:, :, :length], y[:, :, :length]).item() for x, y in zip(a.keys + a.values, b.keys + b.values))
+        kept = min(length, 20)
+        heads = all(mx.array_equal(x[:, :, :kept], y[:, :, :kept]).item() for x, y in ((a.head_keys, b.head_keys), (a.head_values, b.head_values)))
+        return packed and heads
+
+    # A float cache quantized at once equals the same positions written in pieces.
+    keys, values = mx.random.normal((1, 2, n, 64), key=mx.random.key(1)), mx.random.normal((1, 2, n, 64), key=mx.random.key(2))
+    float_cache = KVCache()
+    float_cache.update_and_fetch(keys, values)
+    pieces = QuantizedKV(layout[0])
+    for start, end in ((0, 7), (7, 8), (8, 31), (31, n)):
+        pieces.update_and_fetch(keys[:, :, start:end], values[:, :, start:end])
+    assert same(QuantizedKV.from_float(float_cache, layout[0], n), pieces, n)
+
+    batch = DecodeBatch(layout)
+    batch.add_row("a", caches.prefix_view(cache, n - 5), n - 5)
+    batch.add_row("b", cache, n)
+    extracted = batch.extract("b")
+    assert all(same(x, c, n) for x, c in zip(extracted, cache))
+    restored = caches.from_tensors(caches.to_tensors(extracted, layout, n), layout, n)
+    assert all(same(r, c, n) for r, c in zip(restored, cache))
+    assert all(same(x, c, n - 5) for x, c in zip(batch.extract("a"), cache))
+    # What it costs: 8-bit, group 32, float32 scales: 1 + 8/32 bytes per element, against 4.
+    assert full_token_bytes(layout) * 16 == full_token_bytes(float_layout) * 5

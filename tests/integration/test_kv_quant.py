@@ -1,0 +1,159 @@
+"""Quantized KV (`kv.bits`) served: batched equals unbatched, prefix reuse and resume are exact
+relative to a quantized run without them, checkpoints of another KV format are refused, and
+a fixed budget admits several times the conversations."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import msgspec
+import pytest
+
+from policies.layout import kv_format, leaves
+from policies.ledger import KvLedger
+from protocols import Finished, GenerateRequest, TokenDelta
+from runtime import ModelLoadError, Runtime
+from runtime.checkpoints import ForeignCheckpointError, path_for
+from runtime.config import CheckpointConfig, KvConfig, SpeculativeConfig
+from tests.conftest import make_config
+from tests.integration.test_parity import _prompts, _run_all
+
+MAX_TOKENS = 24
+
+
+def _config(model: str, bits: int, start: int = 0, **kv):
+    config = make_config(model)
+    return msgspec.structs.replace(config, kv=KvConfig(bits=bits, quantized_start=start, **kv))
+
+
+async def _streams(config, prompts, max_batch_size: int):
+    config = msgspec.structs.replace(config, scheduler=msgspec.structs.replace(config.scheduler, max_batch_size=max_batch_size))
+    async with Runtime.open(config) as rt:
+        return [tokens for tokens, _ in await _run_all(rt, prompts)]
+
+
+CASES = [("builtin:tiny-kv", 8, 0), ("builtin:tiny-kv", 4, 20), ("builtin:tiny-gemma3-kv", 8, 0)]
+
+
+@pytest.mark.parametrize(("model", "bits", "start"), CASES, ids=[f"{m.removeprefix('builtin:')}-{b}bit-start{s}" for m, b, s in CASES])
+async def test_batched_streams_equal_unbatched_ones(model, bits, start):
+    config = _config(model, bits, start)
+    async with Runtime.open(config) as rt:
+        layers = [layer for _, layer in leaves(rt.model_info.layers)]
+        float_bytes = (await rt.stats()).kv.bytes_per_token
+    assert kv_format(layers) == f"int{bits}/g64/start{start}"
+    # Full layers quantized; sliding windows kept float.
+    assert all(bool(layer.kv_bits) == (layer.kind == "full") for layer in layers if layer.kind in ("full", "window"))
+    prompts = _prompts()
+    batched = await _streams(config, prompts, 8)
+    assert batched == await _streams(config, prompts, 1)
+    assert all(len(tokens) > 0 for tokens in batched)
+    async with Runtime.open(make_config(model)) as rt:
+        assert (await rt.stats()).kv.bytes_per_token > 3 * float_bytes  # float32 KV: 4 bytes an element
+
+
+async def test_a_model_whose_heads_cannot_be_grouped_is_refused():
+    with pytest.raises(ModelLoadError, match="kv.group_size"):
+        async with Runtime.open(_config("builtin:tiny", 8)):
+            pass
+
+
+async def _generate(rt: Runtime, request: GenerateRequest) -> tuple[list[int], Finished]:
+    tokens, finished = [], None
+    async for event in rt.generate(request):
+        if isinstance(event, TokenDelta):
+            tokens += event.token_ids
+        elif isinstance(event, Finished):
+            finished = event
+    assert finished is not None
+    return tokens, finished
+
+
+async def test_prefix_reuse_is_exact_relative_to_a_quantized_run_without_it():
+    rng = random.Random(4)
+    system = [rng.randrange(4, 1000) for _ in range(50)]
+    prompts = [system + [rng.randrange(4, 1000) for _ in range(n)] for n in (9, 17, 3)]
+    requests = [GenerateRequest(prompt_ids=p, max_tokens=MAX_TOKENS, ignore_eos=True) for p in prompts]
+    for start in (0, 32):
+        async with Runtime.open(_config("builtin:tiny-kv", 8, start, prefix_cache_bytes=0)) as rt:
+            fresh = [await _generate(rt, r) for r in requests]
+        async with Runtime.open(_config("builtin:tiny-kv", 8, start, prefix_min_tokens=8)) as rt:
+            reused = [await _generate(rt, r) for r in requests]
+            stats = (await rt.stats()).kv
+        assert [t for t, _ in reused] == [t for t, _ in fresh]
+        assert stats.prefix_hits == 2 and all(f.usage.cached_tokens >= len(system) for _, f in reused[1:])
+
+
+async def test_resume_is_exact_and_another_kv_format_is_refused(tmp_path):
+    prompt = [random.Random(3).randrange(1000) for _ in range(21)]
+    request = GenerateRequest(prompt_ids=prompt, max_tokens=400, ignore_eos=True, request_id="r", checkpoint_every=8)
+
+    def config(directory, bits: int = 8):
+        return msgspec.structs.replace(_config("builtin:tiny-kv", bits, 16), checkpoints=CheckpointConfig(dir=str(directory)))
+
+    async with Runtime.open(config(tmp_path / "a")) as rt:
+        uninterrupted, _ = await _generate(rt, request)
+    directory = tmp_path / "b"
+    async with Runtime.open(config(directory)) as rt:
+        stream = rt.generate(request).__aiter__()
+        while not path_for(directory, "r").exists():
+            await stream.__anext__()
+    for bits in (0, 4):
+        async with Runtime.open(config(directory, bits)) as rt:
+            with pytest.raises(ForeignCheckpointError, match="int8/g64/start16 KV"):
+                async for _ in rt.resume("r"):
+                    pass
+    async with Runtime.open(config(directory)) as rt:
+        tokens = [t async for e in rt.resume("r") if isinstance(e, TokenDelta) for t in e.token_ids]
+    assert tokens == uninterrupted
+
+
+async def test_speculation_on_quantized_rows_keeps_the_stream():
+    """Prompt lookup verifies drafts over quantized rows and rewinds the rejected ones."""
+    rng = random.Random(8)
+    motif = [rng.randrange(4, 1000) for _ in range(12)]
+    prompts = [motif * 4 + [rng.randrange(4, 1000) for _ in range(n)] for n in (1, 5, 9)]
+    base = _config("builtin:tiny-kv", 8)
+    plain = await _streams(base, prompts, 8)
+    spec = msgspec.structs.replace(base, speculative=SpeculativeConfig(lookup=True, adaptive=False))
+    async with Runtime.open(spec) as rt:
+        results = await _run_all(rt, prompts)
+    assert [t for t, _ in results] == plain
+    assert sum(f.spec.rounds for _, f in results if f.spec is not None) > 0
+
+
+async def test_a_fixed_budget_admits_several_times_the_conversations():
+    """1,024-token conversations against one budget, counted by the ledger the KV store admits with."""
+    counts = {}
+    for bits in (0, 8, 4):
+        config = make_config("builtin:tiny-kv") if not bits else _config("builtin:tiny-kv", bits)
+        async with Runtime.open(config) as rt:
+            layers = rt.model_info.layers
+        budget = 64 * 1024 * 1024
+        ledger = KvLedger(bytes_per_token=0, budget_bytes=budget, layers=layers)
+        count = 0
+        while ledger.reserve(f"r{count}", 1024)[0].granted:
+            count += 1
+        counts[bits] = count
+    assert counts[8] >= 1.9 * counts[0] and counts[4] >= 3.5 * counts[0], counts
+
+
+async def test_streams_end_cleanly_under_a_quantized_budget():
+    """Many requests against a budget that holds a few at a time: all finish, none errors."""
+    layers_config = _config("builtin:tiny-kv", 4)
+    async with Runtime.open(layers_config) as rt:
+        per_request = (await rt.stats()).kv.bytes_per_token * 200
+    config = _config("builtin:tiny-kv", 4, budget_bytes=3 * per_request)
+    prompts = [[random.Random(i).randrange(4, 1000) for _ in range(150)] for i in range(8)]
+    results: list = [None] * len(prompts)
+
+    async def one(i: int) -> None:
+        results[i] = await _generate(rt, GenerateRequest(prompt_ids=prompts[i], max_tokens=40, ignore_eos=True))
+
+    async with Runtime.open(config) as rt:
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prompts)):
+                    tg.start_soon(one, i)
+    assert all(f.finish_reason == "length" and len(t) == 40 for t, f in results)
