@@ -54,7 +54,7 @@ async def test_batched_streams_equal_unbatched_ones(model, bits, start):
 
 
 async def test_a_model_whose_heads_cannot_be_grouped_is_refused():
-    with pytest.raises(ModelLoadError, match="kv.group_size"):
+    with pytest.raises(ModelLoadError, match=r"kv\.group_size"):
         async with Runtime.open(_config("builtin:tiny", 8)):
             pass
 
@@ -101,7 +101,7 @@ async def test_resume_is_exact_and_another_kv_format_is_refused(tmp_path):
             await stream.__anext__()
     for bits in (0, 4):
         async with Runtime.open(config(directory, bits)) as rt:
-            with pytest.raises(ForeignCheckpointError, match="int8/g64/start16 KV"):
+            with pytest.raises(ForeignCheckpointError, match=r"int8/g64/start16 KV"):
                 async for _ in rt.resume("r"):
                     pass
     async with Runtime.open(config(directory)) as rt:
