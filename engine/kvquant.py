@@ -10,12 +10,12 @@ hold the same arrays the batch does, and a resumed or prefix-seeded request sees
 what an uninterrupted one saw. (Quantization is not idempotent in MLX, so re-quantizing
 dequantized values would not be.)
 
-Attention reads each row's positions dequantized (`mx.dequantize`, bitwise the same for a
-slice as for the whole), one layer at a time, through the model's own float attention:
-on the CPU backend MLX's `quantized_matmul` is several times slower than a float matmul
-(shared/PLATFORM.md), and the float path keeps masks, GQA and sinks as the model has them.
-The transient float copy is one layer's rows at a time; the stored bytes are the quantized
-ones.
+Attention: with `kv_start = 0` the packed arrays go to mlx-lm's quantized SDPA (the layers
+choose it for a cache with `bits`, as for `QuantizedKVCache`), the rows' masks included;
+with a float head, each row's positions are read as one float array (the head, then the rest
+dequantized: `mx.dequantize` is bitwise the same for a slice as for the whole) through the
+model's own attention. Measured on the CPU backend, quantized matmul is the faster of the two
+(BENCHMARKS.md).
 
 - `QuantizedKV`: a request's cache outside the batch (prefill, prefix entries, parked rows,
   checkpoints), answering mlx-lm's layers as a `KVCache` does.
@@ -54,6 +54,19 @@ def read(packed: Packed, head: mx.array | None, layer: LayerLayout, width: int) 
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
 
+def attend_quantized(cache: Any, layer: LayerLayout) -> None:
+    """Without a float head, attention runs on the packed arrays: mlx-lm's quantized SDPA
+    (`quantized_matmul`), which its layers pick for a cache with `bits` and `group_size` and
+    which is faster than dequantizing first (BENCHMARKS.md, KV memory). With a float head,
+    the two parts are read as one float array (`read`) through the model's float attention."""
+    if not layer.kv_start:
+        cache.bits, cache.group_size = layer.kv_bits, layer.kv_group_size
+
+
+def quantized_attention(cache: Any) -> bool:
+    return hasattr(cache, "bits")
+
+
 def _zeros(layer: LayerLayout, rows: int, capacity: int, dim: int) -> Packed:
     dtype = DTYPES[layer.dtype]
     groups = dim // layer.kv_group_size
@@ -67,6 +80,7 @@ class QuantizedKV(_BaseCache):
 
     def __init__(self, layer: LayerLayout):
         self.layer = layer
+        attend_quantized(self, layer)
         self.keys: Packed | None = None
         self.values: Packed | None = None
         self.head_keys: mx.array | None = None  # positions below kv_start, full precision
@@ -102,6 +116,8 @@ class QuantizedKV(_BaseCache):
 
     def fetch(self, width: int) -> tuple[mx.array, mx.array]:
         assert self.keys is not None and self.values is not None
+        if quantized_attention(self):
+            return tuple(a[:, :, :width] for a in self.keys), tuple(a[:, :, :width] for a in self.values)  # type: ignore[return-value]
         return read(self.keys, self.head_keys, self.layer, width), read(self.values, self.head_values, self.layer, width)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -188,6 +204,7 @@ class QuantizedSlots(FullSlots):
 
     def __init__(self, batch, layout: LayerLayout):
         super().__init__(batch, layout)
+        attend_quantized(self, layout)
         self.packed_keys: Packed | None = None
         self.packed_values: Packed | None = None
 
@@ -282,6 +299,8 @@ class QuantizedSlots(FullSlots):
         def rows(arrays: Packed) -> Packed:
             return [step.select(a[:, :, :width]) for a in arrays]
 
+        if quantized_attention(self):
+            return tuple(rows(self.packed_keys)), tuple(rows(self.packed_values))  # type: ignore[return-value]
         head_keys = step.select(self.keys) if self.keys is not None else None
         head_values = step.select(self.values) if self.values is not None else None
         return read(rows(self.packed_keys), head_keys, layer, width), read(rows(self.packed_values), head_values, layer, width)
