@@ -177,7 +177,13 @@ class SchedulerActor:
         if keys != self._reported_keys or self._steps_since_report >= REPORT_EVERY_STEPS:
             self._reported_keys, self._steps_since_report = set(keys), 0
             await self._kv.send(
-                ReportKvUsage(live_tokens=outcome.kv_tokens, physical_bytes=outcome.kv_bytes, adapter_bytes=outcome.adapter_bytes, device=outcome.device)
+                ReportKvUsage(
+                    live_tokens=outcome.kv_tokens,
+                    physical_bytes=outcome.kv_bytes,
+                    adapter_bytes=outcome.adapter_bytes,
+                    device=outcome.device,
+                    quantized_bytes=outcome.kv_quantized_bytes,
+                )
             )
 
     async def _save_checkpoint(self, data) -> None:

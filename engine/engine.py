@@ -27,7 +27,7 @@ from engine.batch import DecodeBatch
 from engine.compiled import compile_decode_step
 from engine.forward import append_known, forward_drafts, forward_pending, grammar_mask, host, read_logprobs, replay_accepted
 from engine.known import KnownTokens
-from engine.kvquant import is_quantized, quantized_start
+from engine.kvquant import is_quantized, packed_nbytes, quantized_start
 from engine.lora import AdapterBank
 from engine.prefill import prefill_one, prefill_together
 from engine.sampler import BatchSampler, RowSampling
@@ -144,6 +144,7 @@ class Engine:
             num_decode_rows=len(self._batch),
             kv_tokens=self.kv_tokens(),
             kv_bytes=self.kv_bytes(),
+            kv_quantized_bytes=self.kv_quantized_bytes(),
             step_s=time.perf_counter() - started,
             saved_prefixes=saved,
             checkpoints=self._take_checkpoint_list(),
@@ -178,6 +179,14 @@ class Engine:
         tokens = {rid: seq.num_prefilled for rid, seq in self._sequences.items() if seq.cache is not None}
         tokens.update(zip(self._batch.row_ids, self._batch.lengths))
         return tokens
+
+    def kv_quantized_bytes(self) -> int:
+        """Of `kv_bytes`, the quantized KV's (`kv.bits`)."""
+        if not self._quantized:
+            return 0
+        outside = [c for s in self._sequences.values() if s.cache is not None for c in s.cache]
+        entries = [c for entry, _ in self._prefixes.values() for c in entry]
+        return packed_nbytes(outside) + packed_nbytes(entries) + packed_nbytes(self._batch.slots)
 
     def kv_bytes(self) -> int:
         outside = sum(caches.nbytes(s.cache) for s in self._sequences.values() if s.cache is not None)

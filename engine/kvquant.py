@@ -24,11 +24,11 @@ model's own attention. Measured on the CPU backend, quantized matmul is the fast
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, _BaseCache, create_attention_mask, make_prompt_cache
+from mlx_lm.models.cache import CacheList, KVCache, _BaseCache, create_attention_mask, make_prompt_cache
 
 from engine.layout import DTYPES
 from engine.slots import FullSlots, Step, _grow, _scatter, _write_index, round_up
@@ -136,6 +136,10 @@ class QuantizedKV(_BaseCache):
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.state)
 
+    @property
+    def packed_nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.keys or []) + (self.values or []))
+
     def is_trimmable(self) -> bool:
         return True
 
@@ -188,6 +192,20 @@ def _convert(cache: Any, layer: LayerLayout) -> Any:
     return cache
 
 
+def packed_nbytes(items: Iterable[Any]) -> int:
+    """Bytes of quantized KV (packed words, scales, biases) in caches or batch slots, lists
+    of them included; everything else they hold is float."""
+    total = 0
+    for item in items:
+        if isinstance(item, QuantizedKV | QuantizedSlots):
+            total += item.packed_nbytes
+        elif isinstance(item, CacheList):
+            total += packed_nbytes(item.caches)
+        elif hasattr(item, "parts"):  # engine.slots.ListSlots
+            total += packed_nbytes(item.parts)
+    return total
+
+
 def is_quantized(layout: Sequence[LayerLayout]) -> bool:
     return any(layer.kind == "full" and layer.kv_bits for _, layer in leaves(layout))
 
@@ -217,8 +235,8 @@ class QuantizedSlots(FullSlots):
         return sum(a.nbytes for a in self._arrays())
 
     @property
-    def float_bytes(self) -> int:
-        return sum(a.nbytes for a in (self.keys, self.values) if a is not None)
+    def packed_nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.packed_keys or []) + (self.packed_values or []))
 
     def capacity(self) -> int:
         return 0 if self.packed_keys is None else self.packed_keys[0].shape[2]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from policies.layout import is_trimmable, request_bytes
+from policies.layout import is_trimmable, kv_format, request_bytes
 from policies.prefix_index import PrefixIndex
 from protocols.kv import KvReservation, KvStats
 from protocols.model import DeviceMemory, LayerLayout, SavedPrefix
@@ -39,6 +39,7 @@ class KvLedger:
         self._reserved: dict[str, int] = {}
         self._live_tokens: dict[str, int] = {}
         self._physical_bytes = 0
+        self._quantized_bytes = 0
         # Resident LoRA adapters' stacks: device memory the budget covers too.
         self.adapter_bytes = 0
         self._device = DeviceMemory()
@@ -109,11 +110,14 @@ class KvLedger:
             dropped += self.prefixes.evict(over_cap)
         return dropped + self._make_room(0)
 
-    def record_usage(self, live_tokens: dict[str, int], physical_bytes: int, adapter_bytes: int = 0, device: DeviceMemory | None = None) -> list[str]:
+    def record_usage(
+        self, live_tokens: dict[str, int], physical_bytes: int, adapter_bytes: int = 0, device: DeviceMemory | None = None, quantized_bytes: int = 0
+    ) -> list[str]:
         """The engine's figures after a step; returns prefix entries to drop when adapters
         loaded since take room the budget needs."""
         self._live_tokens = dict(live_tokens)
         self._physical_bytes = physical_bytes
+        self._quantized_bytes = quantized_bytes
         self._device = device or self._device
         grew = adapter_bytes > self.adapter_bytes
         self.adapter_bytes = adapter_bytes
@@ -128,6 +132,8 @@ class KvLedger:
             reserved_tokens=sum(self._reserved.values()),
             reserved_bytes=self.reserved_bytes,
             physical_bytes=self._physical_bytes,
+            kv_format=kv_format(self.layers) if self.layers is not None else "float",
+            quantized_bytes=self._quantized_bytes,
             bytes_per_token=self.bytes_per_token,
             budget_bytes=self.budget_bytes or None,
             adapter_bytes=self.adapter_bytes,

@@ -53,6 +53,10 @@ class KvStats(Record, frozen=True):
     device_active_bytes: int = 0
     device_peak_bytes: int = 0
     device_cache_bytes: int = 0
+    # How KV is stored ("float", or e.g. "int8/g64/start0": `kv.bits`), and of physical_bytes
+    # the quantized KV's (packed words, scales and biases; the rest is float).
+    kv_format: str = "float"
+    quantized_bytes: int = 0
 
 
 class ReserveKv(Message, frozen=True):
@@ -109,6 +113,7 @@ class ReportKvUsage(Message, frozen=True):
     physical_bytes: int
     adapter_bytes: int = 0
     device: DeviceMemory | None = None
+    quantized_bytes: int = 0
 
 
 class GetKvStats(Message, frozen=True):

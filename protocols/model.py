@@ -212,6 +212,8 @@ class StepOutcome(Record, frozen=True):
     adapter_bytes: int = 0
     # MLX's own figures after the step: memory in use, its peak, and freed buffers it keeps.
     device: DeviceMemory | None = None
+    # Of kv_bytes, quantized KV (packed words, scales and biases; `kv.bits`).
+    kv_quantized_bytes: int = 0
 
 
 class StateArray(Record, frozen=True):

@@ -188,8 +188,11 @@ class _StatsCollector:
             usage = (kv.reserved_bytes + kv.prefix_bytes) / kv.budget_bytes
             yield gauge("kv_cache_usage_perc", "Fraction of kv.budget_bytes reserved by requests and prefix entries.", usage)
             yield gauge("kv_cache_budget_bytes", "The KV budget (kv.budget_bytes).", kv.budget_bytes)
-        by_kind = GaugeMetricFamily(PREFIX + "kv_cache_bytes", "KV bytes: reserved by requests, live, prefix entries, physical.", labels=["model_name", "kind"])
-        for kind, value in (("reserved", kv.reserved_bytes), ("live", kv.live_bytes), ("prefix", kv.prefix_bytes), ("physical", kv.physical_bytes)):
+        by_kind = GaugeMetricFamily(
+            PREFIX + "kv_cache_bytes", "KV bytes: reserved by requests, live, prefix entries, physical (float and quantized).", labels=["model_name", "kind"]
+        )
+        held = (("physical_float", kv.physical_bytes - kv.quantized_bytes), ("physical_quantized", kv.quantized_bytes))
+        for kind, value in (("reserved", kv.reserved_bytes), ("live", kv.live_bytes), ("prefix", kv.prefix_bytes), ("physical", kv.physical_bytes), *held):
             by_kind.add_metric([name, kind], value)
         yield by_kind
         yield gauge("lora_adapter_bytes", "Bytes of the resident LoRA adapters' stacks.", kv.adapter_bytes)

@@ -147,9 +147,17 @@ async def test_streams_end_cleanly_under_a_quantized_budget():
     config = _config("builtin:tiny-kv", 4, budget_bytes=3 * per_request)
     prompts = [[random.Random(i).randrange(4, 1000) for _ in range(150)] for i in range(8)]
     results: list = [None] * len(prompts)
+    seen = []
 
     async def one(i: int) -> None:
-        results[i] = await _generate(rt, GenerateRequest(prompt_ids=prompts[i], max_tokens=40, ignore_eos=True))
+        tokens, finished = [], None
+        async for event in rt.generate(GenerateRequest(prompt_ids=prompts[i], max_tokens=40, ignore_eos=True)):
+            if isinstance(event, TokenDelta):
+                tokens += event.token_ids
+                seen.append((await rt.stats()).kv)
+            elif isinstance(event, Finished):
+                finished = event
+        results[i] = (tokens, finished)
 
     async with Runtime.open(config) as rt:
         with anyio.fail_after(120):
@@ -157,3 +165,9 @@ async def test_streams_end_cleanly_under_a_quantized_budget():
                 for i in range(len(prompts)):
                     tg.start_soon(one, i)
     assert all(f.finish_reason == "length" and len(t) == 40 for t, f in results)
+    # Memory truth: the KV held, by kind, as the engine measured it (no float head and no
+    # window layers: every byte held is quantized KV).
+    assert all(kv.kv_format == "int4/g64/start0" for kv in seen)
+    busy = [kv for kv in seen if kv.live_requests]
+    assert busy and all(0 < kv.quantized_bytes == kv.physical_bytes for kv in busy)
+    assert max(kv.live_requests for kv in seen) <= 3
