@@ -93,6 +93,10 @@ def _parser() -> argparse.ArgumentParser:
         "--adapters", action="store_true", help="16 streams with 8 distinct LoRA adapters in one batch against 16 base streams, and adapter load time"
     )
     bench.add_argument("--pool", action="store_true", help="two models in one process: swap latency, and alternating streams under a one-model cap")
+    bench.add_argument(
+        "--kv", action="store_true", help="float, 8-bit and 4-bit KV side by side: c1/c16 at 128 and 2,048 tokens, fidelity, agreement, admission"
+    )
+    bench.add_argument("--kv-workloads", default="throughput,fidelity,agreement,admission", help="with --kv: comma-separated subset")
     bench.set_defaults(func=_bench)
 
     bench_http = sub.add_parser("bench-http", help="TTFT over HTTP next to the Unix socket and in-process, one runtime")
@@ -306,6 +310,8 @@ def _bench(args) -> int:
         return _bench_adapters(args, config)
     if args.pool:
         return _bench_pool(args, config)
+    if args.kv:
+        return _bench_kv(args, config)
     config = _with_model(config, args.model)
     workloads = tuple(w for w in args.workloads.split(",") if w)
     unknown = set(workloads) - set(BenchOptions.workloads)
@@ -369,6 +375,21 @@ def _bench_pool(args, config: RuntimeConfig) -> int:
     options = PoolBenchOptions(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, repeats=args.repeats)
     results = anyio.run(run_pool_bench, _with_model(config, args.model), options)
     print(format_pool_table(results))
+    dump(results, args.json_path)
+    return EXIT_OK
+
+
+def _bench_kv(args, config: RuntimeConfig) -> int:
+    from tools.bench import dump
+    from tools.bench_kv import WORKLOADS, KvBenchOptions, format_kv_table, run_kv_bench
+
+    workloads = tuple(w for w in args.kv_workloads.split(",") if w)
+    if set(workloads) - set(WORKLOADS):
+        print(f"mlxrt bench --kv: unknown workloads {sorted(set(workloads) - set(WORKLOADS))}; known: {', '.join(WORKLOADS)}", file=sys.stderr)
+        return EXIT_USAGE
+    options = KvBenchOptions(new_tokens=args.new_tokens, repeats=min(args.repeats, 3), workloads=workloads)
+    results = anyio.run(run_kv_bench, _with_model(config, args.model), options)
+    print(format_kv_table(results))
     dump(results, args.json_path)
     return EXIT_OK
 

@@ -15,46 +15,9 @@ from engine.kvquant import QuantizedKV, new_caches
 from engine.layout import probe_layout
 from policies.layout import full_token_bytes, kv_format, with_kv_quantization
 from tests.integration.reference import load_reference
+from tools.bench_kv import forced_logprobs_batch, forced_logprobs_mlx_lm, greedy_continuations, mean_abs_error
 
 PROMPT, FORCED = 40, 48
-
-
-def _logprobs(logits: mx.array) -> mx.array:
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def _forced_mlx_lm(model, prompt: list[int], forced: list[int], cache: list) -> list[float]:
-    """The logprob of each forced token, fed one at a time through mlx-lm's caches."""
-    logits = model(mx.array(prompt)[None], cache=cache)[:, -1]
-    out = []
-    for token in forced:
-        out.append(_logprobs(logits)[0, token].item())
-        logits = model(mx.array([[token]]), cache=cache)[:, -1]
-    return out
-
-
-def _forced_batch(model, layout, prompts: list[list[int]], forced: list[list[int]]) -> list[list[float]]:
-    """The same through the decode batch: every prompt prefilled into its own cache, joined as
-    rows of one batch, then each row's forced tokens one step at a time for all rows."""
-    batch = DecodeBatch(layout)
-    pending = []
-    for i, prompt in enumerate(prompts):
-        cache = new_caches(model, layout)
-        model(mx.array(prompt[:-1])[None], cache=cache)
-        batch.add_row(str(i), cache, len(prompt) - 1)
-        pending.append(prompt[-1])
-    out: list[list[float]] = [[] for _ in prompts]
-    for step in range(len(forced[0])):
-        batch.begin_step([1] * len(prompts))
-        try:
-            logits = model(mx.array(pending)[:, None], cache=batch.layers)[:, -1]
-        finally:
-            batch.end_step()
-        logprobs = _logprobs(logits)
-        for i in range(len(prompts)):
-            out[i].append(logprobs[i, forced[i][step]].item())
-        pending = [f[step] for f in forced]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +26,7 @@ def tiny_kv():
     rng = random.Random(11)
     prompts = [[rng.randrange(4, 1000) for _ in range(PROMPT + 7 * i)] for i in range(3)]
     # The float run's greedy choices: the forced continuation every run is scored on.
-    forced = []
-    for prompt in prompts:
-        cache = make_prompt_cache(model)
-        logits, tokens = model(mx.array(prompt)[None], cache=cache)[:, -1], []
-        for _ in range(FORCED):
-            tokens.append(int(mx.argmax(logits, axis=-1).item()))
-            logits = model(mx.array([[tokens[-1]]]), cache=cache)[:, -1]
-        forced.append(tokens)
-    return model, probe_layout(model), prompts, forced
+    return model, probe_layout(model), prompts, greedy_continuations(model, prompts, FORCED)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -79,32 +34,26 @@ def test_logprob_error_is_within_twice_mlx_lms_quantized_cache(tiny_kv, bits):
     model, float_layout, prompts, forced = tiny_kv
     layout, kept_float = with_kv_quantization(float_layout, bits, 64, 0)
     assert not kept_float and kv_format(layout) == f"int{bits}/g64/start0"
-    reference = [_forced_mlx_lm(model, p, f, make_prompt_cache(model)) for p, f in zip(prompts, forced)]
-    theirs = [_forced_mlx_lm(model, p, f, [QuantizedKVCache(group_size=64, bits=bits) for _ in layout]) for p, f in zip(prompts, forced)]
-    ours = _forced_batch(model, layout, prompts, forced)
-    floats = _forced_batch(model, float_layout, prompts, forced)
-
-    def error(run: list[list[float]]) -> float:
-        pairs = [(a, b) for row, ref in zip(run, reference) for a, b in zip(row, ref)]
-        return sum(abs(a - b) for a, b in pairs) / len(pairs)
-
-    assert error(floats) < 1e-4  # the float batch is the reference, up to rounding
-    mlx_error, our_error = error(theirs), error(ours)
+    reference = [forced_logprobs_mlx_lm(model, p, f, make_prompt_cache(model)) for p, f in zip(prompts, forced)]
+    theirs = [forced_logprobs_mlx_lm(model, p, f, [QuantizedKVCache(group_size=64, bits=bits) for _ in layout]) for p, f in zip(prompts, forced)]
+    ours = forced_logprobs_batch(model, layout, prompts, forced)
+    floats = forced_logprobs_batch(model, float_layout, prompts, forced)
+    assert mean_abs_error(floats, reference) < 1e-4  # the float batch is the reference, up to rounding
+    mlx_error, our_error = mean_abs_error(theirs, reference), mean_abs_error(ours, reference)
     assert mlx_error > 0 and our_error > 0  # both really quantize
     assert our_error <= 2 * mlx_error, f"{bits}-bit KV: mean |dlogprob| {our_error:.4f} vs mlx-lm's {mlx_error:.4f}"
 
 
 def test_a_float_head_below_quantized_start_is_closer_to_float(tiny_kv):
     model, float_layout, prompts, forced = tiny_kv
-    reference = _forced_batch(model, float_layout, prompts, forced)
+    reference = forced_logprobs_batch(model, float_layout, prompts, forced)
 
     def error(start: int) -> float:
         layout, _ = with_kv_quantization(float_layout, 4, 64, start)
-        run = _forced_batch(model, layout, prompts, forced)
-        return sum(abs(a - b) for row, ref in zip(run, reference) for a, b in zip(row, ref))
+        return mean_abs_error(forced_logprobs_batch(model, layout, prompts, forced), reference)
 
     assert error(PROMPT) < error(0)
-    assert error(PROMPT + 14 + FORCED + 1) < 1e-3  # every position below the start: float attention
+    assert error(PROMPT + 14 + FORCED + 1) < 1e-5  # every position below the start: float attention
 
 
 def test_the_stored_form_survives_extract_views_and_checkpoint_tensors(tiny_kv):

@@ -1,0 +1,265 @@
+"""`mlxrt bench --kv`: float, 8-bit and 4-bit KV side by side, in one run.
+
+- `throughput`: concurrency 1 and 16 at 128- and 2,048-token prompts for each KV format
+  (tokens/s, decode per stream, TTFT), with mlx-lm's own quantized KV (`generate_step` with
+  `kv_bits`, `quantized_kv_start=0`) at concurrency 1 (its batch generator has none);
+- `fidelity`: prompts and continuations fixed (the float greedy stream), the mean absolute
+  difference of each forced token's logprob from float KV, ours (the decode batch) next to
+  mlx-lm's `QuantizedKVCache` at the same bits and group size;
+- `agreement`: greedy streams of 512 tokens on `builtin:bench-spec` (whose choices come from
+  a structured, not random, circuit) with quantized KV against float KV: positions agreeing
+  before the first divergence;
+- `admission`: 1,024-token conversations a 1 GiB `kv.budget_bytes` admits (the ledger's count).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+import msgspec
+
+from actors.mlx_thread import MlxThread
+from policies.ledger import KvLedger
+from protocols.api import GenerateRequest, TokenDelta
+from runtime.config import KvConfig, RuntimeConfig, SchedulerConfig
+from runtime.progress import Progress
+from tools.bench import Run, _median, _mlxrt_run, _prompts
+
+AGREEMENT_MODEL = "builtin:bench-spec"
+WORKLOADS = ("throughput", "fidelity", "agreement", "admission")
+
+
+@dataclass(frozen=True)
+class KvBenchOptions:
+    bits: tuple[int, ...] = (0, 8, 4)
+    group_size: int = 64
+    contexts: tuple[int, ...] = (128, 2048)
+    concurrency: tuple[int, ...] = (1, 16)
+    new_tokens: int = 64
+    repeats: int = 2
+    fidelity_prompts: int = 4
+    fidelity_tokens: int = 128
+    agreement_tokens: int = 512
+    workloads: tuple[str, ...] = WORKLOADS
+
+
+def _logprobs(logits):
+    import mlx.core as mx
+
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def forced_logprobs_mlx_lm(model, prompt: list[int], forced: list[int], cache: list) -> list[float]:
+    """The logprob of each forced token, fed one at a time through mlx-lm's caches."""
+    import mlx.core as mx
+
+    logits = model(mx.array(prompt)[None], cache=cache)[:, -1]
+    out = []
+    for token in forced:
+        out.append(_logprobs(logits)[0, token].item())
+        logits = model(mx.array([[token]]), cache=cache)[:, -1]
+    return out
+
+
+def forced_logprobs_batch(model, layout, prompts: list[list[int]], forced: list[list[int]]) -> list[list[float]]:
+    """The same through mlxrt's decode batch: each prompt prefilled into its own cache and
+    joined as a row, then every row's forced tokens one step at a time."""
+    import mlx.core as mx
+
+    from engine.batch import DecodeBatch
+    from engine.kvquant import new_caches
+
+    batch = DecodeBatch(layout)
+    pending = []
+    for i, prompt in enumerate(prompts):
+        cache = new_caches(model, layout)
+        model(mx.array(prompt[:-1])[None], cache=cache)
+        batch.add_row(str(i), cache, len(prompt) - 1)
+        pending.append(prompt[-1])
+    out: list[list[float]] = [[] for _ in prompts]
+    for step in range(len(forced[0])):
+        batch.begin_step([1] * len(prompts))
+        try:
+            logits = model(mx.array(pending)[:, None], cache=batch.layers)[:, -1]
+        finally:
+            batch.end_step()
+        logprobs = _logprobs(logits)
+        for i in range(len(prompts)):
+            out[i].append(logprobs[i, forced[i][step]].item())
+        pending = [f[step] for f in forced]
+    return out
+
+
+def greedy_continuations(model, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """Float KV's greedy continuation of each prompt (mlx-lm's caches)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    streams = []
+    for prompt in prompts:
+        cache = make_prompt_cache(model)
+        logits, tokens = model(mx.array(prompt)[None], cache=cache)[:, -1], []
+        for _ in range(num_tokens):
+            tokens.append(int(mx.argmax(logits, axis=-1).item()))  # type: ignore[arg-type]
+            logits = model(mx.array([[tokens[-1]]]), cache=cache)[:, -1]
+        streams.append(tokens)
+    return streams
+
+
+def mean_abs_error(run: list[list[float]], reference: list[list[float]]) -> float:
+    pairs = [(a, b) for row, ref in zip(run, reference) for a, b in zip(row, ref)]
+    return sum(abs(a - b) for a, b in pairs) / len(pairs)
+
+
+class _MlxLmSide:
+    """mlx-lm's model and quantized KV, on a thread of its own."""
+
+    def load(self, path: str) -> None:
+        import mlx.core as mx
+        from mlx_lm.utils import load
+
+        from engine.layout import probe_layout
+
+        self.model = load(path)[0]
+        if mx.default_device() == mx.cpu:
+            self.model.set_dtype(mx.float32)
+        self.layout = probe_layout(self.model)
+
+    def single(self, prompt: list[int], new_tokens: int, bits: int, group_size: int) -> Run:
+        import time
+
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+
+        start, times = time.perf_counter(), []
+        steps = generate_step(mx.array(prompt), self.model, max_tokens=new_tokens, kv_bits=bits or None, kv_group_size=group_size, quantized_kv_start=0)
+        for _ in steps:
+            times.append(time.perf_counter() - start)
+        return Run(token_times=[times], wall_s=times[-1])
+
+    def fidelity(self, prompts: list[list[int]], num_tokens: int, bits_list: tuple[int, ...], group_size: int) -> dict:
+        from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+
+        from policies.layout import with_kv_quantization
+
+        model = self.model
+        forced = greedy_continuations(model, prompts, num_tokens)
+        reference = [forced_logprobs_mlx_lm(model, p, f, make_prompt_cache(model)) for p, f in zip(prompts, forced)]
+        out = {}
+        for bits in (b for b in bits_list if b):
+            theirs = [forced_logprobs_mlx_lm(model, p, f, [QuantizedKVCache(group_size, bits) for _ in self.layout]) for p, f in zip(prompts, forced)]
+            layout, _ = with_kv_quantization(self.layout, bits, group_size, 0)
+            ours = forced_logprobs_batch(model, layout, prompts, forced)
+            out[f"int{bits}"] = {"mlxrt": mean_abs_error(ours, reference), "mlx_lm": mean_abs_error(theirs, reference)}
+        return out
+
+
+def _with_kv(config: RuntimeConfig, bits: int, group_size: int, model: str | None = None) -> RuntimeConfig:
+    scheduler = msgspec.structs.replace(config.scheduler, max_batch_size=max(16, config.scheduler.max_batch_size))
+    config = msgspec.structs.replace(config, kv=KvConfig(bits=bits, group_size=group_size, prefix_cache_bytes=0), scheduler=scheduler)  # type: ignore[arg-type]
+    if model:
+        config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=model))
+    return config
+
+
+async def run_kv_bench(config: RuntimeConfig, options: KvBenchOptions) -> dict:
+    from runtime.runtime import Runtime
+
+    progress = Progress("bench --kv")
+    results: dict = {"options": asdict(options), "mlxrt": {}, "mlx_lm": {}}
+    thread, side = MlxThread(name="mlx-baseline"), _MlxLmSide()
+    thread.start()
+    try:
+        for bits in options.bits:
+            name = f"int{bits}" if bits else "float"
+            async with Runtime.open(_with_kv(config, bits, options.group_size)) as rt:
+                info = rt.model_info
+                results.setdefault("model", {"path": info.path, "dtype": info.dtype, "device": info.device})
+                results["mlxrt"].setdefault("bytes_per_token", {})[name] = (await rt.stats()).kv.bytes_per_token
+                results["mlxrt"].setdefault("admitted_1024", {})[name] = _admitted(info.layers)
+                if "throughput" not in options.workloads:
+                    continue
+                await _mlxrt_run(rt, _prompts(2, 32, info.vocab_size, 12345), 4)
+                for ctx in options.contexts:
+                    for n in options.concurrency:
+                        runs = []
+                        for rep in range(options.repeats):
+                            progress.step(f"{name} KV, {ctx}-token prompts, concurrency {n} ({rep + 1}/{options.repeats})")
+                            prompts = _prompts(n, ctx, info.vocab_size, 1000 * rep + 10 * n + ctx)
+                            runs.append((await _mlxrt_run(rt, prompts, options.new_tokens)).summary())
+                        results["mlxrt"].setdefault(f"{name}_ctx{ctx}_c{n}", _median(runs))
+            if "throughput" in options.workloads and 1 in options.concurrency:
+                if not hasattr(side, "model"):
+                    progress.step("loading the mlx-lm side")
+                    await thread.run(side.load, results["model"]["path"])
+                for ctx in options.contexts:
+                    runs = []
+                    for rep in range(options.repeats):
+                        progress.step(f"mlx-lm {name} KV, {ctx}-token prompt, one stream ({rep + 1}/{options.repeats})")
+                        prompt = _prompts(1, ctx, 32768, 1000 * rep + 10 + ctx)[0]
+                        runs.append((await thread.run(side.single, prompt, options.new_tokens, bits, options.group_size)).summary())
+                    results["mlx_lm"][f"{name}_ctx{ctx}_c1"] = _median(runs)
+        if "fidelity" in options.workloads:
+            if not hasattr(side, "model"):
+                await thread.run(side.load, results["model"]["path"])
+            progress.step(f"fidelity: {options.fidelity_prompts} prompts x {options.fidelity_tokens} forced tokens")
+            prompts = _prompts(options.fidelity_prompts, 128, 32768, 77)
+            results["fidelity"] = await thread.run(side.fidelity, prompts, options.fidelity_tokens, options.bits, options.group_size)
+        if "agreement" in options.workloads:
+            results["agreement"] = await _agreement(config, options, progress)
+    finally:
+        await thread.stop()
+    progress.done("KV benchmark finished")
+    return results
+
+
+def _admitted(layers) -> int:
+    ledger = KvLedger(bytes_per_token=0, budget_bytes=1 << 30, layers=layers)
+    count = 0
+    while ledger.reserve(f"r{count}", 1024)[0].granted:
+        count += 1
+    return count
+
+
+async def _agreement(config: RuntimeConfig, options: KvBenchOptions, progress: Progress) -> dict:
+    from runtime.runtime import Runtime
+
+    prompt = _prompts(1, 64, 32768, 5)[0]
+    request = GenerateRequest(prompt_ids=prompt, max_tokens=options.agreement_tokens, ignore_eos=True)
+    streams = {}
+    for bits in options.bits:
+        progress.step(f"agreement: {AGREEMENT_MODEL}, {'float' if not bits else f'{bits}-bit'} KV, {options.agreement_tokens} tokens")
+        single = msgspec.structs.replace(_with_kv(config, bits, options.group_size, AGREEMENT_MODEL), scheduler=SchedulerConfig(max_batch_size=1))
+        async with Runtime.open(single) as rt:
+            streams[bits] = [t async for e in rt.generate(request) if isinstance(e, TokenDelta) for t in e.token_ids]
+    reference = streams[0]
+    out = {}
+    for bits, tokens in streams.items():
+        if bits:
+            first = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), len(reference))
+            same = statistics.mean(a == b for a, b in zip(tokens, reference))
+            out[f"int{bits}"] = {"agree_until": first, "same_position_share": same, "tokens": len(reference)}
+    return out
+
+
+def format_kv_table(r: dict) -> str:
+    lines = []
+    bpt = r["mlxrt"]["bytes_per_token"]
+    admitted = r["mlxrt"]["admitted_1024"]
+    lines.append("KV bytes per token: " + ", ".join(f"{k} {v}" for k, v in bpt.items()))
+    lines.append("1,024-token conversations in a 1 GiB budget: " + ", ".join(f"{k} {v}" for k, v in admitted.items()))
+    lines.append(f"{'format':<8}{'context':>8}{'conc':>6}{'tok/s':>10}{'per stream':>12}{'TTFT p50':>10}{'mlx-lm':>10}{'ratio':>8}")
+    for key, s in r["mlxrt"].items():
+        if not key.endswith(tuple(f"_c{n}" for n in range(1, 257))):
+            continue
+        fmt, ctx, conc = key.split("_")
+        ref = r["mlx_lm"].get(key)
+        theirs = f"{ref['throughput_tok_s']:10.1f}{s['throughput_tok_s'] / ref['throughput_tok_s']:8.2f}" if ref else f"{'':>18}"
+        row = f"{fmt:<8}{ctx[3:]:>8}{conc[1:]:>6}{s['throughput_tok_s']:10.1f}{s['decode_tok_s_per_stream']:12.1f}{s['ttft_p50_s']:10.3f}"
+        lines.append(row + theirs)
+    for bits, f in r.get("fidelity", {}).items():
+        lines.append(f"fidelity {bits}: mean |dlogprob| mlxrt {f['mlxrt']:.4f}, mlx-lm QuantizedKVCache {f['mlx_lm']:.4f}")
+    for bits, a in r.get("agreement", {}).items():
+        lines.append(f"agreement {bits} vs float ({AGREEMENT_MODEL}): same until {a['agree_until']}/{a['tokens']}, {a['same_position_share']:.0%} of positions")
+    return "\n".join(lines)
