@@ -101,7 +101,10 @@ class Engine:
         # 12.5 vs 13.5 tok/s at 2,048 positions; mlx-lm 13.5).
         self._quantized = is_quantized(layout)
         self._decode_step = None if self._quantized else compile_decode_step(model, layout)
-        self._float_prefill = quantized_start(layout) if self._quantized else float("inf")
+        # Quantized first chunks prefill together only over full attention without a float head
+        # (`engine.kvquant.BatchQuantizedKV`); otherwise those staying below the head, in float.
+        together = not self._quantized or (self._trimmable and quantized_start(layout) == 0)
+        self._batched_prefill_limit = float("inf") if together else quantized_start(layout)
         self._sampler = BatchSampler()
         self._pending: mx.array | None = None
         self._in_flight: InFlight | None = None
@@ -304,8 +307,7 @@ class Engine:
         models with recurrent layers only chunks of one length together); later chunks extend
         their request's own cache one at a time."""
         seqs = [self._prefill_target(work) for work in works]
-        # With quantized KV, a batched first chunk must stay below quantized_start (float).
-        first = [(s, w.num_tokens) for s, w in zip(seqs, works) if s.num_prefilled == 0 and w.num_tokens <= self._float_prefill]
+        first = [(s, w.num_tokens) for s, w in zip(seqs, works) if s.num_prefilled == 0 and w.num_tokens <= self._batched_prefill_limit]
         together = [group for group in self._batch.unpadded_groups([n for _, n in first]) if len(group) > 1]
         batched = {id(first[i][0]) for group in together for i in group}
         for seq, work in zip(seqs, works):

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, KVCache, _BaseCache, create_attention_mask, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache, _BaseCache, create_attention_mask, make_prompt_cache
 
 from engine.layout import DTYPES
 from engine.slots import FullSlots, Step, _grow, _scatter, _write_index, round_up
@@ -171,6 +171,46 @@ class QuantizedKV(_BaseCache):
         if length and cache is not None and cache.keys is not None:
             out.update_and_fetch(cache.keys[:, :, :length], cache.values[:, :, :length])
         return out
+
+
+class BatchQuantizedKV(BatchKVCache):
+    """First prompt chunks of several requests in one forward, left-padded as mlx-lm's
+    `BatchKVCache` (its masks), each position stored quantized as a `QuantizedKV` row would
+    store it; `extract` gives each request its own. Without a float head only (`kv_start` 0)."""
+
+    def __init__(self, left_padding: list[int], layer: LayerLayout):
+        super().__init__(left_padding)
+        assert not layer.kv_start
+        self._rows = QuantizedKV(layer)
+        attend_quantized(self, layer)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.offset = self.offset + keys.shape[2]
+        self._idx += keys.shape[2]
+        return self._rows.update_and_fetch(keys, values)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return self._rows.state
+
+    @state.setter
+    def state(self, value) -> None:
+        raise AttributeError("a quantized batch's state is set by its writes")
+
+    def extract(self, idx: int) -> QuantizedKV:
+        rows, pad = self._rows, int(self.left_padding[idx].item())  # type: ignore[arg-type]
+        assert rows.keys is not None and rows.values is not None
+        out = QuantizedKV(rows.layer)
+        out.keys = [mx.contiguous(a[idx : idx + 1, :, pad : self._idx]) for a in rows.keys]
+        out.values = [mx.contiguous(a[idx : idx + 1, :, pad : self._idx]) for a in rows.values]
+        out.offset = self._idx - pad
+        return out
+
+
+def batch_prefill_caches(layout: Sequence[LayerLayout], padding: list[int]) -> list:
+    """The caches of a left-padded batched first chunk (`engine.prefill.prefill_together`):
+    quantized without a float head, else float (chunks below the head, quantized at extraction)."""
+    return [BatchQuantizedKV(padding, layer) if layer.kv_bits and not layer.kv_start else BatchKVCache(padding) for layer in layout]
 
 
 def new_caches(model, layout: Sequence[LayerLayout]) -> list:

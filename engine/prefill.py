@@ -4,9 +4,9 @@ chunks of several prompts in one forward through mlx-lm's batch caches."""
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
-from engine.kvquant import new_caches, quantized_caches
+from engine.kvquant import batch_prefill_caches, new_caches, quantized_caches
 from engine.lora import routed
 from engine.sequence import Sequence
 from protocols.model import LayerLayout
@@ -26,7 +26,8 @@ def prefill_together(model, layout: list[LayerLayout], trimmable: bool, chunks: 
     """First chunks of several prompts in one forward through mlx-lm's batch caches, each row
     then extracted as its own cache. Full-attention models pad on the left; sliding windows on
     the right, with each row's length passed to the caches (which roll the windows back into
-    place), as mlx-lm's BatchGenerator does; recurrent ones never pad. With quantized KV, only
+    place), as mlx-lm's BatchGenerator does; recurrent ones never pad. With quantized KV and
+    full attention only, each position is stored quantized (`BatchQuantizedKV`); otherwise only
     chunks that stay below `kv.quantized_start` come here (float), quantized once extracted."""
     tokens = [seq.admit.prompt_ids[:n] for seq, n in chunks]
     width = max(n for _, n in chunks)
@@ -34,7 +35,7 @@ def prefill_together(model, layout: list[LayerLayout], trimmable: bool, chunks: 
     cache: list
     with routed(model, [seq.adapter_slot for seq, _ in chunks]):
         if trimmable:
-            cache = [BatchKVCache(padding) for _ in layout]
+            cache = batch_prefill_caches(layout, padding)
             model(mx.array([[0] * pad + t for pad, t in zip(padding, tokens)]), cache=cache)
         else:
             fresh = [make_prompt_cache(model) for _ in chunks]

@@ -4,16 +4,18 @@ a fixed budget admits several times the conversations."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import anyio
 import msgspec
 import pytest
 
+from engine.builtin import BUILTIN_MODELS, config_fields, ensure_model
 from policies.layout import kv_format, leaves
 from policies.ledger import KvLedger
 from protocols import Finished, GenerateRequest, TokenDelta
-from runtime import ModelLoadError, Runtime
+from runtime import ModelLoadError, Runtime, env
 from runtime.checkpoints import ForeignCheckpointError, path_for
 from runtime.config import CheckpointConfig, KvConfig, SpeculativeConfig
 from tests.conftest import make_config
@@ -33,24 +35,35 @@ async def _streams(config, prompts, max_batch_size: int):
         return [tokens for tokens, _ in await _run_all(rt, prompts)]
 
 
-CASES = [("builtin:tiny-kv", 8, 0), ("builtin:tiny-kv", 4, 20), ("builtin:tiny-gemma3-kv", 8, 0)]
+def _hybrid(name: str) -> str:
+    """A tiny hybrid model (recurrent layers beside full attention) with 64-dimensional heads."""
+    base = BUILTIN_MODELS[name]
+    if name == "tiny-lfm2":  # its head dim is the width over the heads
+        spec = dataclasses.replace(base, name="tiny-lfm2-kv", num_attention_heads=1, num_key_value_heads=1)
+    else:
+        spec = dataclasses.replace(base, name=f"{name}-kv", extra=config_fields(**{**dict(base.extra), "head_dim": 64}))
+    return str(ensure_model(spec, root=env.home()))
 
 
-@pytest.mark.parametrize(("model", "bits", "start"), CASES, ids=[f"{m.removeprefix('builtin:')}-{b}bit-start{s}" for m, b, s in CASES])
+CASES = [("tiny-kv", 8, 0), ("tiny-kv", 4, 20), ("tiny-gemma3-kv", 8, 0), ("tiny-lfm2", 8, 0), ("tiny-qwen3next", 4, 8)]
+
+
+@pytest.mark.parametrize(("model", "bits", "start"), CASES, ids=[f"{m}-{b}bit-start{s}" for m, b, s in CASES])
 async def test_batched_streams_equal_unbatched_ones(model, bits, start):
+    model = _hybrid(model) if model in ("tiny-lfm2", "tiny-qwen3next") else f"builtin:{model}"
     config = _config(model, bits, start)
     async with Runtime.open(config) as rt:
         layers = [layer for _, layer in leaves(rt.model_info.layers)]
-        float_bytes = (await rt.stats()).kv.bytes_per_token
+        quantized_bytes = (await rt.stats()).kv.bytes_per_token
     assert kv_format(layers) == f"int{bits}/g64/start{start}"
-    # Full layers quantized; sliding windows kept float.
-    assert all(bool(layer.kv_bits) == (layer.kind == "full") for layer in layers if layer.kind in ("full", "window"))
+    # Full layers quantized; sliding windows (and recurrent states) kept float.
+    assert all(bool(layer.kv_bits) == (layer.kind == "full") for layer in layers)
     prompts = _prompts()
     batched = await _streams(config, prompts, 8)
     assert batched == await _streams(config, prompts, 1)
     assert all(len(tokens) > 0 for tokens in batched)
     async with Runtime.open(make_config(model)) as rt:
-        assert (await rt.stats()).kv.bytes_per_token > 3 * float_bytes  # float32 KV: 4 bytes an element
+        assert (await rt.stats()).kv.bytes_per_token > 3 * quantized_bytes  # float32 KV: 4 bytes an element
 
 
 async def test_a_model_whose_heads_cannot_be_grouped_is_refused():

@@ -20,9 +20,18 @@ from runtime.checkpoints import path_for
 from tests.integration.server_helpers import ServerProcess
 
 # model: (tokens to generate, prompt token range)
-MODELS = {"bench": (64, 30000), "tiny-gemma3": (1500, 1000), "tiny-lfm2": (1500, 1000), "tiny-qwen3next": (1500, 1000), "tiny-spec": (600, 1000)}
+MODELS = {
+    "bench": (64, 30000),
+    "tiny-gemma3": (1500, 1000),
+    "tiny-lfm2": (1500, 1000),
+    "tiny-qwen3next": (1500, 1000),
+    "tiny-spec": (600, 1000),
+    "tiny-kv": (1500, 1000),
+}
 # Models served with speculative decoding (every round drafting: rewinds happen all along).
 SPECULATIVE = {"tiny-spec": {"draft": "builtin:tiny-spec-draft", "adaptive": False}}
+# Models served with quantized KV (a float head, then 8-bit positions).
+QUANTIZED_KV = {"tiny-kv": {"bits": 8, "quantized_start": 16}}
 
 
 def _config(directory, model: str = "bench") -> tuple[dict, object]:
@@ -34,6 +43,8 @@ def _config(directory, model: str = "bench") -> tuple[dict, object]:
     }
     if model in SPECULATIVE:
         tree["speculative"] = SPECULATIVE[model]
+    if model in QUANTIZED_KV:
+        tree["kv"] = QUANTIZED_KV[model]
     path = directory / "server.toml"
     path.write_bytes(msgspec.toml.encode(tree))
     return tree, path
@@ -46,7 +57,15 @@ def _request(sampling: SamplingParams, model: str = "bench") -> GenerateRequest:
 
 
 SAMPLINGS = {"greedy": SamplingParams(), "seeded": SamplingParams(temperature=0.9, top_k=50, seed=1234)}
-CASES = [("bench", "greedy"), ("bench", "seeded"), ("tiny-gemma3", "greedy"), ("tiny-lfm2", "seeded"), ("tiny-qwen3next", "greedy"), ("tiny-spec", "seeded")]
+CASES = [
+    ("bench", "greedy"),
+    ("bench", "seeded"),
+    ("tiny-gemma3", "greedy"),
+    ("tiny-lfm2", "seeded"),
+    ("tiny-qwen3next", "greedy"),
+    ("tiny-spec", "seeded"),
+    ("tiny-kv", "seeded"),
+]
 
 
 @pytest.mark.parametrize(("model", "kind"), CASES, ids=[f"{m}-{k}" for m, k in CASES])
