@@ -98,12 +98,13 @@ async def test_prefix_reuse_is_exact_relative_to_a_quantized_run_without_it():
         assert stats.prefix_hits == 2 and all(f.usage.cached_tokens >= len(system) for _, f in reused[1:])
 
 
-async def test_resume_is_exact_and_another_kv_format_is_refused(tmp_path):
+@pytest.mark.parametrize(("model", "start"), [("tiny-kv", 16), ("tiny-gemma3-kv", 0)])
+async def test_resume_is_exact_and_another_kv_format_is_refused(tmp_path, model, start):
     prompt = [random.Random(3).randrange(1000) for _ in range(21)]
     request = GenerateRequest(prompt_ids=prompt, max_tokens=400, ignore_eos=True, request_id="r", checkpoint_every=8)
 
     def config(directory, bits: int = 8):
-        return msgspec.structs.replace(_config("builtin:tiny-kv", bits, 16), checkpoints=CheckpointConfig(dir=str(directory)))
+        return msgspec.structs.replace(_config(f"builtin:{model}", bits, start), checkpoints=CheckpointConfig(dir=str(directory)))
 
     async with Runtime.open(config(tmp_path / "a")) as rt:
         uninterrupted, _ = await _generate(rt, request)
@@ -114,12 +115,32 @@ async def test_resume_is_exact_and_another_kv_format_is_refused(tmp_path):
             await stream.__anext__()
     for bits in (0, 4):
         async with Runtime.open(config(directory, bits)) as rt:
-            with pytest.raises(ForeignCheckpointError, match=r"int8/g64/start16 KV"):
+            with pytest.raises(ForeignCheckpointError, match=rf"int8/g64/start{start} KV"):
                 async for _ in rt.resume("r"):
                     pass
     async with Runtime.open(config(directory)) as rt:
         tokens = [t async for e in rt.resume("r") if isinstance(e, TokenDelta) for t in e.token_ids]
     assert tokens == uninterrupted
+
+
+async def test_a_paused_row_leaves_and_rejoins_the_batch_exactly():
+    """A caller that stops reading: its quantized row is taken out of the batch (extracted) and
+    joins again later; both streams equal those of requests run alone."""
+    rng = random.Random(6)
+    slow_request = GenerateRequest(prompt_ids=[rng.randrange(1000) for _ in range(12)], max_tokens=300, ignore_eos=True)
+    fast_request = GenerateRequest(prompt_ids=[rng.randrange(1000) for _ in range(9)], max_tokens=200, ignore_eos=True)
+    config = _config("builtin:tiny-kv", 4, 8)
+    async with Runtime.open(config) as rt:
+        alone = [(await _generate(rt, r))[0] for r in (slow_request, fast_request)]
+    async with Runtime.open(config) as rt:
+        slow = rt.generate(slow_request).__aiter__()
+        first = await slow.__anext__()  # then stop reading for a while
+        fast, _ = await _generate(rt, fast_request)
+        with anyio.fail_after(5):
+            while (await rt.stats()).scheduler.paused != 1:
+                await anyio.sleep(0.01)
+        rest = [t async for e in slow if isinstance(e, TokenDelta) for t in e.token_ids]
+    assert [(first.token_ids if isinstance(first, TokenDelta) else []) + rest, fast] == alone
 
 
 async def test_speculation_on_quantized_rows_keeps_the_stream():
