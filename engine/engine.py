@@ -96,13 +96,10 @@ class Engine:
         self._thread = threading.current_thread()
         self._sequences: dict[str, Sequence] = {}
         self._batch = DecodeBatch(layout)
-        # With quantized KV a lone row decodes uncompiled: the traced step attends over the whole
-        # capacity, which costs more with quantized matmul than the graph build saves (measured:
-        # 12.5 vs 13.5 tok/s at 2,048 positions; mlx-lm 13.5).
+        # Quantized KV: a lone row decodes uncompiled (traced: 12.5 vs 13.5 tok/s at 2,048).
         self._quantized = is_quantized(layout)
         self._decode_step = None if self._quantized else compile_decode_step(model, layout)
-        # Quantized first chunks prefill together only over full attention without a float head
-        # (`engine.kvquant.BatchQuantizedKV`); otherwise those staying below the head, in float.
+        # Quantized first chunks prefill together over full attention without a float head only.
         together = not self._quantized or (self._trimmable and quantized_start(layout) == 0)
         self._batched_prefill_limit = float("inf") if together else quantized_start(layout)
         self._sampler = BatchSampler()

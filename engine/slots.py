@@ -488,9 +488,7 @@ Slots = FullSlots | WindowSlots | StateSlots | ListSlots
 def make_slots(batch, layout: LayerLayout) -> Slots:
     match layout.kind:
         case "full" if layout.kv_bits:
-            from engine.kvquant import QuantizedSlots  # (it builds on FullSlots)
-
-            return QuantizedSlots(batch, layout)
+            return __import__("engine.kvquant").kvquant.QuantizedSlots(batch, layout)  # (it builds on FullSlots)
         case "full":
             return FullSlots(batch, layout)
         case "window":
