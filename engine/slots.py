@@ -12,11 +12,9 @@ needs, and answers the calls mlx-lm's layers make on their caches during a forwa
   over some rows with different token counts is right-padded and passes mlx-lm's own
   `lengths`, which the recurrent layers honour, so padding never enters a state.
 - `ListSlots` (`CacheList`): several of the above in one layer.
-
-The batch (`engine.batch.DecodeBatch`) owns the rows and each step's geometry (`Step`);
-slots own their buffers. Each slot converts a row to and from mlx-lm's cache object of its
-kind (`join`, `extract`), so prefill, prefix entries, parking and checkpoints use mlx-lm's
-own caches.
+(Quantized full layers: `engine.kvquant.QuantizedSlots`.) The batch (`engine.batch.DecodeBatch`)
+owns the rows and each step's geometry (`Step`); slots own their buffers, and convert a row to
+and from mlx-lm's cache of its kind (`join`, `extract`) for prefill, prefixes and checkpoints.
 """
 
 from __future__ import annotations
@@ -488,7 +486,9 @@ Slots = FullSlots | WindowSlots | StateSlots | ListSlots
 def make_slots(batch, layout: LayerLayout) -> Slots:
     match layout.kind:
         case "full" if layout.kv_bits:
-            return __import__("engine.kvquant").kvquant.QuantizedSlots(batch, layout)  # (it builds on FullSlots)
+            from engine.kvquant import QuantizedSlots  # (it builds on FullSlots)
+
+            return QuantizedSlots(batch, layout)
         case "full":
             return FullSlots(batch, layout)
         case "window":

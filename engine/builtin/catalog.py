@@ -137,16 +137,7 @@ _TINY_GEMMA3 = BuiltinSpec(
 # quantizes groups of 32, 64 or 128 elements along the head dim; `kv.bits`).
 _TINY_KV = dataclasses.replace(_TINY, name="tiny-kv", extra=config_fields(head_dim=64))
 _TINY_GEMMA3_KV = dataclasses.replace(
-    _TINY_GEMMA3,
-    name="tiny-gemma3-kv",
-    extra=config_fields(
-        head_dim=64,
-        query_pre_attn_scalar=64,
-        sliding_window=16,
-        sliding_window_pattern=3,
-        rope_local_base_freq=10000.0,
-        hidden_activation="gelu_pytorch_tanh",
-    ),
+    _TINY_GEMMA3, name="tiny-gemma3-kv", extra=config_fields(**{**dict(_TINY_GEMMA3.extra), "head_dim": 64, "query_pre_attn_scalar": 64})
 )
 
 BUILTIN_MODELS: dict[str, BuiltinSpec] = {
