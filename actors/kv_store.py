@@ -183,7 +183,8 @@ class KvStoreActor:
             case PrefixesSaved(entries=entries):
                 await self._drop(self.ledger.save_prefixes(entries))
             case ReportKvUsage(live_tokens=live, physical_bytes=physical, adapter_bytes=adapters, device=device, quantized_bytes=quantized):
-                await self._drop(self.ledger.record_usage(live, physical, adapters, device, quantized))
+                dropped = self.ledger.record_usage(live, physical, adapters, device, quantized, pool=message.pool, peak_bytes=message.peak_physical_bytes)
+                await self._drop(dropped)
             case GetKvStats(reply=reply):
                 figures = {"checkpoints_written": self._num_written, "checkpoints_failed": self._num_failed}
                 answer(reply, self.ledger.stats(checkpoints_available=self._checkpoints is not None, **figures))

@@ -81,7 +81,8 @@ class ModelActor:
             bank = await self._thread.run(AdapterBank, loaded.model, self._lora.max_resident, self._lora.max_rank)
             for adapter in self._adapters:
                 await self._thread.run(lambda a=adapter: bank.register(a.name, a.path, pinned=a.pinned))
-            engine = await self._thread.run(Engine, loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator, bank)
+            pool_bytes = self._kv.budget_bytes
+            engine = await self._thread.run(lambda: Engine(loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator, bank, pool_bytes))
             log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
             adapters = await self._thread.run(bank.infos)
             task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer, grammars=grammars, adapters=adapters))

@@ -183,6 +183,8 @@ class SchedulerActor:
                     adapter_bytes=outcome.adapter_bytes,
                     device=outcome.device,
                     quantized_bytes=outcome.kv_quantized_bytes,
+                    pool=outcome.kv_pool,
+                    peak_physical_bytes=outcome.kv_peak_bytes,
                 )
             )
 

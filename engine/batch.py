@@ -16,7 +16,9 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from engine.slots import LEN_STEP, FullSlots, ListSlots, Slots, StateSlots, Step, make_slots, round_up
+from engine.paged import BlockPool
+from engine.slots import FullSlots, ListSlots, Slots, StateSlots, make_slots
+from engine.step import LEN_STEP, Step, round_up
 from policies.layout import RING_MARGIN, is_trimmable
 from protocols.model import LayerLayout
 
@@ -32,11 +34,17 @@ class DecodeBatch:
     `begin_step` must precede a forward and `end_step` follow it.
     """
 
-    def __init__(self, layers: Sequence[LayerLayout]):
+    def __init__(self, layers: Sequence[LayerLayout], pool: BlockPool | None = None):
         self.layout = list(layers)
         self.row_ids: list[str] = []
         self.lengths: list[int] = []
+        # Paged layers (`engine.paged`): each row's block table, its request's own list (the
+        # request holds the blocks; the batch extends the table as the row grows).
+        self.pool = pool
+        self.tables: list[list[int]] = []
+        self._num_paged = 0
         self.slots: list[Slots] = [make_slots(self, layer) for layer in self.layout]
+        self.paged = self._num_paged > 0
         # Full attention everywhere: the compiled lone-row step applies, and any prefix of a
         # row's KV is a valid cache (windows forget, states cannot be rewound).
         self.all_full = is_trimmable(self.layout) and all(isinstance(s, FullSlots) for s in self.slots)
@@ -63,10 +71,20 @@ class DecodeBatch:
     def index(self, request_id: str) -> int:
         return self.row_ids.index(request_id)
 
-    def add_row(self, request_id: str, caches: Sequence | None, length: int) -> None:
+    def next_paged_ordinal(self) -> int:
+        """The pool index of the next paged layer's slots (made in `leaves` order)."""
+        self._num_paged += 1
+        return self._num_paged - 1
+
+    def add_row(self, request_id: str, caches: Sequence | None, length: int, table: list[int] | None = None) -> None:
         """Copy a request's per-layer mlx-lm caches (their first `length` positions) into a
-        new last row; None: nothing yet (a one-token prompt)."""
+        new last row; None: nothing yet (a one-token prompt). Paged layers read the request's
+        `table` (required with a pool), where its positions already are."""
         row = len(self.row_ids)
+        if self.paged:
+            assert self.pool is not None and table is not None, "a paged batch row needs its request's block table"
+            self.pool.ensure(table, length + 1)
+            self.tables.append(table)
         self._reserve(row + 1, length + 1)
         for layer, slots in enumerate(self.slots):
             slots.join_row(row, caches[layer] if caches else None, length)
@@ -75,7 +93,8 @@ class DecodeBatch:
 
     def extract(self, request_id: str) -> list:
         """One row as mlx-lm caches (contiguous copies, evaluated now: a lazy copy would keep
-        the batch buffers referenced, and every later write would copy whole buffers)."""
+        the batch buffers referenced, and every later write would copy whole buffers). Paged
+        layers are `engine.paged.PagedKV`s over the row's table (no copy)."""
         row = self.index(request_id)
         caches = [slots.extract_row(row, self.lengths[row]) for slots in self.slots]
         mx.eval([c.state for c in caches])
@@ -86,6 +105,9 @@ class DecodeBatch:
         row = self.index(request_id)
         last = len(self.row_ids) - 1
         order = list(range(last))
+        if self.paged:  # (the request keeps its table and its blocks)
+            self.tables[row] = self.tables[last]
+            self.tables.pop()
         if row != last:
             for slots in self.slots:
                 slots.move_row(last, row)
@@ -142,6 +164,8 @@ class DecodeBatch:
         starts = self.lengths if rows is None else [self.lengths[r] for r in rows]
         num_new = max(counts)
         self._reserve(len(self.lengths), max(starts) + num_new)
+        if self.paged:
+            self._extend_tables(rows if rows is not None else range(len(starts)), starts, counts)
         uniform = rows is None and min(starts) == max(starts)
         self.step = Step(
             num_rows=len(self.lengths),
@@ -153,6 +177,12 @@ class DecodeBatch:
             row_index=None if rows is None else mx.array(rows, dtype=mx.int32),
             uniform_start=starts[0] if uniform else None,
         )
+
+    def _extend_tables(self, rows, starts: list[int], counts: list[int]) -> None:
+        """Blocks for every real position the step writes (padding goes to the pool's scratch block)."""
+        assert self.pool is not None
+        for row, start, count in zip(rows, starts, counts):
+            self.pool.ensure(self.tables[row], start + count)
 
     def end_step(self) -> None:
         step = self.step

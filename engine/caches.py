@@ -20,6 +20,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from engine.kvquant import QuantizedKV
 from engine.layout import DTYPES
+from engine.paged import PagedKV, PagedRef
 from engine.sequence import EngineInvariantError
 from policies.layout import leaves, tensor_shapes
 from protocols.model import LayerLayout
@@ -41,6 +42,10 @@ def _cut(source: Any, length: int, copy: bool) -> Any:
     """The cache over its first `length` positions: sliced (full attention), else as it is
     (a window or a state is only ever used at its own length)."""
     cache: Any = source  # (mlx-lm's caches type their arrays as None until first written)
+    if type(cache) is PagedRef:
+        return cache  # its positions are in blocks (`engine.prefixes`)
+    if type(cache) is PagedKV:
+        return PagedRef(cache.ordinal)  # the blocks are held by whoever keeps this
     if type(cache) is QuantizedKV:
         return cache.cut(length, copy)
     if type(cache) is KVCache:

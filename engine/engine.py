@@ -27,15 +27,16 @@ from engine.batch import DecodeBatch
 from engine.compiled import compile_decode_step
 from engine.forward import append_known, forward_drafts, forward_pending, grammar_mask, host, read_logprobs, replay_accepted
 from engine.known import KnownTokens
-from engine.kvquant import is_quantized, packed_nbytes, quantized_start
+from engine.kvquant import is_quantized, new_caches, packed_nbytes, quantized_start
 from engine.lora import AdapterBank
+from engine.paged import BlockPool, PagedKV, map_paged, paged_layers
 from engine.prefill import prefill_one, prefill_together
+from engine.prefixes import PrefixEntries
 from engine.sampler import BatchSampler, RowSampling
 from engine.sequence import EngineInvariantError, InFlight, Sequence, capture_checkpoints
 from engine.speculation import Speculator
-from policies.adapters import prefix_namespace
 from policies.fill_session import FillSession
-from policies.layout import is_trimmable
+from policies.layout import is_trimmable, paged_block_bytes
 from protocols.api import FillStats, TokenLogprob
 from protocols.config import LoraConfig
 from protocols.model import (
@@ -43,16 +44,17 @@ from protocols.model import (
     CheckpointData,
     DeviceMemory,
     GrammarSpec,
+    KvPool,
     LayerLayout,
     PrefillReport,
     PrefillWork,
     RowOutput,
-    SavedPrefix,
     StepOutcome,
     StepPlan,
 )
 
 CLEAR_CACHE_EVERY = 256
+SHRINK_POOL_EVERY = 64
 
 log = structlog.get_logger(actor="engine")
 
@@ -79,6 +81,7 @@ class Engine:
         decode=None,
         speculator: Speculator | None = None,
         adapters: AdapterBank | None = None,
+        pool_bytes: int = 0,
     ):
         self._model = model
         # LoRA adapters: each row's forwards add its adapter's delta (`engine.lora`).
@@ -95,10 +98,13 @@ class Engine:
         self._trimmable = is_trimmable(layout)
         self._thread = threading.current_thread()
         self._sequences: dict[str, Sequence] = {}
-        self._batch = DecodeBatch(layout)
-        # Quantized KV: a lone row decodes uncompiled (traced: 12.5 vs 13.5 tok/s at 2,048).
+        # Paged KV: the block pool (at most `pool_bytes`, the KV budget) outlives the batch.
+        self._pool = BlockPool(layout, pool_bytes // paged_block_bytes(layout)) if paged_layers(layout) else None
+        self._batch = DecodeBatch(layout, self._pool)
+        # Quantized KV: a lone row decodes uncompiled (traced: 12.5 vs 13.5 tok/s at 2,048); a
+        # paged one reads its blocks in place, which the traced step's fixed buffers cannot.
         self._quantized = is_quantized(layout)
-        self._decode_step = None if self._quantized else compile_decode_step(model, layout)
+        self._decode_step = None if self._quantized or self._pool is not None else compile_decode_step(model, layout)
         # Quantized first chunks prefill together over full attention without a float head only.
         together = not self._quantized or (self._trimmable and quantized_start(layout) == 0)
         self._batched_prefill_limit = float("inf") if together else quantized_start(layout)
@@ -106,12 +112,10 @@ class Engine:
         self._pending: mx.array | None = None
         self._in_flight: InFlight | None = None
         self._num_steps = 0
-        # Saved prefixes by entry id: per-layer caches, and the positions they cover.
-        self._prefixes: dict[str, tuple[list, int]] = {}
-        self._saved: list[SavedPrefix] = []
+        self._prefixes = PrefixEntries(layout, self._pool, self._trimmable)
         self._checkpoints: list[CheckpointData] = []
-        self._num_saved = 0
-        self._prefix_bytes = 0
+        self._peak_bytes = 0
+        self._steps_since_shrink = 0
 
     def step(self, plan: StepPlan) -> StepOutcome:
         """Apply one plan; see the module docstring for the order."""
@@ -138,17 +142,24 @@ class Engine:
             outputs += self._decode()
         if not self._sequences:
             mx.clear_cache()
-        saved, self._saved = self._saved, []
+        self._steps_since_shrink += 1
+        if self._pool is not None and self._steps_since_shrink >= SHRINK_POOL_EVERY:
+            self._pool.shrink()
+            self._steps_since_shrink = 0
+        kv_bytes = self.kv_bytes()
+        self._peak_bytes = max(self._peak_bytes, kv_bytes)
         return StepOutcome(
             outputs=outputs,
             prefilled=prefilled,
             released=released,
             num_decode_rows=len(self._batch),
             kv_tokens=self.kv_tokens(),
-            kv_bytes=self.kv_bytes(),
+            kv_bytes=kv_bytes,
             kv_quantized_bytes=self.kv_quantized_bytes(),
+            kv_pool=self.pool_stats(),
+            kv_peak_bytes=self._peak_bytes,
             step_s=time.perf_counter() - started,
-            saved_prefixes=saved,
+            saved_prefixes=self._prefixes.take_saved(),
             checkpoints=self._take_checkpoint_list(),
             adapter_bytes=self.adapters.nbytes,
             device=DeviceMemory(active=mx.get_active_memory(), peak=mx.get_peak_memory(), cache=mx.get_cache_memory()),
@@ -159,16 +170,15 @@ class Engine:
         return taken
 
     def drop_prefixes(self, entry_ids: list[str]) -> None:
-        for entry_id in entry_ids:
-            entry = self._prefixes.pop(entry_id, None)
-            if entry is not None:
-                self._prefix_bytes -= caches.nbytes(entry[0])
+        self._prefixes.drop(entry_ids)
 
     def reset(self) -> None:
-        """Drop every request (after a failed step)."""
+        """Drop every request (after a failed step); prefix entries stay."""
+        for seq in self._sequences.values():
+            self._release_blocks(seq)
         self._sequences.clear()
         self.adapters.release_all()
-        self._batch = DecodeBatch(self._layout)
+        self._batch = DecodeBatch(self._layout, self._pool)
         if self._speculator.draft is not None:
             self._speculator.draft.reset()
         self._sampler = BatchSampler()
@@ -187,13 +197,20 @@ class Engine:
         if not self._quantized:
             return 0
         outside = [c for s in self._sequences.values() if s.cache is not None for c in s.cache]
-        entries = [c for entry, _ in self._prefixes.values() for c in entry]
-        return packed_nbytes(outside) + packed_nbytes(entries) + packed_nbytes(self._batch.slots)
+        return packed_nbytes(outside) + self._prefixes.quantized_bytes() + packed_nbytes(self._batch.slots)
 
     def kv_bytes(self) -> int:
         outside = sum(caches.nbytes(s.cache) for s in self._sequences.values() if s.cache is not None)
         draft = self._speculator.draft.nbytes if self._speculator.draft is not None else 0
-        return outside + self._prefix_bytes + self._batch.nbytes + draft
+        pool = self._pool.used_bytes if self._pool is not None else 0  # (free blocks: in `pool_stats`)
+        return outside + self._prefixes.nbytes + self._batch.nbytes + pool + draft
+
+    def pool_stats(self) -> KvPool | None:
+        if self._pool is None:
+            return None
+        positions = self.kv_tokens()
+        requests = [(positions.get(rid, 0), len(seq.table)) for rid, seq in self._sequences.items()]
+        return self._pool.stats(requests + self._prefixes.holders())
 
     # -- admission, parking, release ---------------------------------------------------------
 
@@ -230,13 +247,13 @@ class Engine:
             seq.num_generated = len(resumed)
             if admit.resume.num_kv_tokens != len(admit.context_ids) - 1:
                 raise EngineInvariantError(f"checkpoint covers {admit.resume.num_kv_tokens} tokens, expected {len(admit.context_ids) - 1}")
-            seq.cache = caches.from_tensors(admit.resume.kv_tensors, self._layout, admit.resume.num_kv_tokens)
+            restored = caches.from_tensors(admit.resume.kv_tensors, self._layout, admit.resume.num_kv_tokens)
+            seq.cache = self._into_pool(seq, restored, admit.resume.num_kv_tokens)
             seq.num_prefilled = admit.resume.num_kv_tokens
         elif admit.prefix_entry is not None:
-            entry, n = self._prefixes.get(admit.prefix_entry), admit.prefix_tokens
-            if entry is None or not 0 < n <= min(entry[1], len(admit.prompt_ids) - 1) or (not self._trimmable and n != entry[1]):
-                raise EngineInvariantError(f"prefix {admit.prefix_entry!r} cannot seed {n} tokens")
-            seq.cache, seq.num_prefilled = caches.prefix_view(entry[0], n), n
+            n = admit.prefix_tokens
+            seq.cache = self._prefixes.seed(admit.prefix_entry, n, seq)
+            seq.num_prefilled = n
         if admit.spec is not None:
             self._speculator.start(seq)
         if admit.adapter is not None:  # last: nothing after it can fail and leave it held
@@ -266,6 +283,7 @@ class Engine:
             self._keep_kv(seq)
         if seq.in_batch:
             self._remove_row(request_id)
+        self._release_blocks(seq)
         self._speculator.release(request_id)
         if seq.admit.adapter is not None:
             self.adapters.release(seq.admit.adapter)
@@ -283,19 +301,9 @@ class Engine:
             if verified < length and not self._trimmable:
                 return
             kept = self._batch.extract(seq.request_id)
-            self._save_prefix(seq, kept if verified == length else caches.trimmed(kept, verified), verified)
+            self._prefixes.save(seq, kept if verified == length else caches.trimmed(kept, verified), verified)
         elif seq.cache is not None and seq.num_prefilled:
-            self._save_prefix(seq, caches.trimmed(seq.cache, seq.num_prefilled), seq.num_prefilled)
-
-    def _save_prefix(self, seq: Sequence, kept: list, length: int) -> None:
-        """Keep KV as a prefix entry; the KV store decides whether it stays."""
-        self._num_saved += 1
-        entry_id = f"{seq.request_id}#{self._num_saved}"
-        self._prefixes[entry_id] = (kept, length)
-        num_bytes = caches.nbytes(kept)
-        self._prefix_bytes += num_bytes
-        namespace = prefix_namespace(seq.admit.adapter, seq.admit.adapter_digest)
-        self._saved.append(SavedPrefix(entry_id=entry_id, tokens=seq.tokens_with_kv(length), num_bytes=num_bytes, adapter=namespace))
+            self._prefixes.save(seq, caches.trimmed(seq.cache, seq.num_prefilled), seq.num_prefilled)
 
     # -- prefill -----------------------------------------------------------------------------
 
@@ -304,6 +312,8 @@ class Engine:
         models with recurrent layers only chunks of one length together); later chunks extend
         their request's own cache one at a time."""
         seqs = [self._prefill_target(work) for work in works]
+        if self._pool is not None and seqs:
+            self._ready_blocks(seqs, works)
         first = [(s, w.num_tokens) for s, w in zip(seqs, works) if s.num_prefilled == 0 and w.num_tokens <= self._batched_prefill_limit]
         together = [group for group in self._batch.unpadded_groups([n for _, n in first]) if len(group) > 1]
         batched = {id(first[i][0]) for group in together for i in group}
@@ -312,6 +322,9 @@ class Engine:
                 prefill_one(self._model, self._layout, seq, work.num_tokens)
         for group in together:
             prefill_together(self._model, self._layout, self._trimmable, [first[i] for i in group])
+            for i in group:
+                seq = first[i][0]
+                seq.cache = self._into_pool(seq, seq.cache or [], seq.num_prefilled)
         draft = self._speculator.draft
         if draft is not None and self._speculator.gate.allows(len(self._batch) + len(seqs)):
             # The draft model prefills what the target did (and any prefix it lacks); in a batch
@@ -323,8 +336,41 @@ class Engine:
             # A snapshot where asked, and (when entries are used whole) at the end of the prompt.
             wanted = seq.admit.snapshot_at == seq.num_prefilled or (not self._trimmable and seq.num_prefilled == seq.prompt_len - 1)
             if seq.admit.save_prefix and wanted and seq.cache is not None:
-                self._save_prefix(seq, caches.trimmed(seq.cache, seq.num_prefilled), seq.num_prefilled)
+                self._prefixes.save(seq, caches.trimmed(seq.cache, seq.num_prefilled), seq.num_prefilled)
         return [PrefillReport(request_id=s.request_id, processed_tokens=s.num_prefilled, total_tokens=s.prompt_len) for s in seqs]
+
+    def _ready_blocks(self, seqs: list[Sequence], works: list[PrefillWork]) -> None:
+        """Paged KV: each chunk's blocks, and caches writing into them, before any forward
+        (a pool that grows mid-forward is evaluated there). A step still in flight reads the
+        pool, and writing into it meanwhile would copy it whole: it is waited for first."""
+        assert self._pool is not None
+        if self._in_flight is not None and self._in_flight.result is not None:
+            mx.eval(self._in_flight.result.arrays())
+        for seq, work in zip(seqs, works):
+            self._pool.ensure(seq.table, seq.num_prefilled + work.num_tokens)
+            if seq.cache is None:
+                seq.cache = self._into_pool(seq, new_caches(self._model, self._layout), 0)
+
+    def _into_pool(self, seq: Sequence, cache_list: list, length: int) -> list:
+        """The caches with each paged layer's first `length` positions in `seq`'s blocks (a
+        `PagedKV`; a contiguous `KVCache` is copied in: a checkpoint, a batched first chunk)."""
+        pool = self._pool
+        if pool is None:
+            return cache_list
+        pool.ensure(seq.table, length)
+
+        def move(cache, ordinal: int) -> PagedKV:
+            if type(cache) is not PagedKV and length:
+                pool.write_positions(ordinal, seq.table, cache.keys[..., :length, :], cache.values[..., :length, :], 0)
+            return cache if type(cache) is PagedKV else PagedKV(pool, ordinal, seq.table, length)
+
+        moved = map_paged(cache_list, self._layout, move)
+        pool.evaluate()
+        return moved
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        if self._pool is not None:
+            self._pool.release(seq.table)
 
     def _prefill_target(self, work: PrefillWork) -> Sequence:
         seq = self._sequences.get(work.request_id)
@@ -372,7 +418,7 @@ class Engine:
             if not seq.is_ready:
                 continue
             admit, context = seq.admit, seq.context
-            self._batch.add_row(rid, seq.cache or [], seq.num_prefilled)
+            self._batch.add_row(rid, seq.cache or [], seq.num_prefilled, table=seq.table if self._pool is not None else None)
             # Everything the cache lacks is fed next: usually the last token, more after a park
             # (the sampler counts those when they are appended, like any appended token).
             seq.extra = context[seq.num_prefilled + 1 :]

@@ -29,7 +29,7 @@ from engine.draft import DraftRunner
 from engine.layout import dtype_name, probe_layout
 from engine.quantized import apply_cpu_policy
 from engine.speculation import Speculator
-from policies.layout import full_token_bytes, is_trimmable, with_kv_quantization
+from policies.layout import full_token_bytes, is_trimmable, with_kv_blocks, with_kv_quantization
 from policies.speculation import MEASURED_MAX_BATCH, SpeculationGate
 from protocols.config import KvConfig, ModelConfig, SpeculativeConfig
 from protocols.errors import ModelLoadError
@@ -50,15 +50,21 @@ class LoadedModel:
 
 
 def with_kv_format(loaded: LoadedModel, kv: KvConfig) -> LoadedModel:
-    """The model with `kv.bits`-bit KV on the layers that can store it (`engine.kvquant`).
-    A model none of whose layers can is refused: the configuration asks for what cannot be."""
-    if not kv.bits:
-        return loaded
-    layout, kept_float = with_kv_quantization(loaded.layout, kv.bits, kv.group_size, kv.quantized_start)
+    """The model with `kv.bits`-bit KV on the layers that can store it (`engine.kvquant`),
+    and its float full-attention layers paged with `kv.block_size` (`engine.paged`). A model
+    none of whose layers can store quantized KV is refused: the configuration asks for what
+    cannot be."""
+    layout = loaded.layout
+    if kv.bits:
+        layout, kept_float = with_kv_quantization(layout, kv.bits, kv.group_size, kv.quantized_start)
+        if layout == loaded.layout:
+            raise ModelLoadError(f"kv.bits = {kv.bits}: no layer of this model can store quantized KV ({'; '.join(kept_float)})")
+        for reason in kept_float:
+            log.warning("kv_layer_kept_float", reason=reason)
+    if kv.block_size:
+        layout = with_kv_blocks(layout, kv.block_size)
     if layout == loaded.layout:
-        raise ModelLoadError(f"kv.bits = {kv.bits}: no layer of this model can store quantized KV ({'; '.join(kept_float)})")
-    for reason in kept_float:
-        log.warning("kv_layer_kept_float", reason=reason)
+        return loaded
     assert is_trimmable(layout) == is_trimmable(loaded.layout)
     info = msgspec.structs.replace(loaded.info, layers=layout, kv_bytes_per_token=full_token_bytes(layout))
     return LoadedModel(model=loaded.model, tokenizer=loaded.tokenizer, layout=layout, info=info)

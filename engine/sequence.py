@@ -34,6 +34,12 @@ class Sequence:
     stop_ids: frozenset[int]
     # Its KV while it is out of the decode batch (prefilling, parked): per-layer caches.
     cache: list | None = None
+    # Paged KV (`engine.paged`): the blocks holding its positions, from admission to release
+    # (the batch row reads this very list), the first `num_shared` a prefix entry's too.
+    table: list[int] = field(default_factory=list)
+    num_shared: int = 0
+    # The latest prefix entry kept from it, and how many of its table's blocks that holds.
+    saved_entry: tuple[str, int] | None = None
     num_prefilled: int = 0
     num_generated: int = 0
     in_batch: bool = False

@@ -12,62 +12,23 @@ needs, and answers the calls mlx-lm's layers make on their caches during a forwa
   over some rows with different token counts is right-padded and passes mlx-lm's own
   `lengths`, which the recurrent layers honour, so padding never enters a state.
 - `ListSlots` (`CacheList`): several of the above in one layer.
-(Quantized full layers: `engine.kvquant.QuantizedSlots`.) The batch (`engine.batch.DecodeBatch`)
-owns the rows and each step's geometry (`Step`); slots own their buffers, and convert a row to
+(Quantized or paged full layers: `engine.kvquant`, `engine.paged`.) The batch
+(`engine.batch.DecodeBatch`) owns the rows and each step's geometry (`engine.step`); slots own their buffers, and convert a row to
 and from mlx-lm's cache of its kind (`join`, `extract`) for prefill, prefixes and checkpoints.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from engine.layout import DTYPES
+from engine.step import LEN_STEP, Step, round_up
 from policies.layout import ring_capacity
 from protocols.model import LayerLayout
-
-LEN_STEP = 256
-
-
-def round_up(n: int, step: int) -> int:
-    return (n + step - 1) // step * step
-
-
-@dataclass
-class Step:
-    """Where one forward writes; set by `DecodeBatch.begin_step`, read by every slot.
-
-    Every forwarded row takes `num_new` positions; a row's positions past its own count are
-    padding, written past its length and never attended to.
-    """
-
-    num_rows: int
-    rows: list[int] | None  # the forwarded rows (None: every row, in order)
-    starts: list[int]  # each forwarded row's length before the step
-    counts: list[int]  # tokens each forwarded row forwards
-    num_new: int
-    positions: mx.array
-    row_index: mx.array | None
-    uniform_start: int | None  # every row at one position: plain slice writes
-    # Arrays derived once per step and shared by the layers that need them (masks, indices).
-    derived: dict[Any, Any] = field(default_factory=dict)
-
-    @property
-    def width(self) -> int:
-        return max(self.starts) + self.num_new
-
-    def derive(self, key, build):
-        if key not in self.derived:
-            self.derived[key] = build()
-        return self.derived[key]
-
-    def select(self, buffer: mx.array) -> mx.array:
-        """The forwarded rows of a `[rows, ...]` buffer."""
-        return buffer[: self.num_rows] if self.row_index is None else buffer[self.row_index]
 
 
 def _write_index(step: Step, heads: int, capacity: int, slots: mx.array) -> mx.array:
@@ -486,9 +447,13 @@ Slots = FullSlots | WindowSlots | StateSlots | ListSlots
 def make_slots(batch, layout: LayerLayout) -> Slots:
     match layout.kind:
         case "full" if layout.kv_bits:
-            from engine.kvquant import QuantizedSlots  # (it builds on FullSlots)
+            from engine.kvquant import QuantizedSlots  # (these build on FullSlots)
 
             return QuantizedSlots(batch, layout)
+        case "full" if layout.kv_block:
+            from engine.paged import PagedSlots
+
+            return PagedSlots(batch, layout, batch.next_paged_ordinal())
         case "full":
             return FullSlots(batch, layout)
         case "window":

@@ -55,8 +55,10 @@ def quantized_token_bytes(layer: LayerLayout) -> int:
 
 
 def full_layer_bytes(layer: LayerLayout, num_tokens: int) -> int:
-    """A full-attention layer's bytes for `num_tokens` positions: float, or quantized plus the
-    float copy of the first `kv_start` positions."""
+    """A full-attention layer's bytes for `num_tokens` positions: float (paged: in whole
+    blocks), or quantized plus the float copy of the first `kv_start` positions."""
+    if layer.kv_block:
+        return token_bytes(layer) * -(-num_tokens // layer.kv_block) * layer.kv_block
     if not layer.kv_bits:
         return token_bytes(layer) * num_tokens
     return quantized_token_bytes(layer) * num_tokens + token_bytes(layer) * min(num_tokens, layer.kv_start)
@@ -91,6 +93,29 @@ def with_kv_quantization(layers: Sequence[LayerLayout], bits: int, group_size: i
     if not bits:
         return list(layers), []
     return [convert(layer, str(i)) for i, layer in enumerate(layers)], refused
+
+
+def with_kv_blocks(layers: Sequence[LayerLayout], block_size: int) -> list[LayerLayout]:
+    """The layers with every float full-attention layer paged in `block_size`-position blocks."""
+
+    def convert(layer: LayerLayout) -> LayerLayout:
+        if layer.kind == "list":
+            return msgspec.structs.replace(layer, parts=[convert(part) for part in layer.parts])
+        if layer.kind == "full" and not layer.kv_bits:
+            return msgspec.structs.replace(layer, kv_block=block_size)
+        return layer
+
+    return [convert(layer) for layer in layers]
+
+
+def kv_block_size(layers: Sequence[LayerLayout]) -> int:
+    """The paged layers' block size (`kv.block_size`; 0: nothing is paged)."""
+    return max((layer.kv_block for _, layer in leaves(layers) if layer.kind == "full"), default=0)
+
+
+def paged_block_bytes(layers: Sequence[LayerLayout]) -> int:
+    """Bytes of one pool block: `kv_block` positions of every paged layer."""
+    return sum(token_bytes(layer) * layer.kv_block for _, layer in leaves(layers) if layer.kind == "full" and layer.kv_block)
 
 
 def state_bytes(layer: LayerLayout) -> int:

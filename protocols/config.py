@@ -64,6 +64,11 @@ class KvConfig(Section, frozen=True):
     # Each request's first `quantized_start` positions are kept in full precision as well, and
     # attention reads those (a system prompt, attention sinks); later positions are quantized.
     quantized_start: NonNegative = 0
+    # Paged KV: float full-attention layers keep positions in one pool of `block_size`-position
+    # blocks, each request holding the blocks it uses (no padding to the longest row) and
+    # requests seeded from a saved prefix sharing its full blocks instead of copying them.
+    # 0 keeps a padded row per request. (Quantized layers keep rows.)
+    block_size: Literal[0, 8, 16, 32, 64, 128, 256] = 0
 
 
 class GenerationConfig(Section, frozen=True):

@@ -10,7 +10,7 @@ import msgspec
 
 from protocols.api import GenerateRequest
 from protocols.base import Message, Record, Reply
-from protocols.model import CheckpointData, DeviceMemory, SavedPrefix
+from protocols.model import CheckpointData, DeviceMemory, KvPool, SavedPrefix
 from protocols.scheduler import CheckpointWritten
 
 
@@ -57,6 +57,10 @@ class KvStats(Record, frozen=True):
     # the quantized KV's (packed words, scales and biases; the rest is float).
     kv_format: str = "float"
     quantized_bytes: int = 0
+    # Paged KV (`kv.block_size`): the block pool's figures; the most KV bytes held at once
+    # (the engine's peak of `physical_bytes`).
+    pool: KvPool | None = None
+    peak_physical_bytes: int = 0
 
 
 class ReserveKv(Message, frozen=True):
@@ -114,6 +118,8 @@ class ReportKvUsage(Message, frozen=True):
     adapter_bytes: int = 0
     device: DeviceMemory | None = None
     quantized_bytes: int = 0
+    pool: KvPool | None = None
+    peak_physical_bytes: int = 0
 
 
 class GetKvStats(Message, frozen=True):

@@ -127,6 +127,11 @@ class SavedPrefix(Record, frozen=True):
     num_bytes: int
     # The adapter the KV was computed under (None: the base model).
     adapter: str | None = None
+    # Paged KV: the entry whose first blocks this one shares (the one its request was seeded
+    # from, or an earlier entry of the same request), and those blocks' bytes, which
+    # `num_bytes` leaves out (the parent counts them while it is kept).
+    parent: str | None = None
+    shared_bytes: int = 0
 
 
 class CheckpointData(Record, frozen=True):
@@ -195,6 +200,21 @@ class DeviceMemory(Record, frozen=True):
     cache: int = 0
 
 
+class KvPool(Record, frozen=True):
+    """The paged KV pool (`kv.block_size`), in blocks: allocated, held by requests and prefix
+    entries, free, held by more than one holder (a prefix entry and the requests seeded from
+    it), and the positions held blocks leave unused past their holders' ends (internal
+    fragmentation; the pool's one scratch block, for padding, is in `capacity` only)."""
+
+    block_size: int
+    capacity: int
+    used: int
+    free: int
+    shared: int
+    unused_positions: int
+    block_bytes: int = 0
+
+
 class StepOutcome(Record, frozen=True):
     """Everything a step produced. Requests in `outputs` with a finish reason are gone."""
 
@@ -214,6 +234,10 @@ class StepOutcome(Record, frozen=True):
     device: DeviceMemory | None = None
     # Of kv_bytes, quantized KV (packed words, scales and biases; `kv.bits`).
     kv_quantized_bytes: int = 0
+    # The paged pool (`kv.block_size`; its held blocks' bytes are in kv_bytes), and the
+    # most KV bytes held after any step so far.
+    kv_pool: KvPool | None = None
+    kv_peak_bytes: int = 0
 
 
 class StateArray(Record, frozen=True):
@@ -236,7 +260,9 @@ class LayerLayout(Record, frozen=True):
 
     A "full" layer with `kv_bits` (4 or 8, `kv.bits`) stores every position's keys and values
     quantized per `kv_group_size` elements (packed, scales, biases: `engine.kvquant`), and its
-    first `kv_start` positions in full precision too, which attention reads instead.
+    first `kv_start` positions in full precision too, which attention reads instead. A float
+    "full" layer with `kv_block` keeps its positions in a block pool of `kv_block`-position
+    blocks shared by every request (`kv.block_size`: `engine.paged`).
     """
 
     kind: Literal["full", "window", "state", "list"]
@@ -250,6 +276,7 @@ class LayerLayout(Record, frozen=True):
     kv_bits: int = 0
     kv_group_size: int = 0
     kv_start: int = 0
+    kv_block: int = 0
 
 
 class ModelInfo(Record, frozen=True):

@@ -195,6 +195,16 @@ class _StatsCollector:
         for kind, value in (("reserved", kv.reserved_bytes), ("live", kv.live_bytes), ("prefix", kv.prefix_bytes), ("physical", kv.physical_bytes), *held):
             by_kind.add_metric([name, kind], value)
         yield by_kind
+        if kv.pool is not None:
+            blocks = GaugeMetricFamily(
+                PREFIX + "kv_cache_blocks", "Paged KV pool blocks (kv.block_size): held, free, shared by several holders.", labels=["model_name", "state"]
+            )
+            for state, value in (("held", kv.pool.used), ("free", kv.pool.free), ("shared", kv.pool.shared)):
+                blocks.add_metric([name, state], value)
+            yield blocks
+            allocated = kv.pool.used * kv.pool.block_size
+            fragmentation = kv.pool.unused_positions / allocated if allocated else 0.0
+            yield gauge("kv_cache_fragmentation", "Of the positions in held pool blocks, the share past their holders' ends.", fragmentation)
         yield gauge("lora_adapter_bytes", "Bytes of the resident LoRA adapters' stacks.", kv.adapter_bytes)
         device = GaugeMetricFamily(
             PREFIX + "device_memory_bytes", "MLX memory: active (in use), peak, cache (freed, kept for reuse).", labels=["model_name", "kind"]

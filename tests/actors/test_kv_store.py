@@ -68,11 +68,13 @@ def test_record_usage_and_stats():
         bytes_per_token=64,
         budget_bytes=1 << 20,
         reserved_bytes=150 * 64,
+        peak_physical_bytes=9000,
     )
-    # A report replaces the previous one rather than adding to it.
+    # A report replaces the previous one rather than adding to it (the peak stays).
     ledger.record_usage({"a": 31}, physical_bytes=5000)
     stats = ledger.stats()
     assert (stats.live_requests, stats.live_tokens, stats.live_bytes, stats.physical_bytes) == (1, 31, 31 * 64, 5000)
+    assert stats.peak_physical_bytes == 9000
 
 
 def test_record_usage_copies_its_input():

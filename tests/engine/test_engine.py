@@ -10,6 +10,7 @@ import pytest
 
 from engine.engine import Engine, EngineInvariantError
 from engine.layout import probe_layout
+from policies.layout import with_kv_blocks
 from protocols.api import SamplingParams
 from protocols.model import AdmitRequest, PrefillWork, StepPlan
 from tests.integration.reference import greedy_tokens, load_reference
@@ -17,15 +18,22 @@ from tests.integration.reference import greedy_tokens, load_reference
 CHUNK = 8
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-gemma3", "tiny-lfm2", "tiny-qwen3next"])
+# "-paged": the model's float full-attention layers in a block pool (`kv.block_size`).
+@pytest.fixture(scope="module", params=["tiny", "tiny-paged", "tiny-gemma3", "tiny-gemma3-paged", "tiny-lfm2-paged", "tiny-qwen3next"])
 def model_and_tokenizer(request):
-    return load_reference(f"builtin:{request.param}")
+    return load_reference(f"builtin:{request.param.removesuffix('-paged')}")
 
 
 @pytest.fixture
-def engine(model_and_tokenizer):
+def block_size(request) -> int:
+    return 16 if request.node.callspec.params["model_and_tokenizer"].endswith("-paged") else 0
+
+
+@pytest.fixture
+def engine(model_and_tokenizer, block_size):
     model, _ = model_and_tokenizer
-    return Engine(model, probe_layout(model))
+    layout = probe_layout(model)
+    return Engine(model, with_kv_blocks(layout, block_size) if block_size else layout)
 
 
 def _admit(rid: str, prompt: list[int], max_tokens: int = 12, stop: list[int] | None = None, **kw) -> AdmitRequest:
@@ -211,7 +219,7 @@ def test_requests_seeded_from_one_prefix_never_change_it(engine, model_and_token
     from mlx.utils import tree_flatten
 
     def arrays(entry_id: str) -> list:
-        states = [c.state for c in engine._prefixes[entry_id][0]]
+        states = [c.state for c in engine._prefixes.caches_of(entry_id)]
         return [np.array(a) for _, a in tree_flatten(states) if a is not None]
 
     prompt = _prompts([60])[0]

@@ -1,0 +1,410 @@
+"""Paged KV (`kv.block_size`): float full-attention layers keep positions in one block pool.
+
+Each paged layer (a float full-attention `LayerLayout` with `kv_block`) has one pool per
+array, `[heads, blocks * block_size, dim]`; block `b` is positions `[b * block_size, (b + 1) *
+block_size)` of every paged layer's pool. A request owns a block table from admission to
+release (`engine.sequence.Sequence.table`): its position `p` lives at pool position
+`table[p // block_size] * block_size + p % block_size`, while it prefills (`PagedKV`), decodes
+(`PagedSlots`, the batch row holding the same table) and parks, so no step copies its KV.
+Blocks are counted by `policies.blocks.BlockAllocator`: a request, a prefix entry, and every
+request seeded from that entry hold the entry's full blocks at once (shared). A block is
+written only by the request that allocated it, at positions past every other holder's end:
+a seeded request copies the entry's last partial block into one of its own (copy on write).
+
+A forward writes each new position into its block (one scatter per array) and reads the
+positions `[0, width)` back: a slice of the pool when they are one contiguous run of blocks
+(a lone request, usually), otherwise one gather per array (MLX has no paged attention kernel
+on this backend; BENCHMARKS.md has what the gather costs). Masks and RoPE offsets are
+`FullSlots`' geometry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+import msgspec
+import structlog
+from mlx_lm.models.cache import CacheList, KVCache, _BaseCache, create_attention_mask
+
+from engine.layout import DTYPES
+from engine.slots import FullSlots
+from engine.step import Step
+from policies.blocks import BlockAllocator, blocks_for
+from policies.layout import leaves, paged_block_bytes
+from protocols.model import KvPool, LayerLayout
+
+log = structlog.get_logger(actor="engine")
+
+MIN_GROWTH = 64  # blocks added at least when the pool grows
+
+
+def paged_layers(layout: Sequence[LayerLayout]) -> list[LayerLayout]:
+    """The paged layers, in the order the batch makes their slots (`policies.layout.leaves`)."""
+    return [layer for _, layer in leaves(layout) if layer.kind == "full" and layer.kv_block]
+
+
+def positions_of(table: Sequence[int], start: int, stop: int, block_size: int) -> list[int]:
+    """Pool positions of sequence positions `[start, stop)` of a request with `table`."""
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+
+
+def contiguous_run(table: Sequence[int], num_blocks: int) -> int | None:
+    """The first block of the table's first `num_blocks` blocks when they are consecutive."""
+    first = table[0] if table else 0
+    return first if all(table[i] == first + i for i in range(num_blocks)) else None
+
+
+def map_paged(caches: Sequence[Any], layout: Sequence[LayerLayout], fn) -> list:
+    """The caches with each paged layer's replaced by `fn(cache, ordinal)` (lists walked)."""
+    ordinals = iter(range(1 << 30))
+
+    def walk(cache: Any, layer: LayerLayout) -> Any:
+        if layer.kind == "list":
+            return CacheList(*(walk(child, part) for child, part in zip(cache.caches, layer.parts)))
+        if layer.kind == "full" and layer.kv_block:
+            return fn(cache, next(ordinals))
+        return cache
+
+    return [walk(cache, layer) for cache, layer in zip(caches, layout)]
+
+
+class BlockPool:
+    """The pools of every paged layer and their allocator. Outlives the decode batch (prefix
+    entries hold blocks too). Grows by whole blocks, at most to `max_blocks` (the KV budget's
+    worth) unless more are held already: then it logs, since the ledger should prevent it."""
+
+    def __init__(self, layout: Sequence[LayerLayout], max_blocks: int = 0):
+        self.layers = paged_layers(layout)
+        self.block_size = self.layers[0].kv_block
+        self.allocator = BlockAllocator(self.block_size)
+        self.max_blocks = max_blocks
+        self.keys: list[mx.array | None] = [None] * len(self.layers)
+        self.values: list[mx.array | None] = [None] * len(self.layers)
+        self.block_bytes = paged_block_bytes(layout)
+        # A block of the pool's own: a forward's padding positions are written there (never
+        # read), so a row holds blocks for its real positions only.
+        self._scratch: int | None = None
+
+    @property
+    def positions(self) -> int:
+        return self.allocator.capacity * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for the pool (free blocks included)."""
+        return self.allocator.capacity * self.block_bytes
+
+    @property
+    def num_held(self) -> int:
+        """Blocks held by requests and prefix entries (not the scratch block)."""
+        return self.allocator.num_used - (self._scratch is not None)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.num_held * self.block_bytes
+
+    def stats(self, holders: Sequence[tuple[int, int]] = ()) -> KvPool:
+        figures = self.allocator.stats(holders, self.block_bytes)
+        return msgspec.structs.replace(figures, used=self.num_held)
+
+    # -- blocks ------------------------------------------------------------------------------
+
+    def ensure(self, table: list[int], num_positions: int) -> None:
+        """Extend `table` (in place) with new blocks until it covers `num_positions`."""
+        missing = blocks_for(num_positions, self.block_size) - len(table)
+        if missing > 0:
+            table += self.allocate(missing, after=table[-1] if table else None)
+
+    def allocate(self, count: int, after: int | None = None) -> list[int]:
+        missing = count - self.allocator.num_free
+        if missing > 0:
+            self._grow(self.allocator.capacity + missing)
+        return self.allocator.allocate(count, after=after)
+
+    def scratch(self) -> int:
+        """The first pool position of the scratch block."""
+        if self._scratch is None:
+            self._scratch = self.allocate(1)[0]
+        return self._scratch * self.block_size
+
+    def release(self, table: list[int]) -> None:
+        """Give a table's blocks back and empty it."""
+        self.allocator.release(table)
+        table.clear()
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(needed, 2 * self.allocator.capacity, MIN_GROWTH)
+        if self.max_blocks:
+            if needed > self.max_blocks:
+                log.warning("kv_pool_over_budget", blocks=needed, max_blocks=self.max_blocks)
+            capacity = max(needed, min(capacity, self.max_blocks))
+        old = self.positions
+        self.allocator.grow(capacity)
+        for i, layer in enumerate(self.layers):
+            self.keys[i] = _resized(self.keys[i], layer, layer.key_dim, old, self.positions)
+            self.values[i] = _resized(self.values[i], layer, layer.value_dim, old, self.positions)
+        self.evaluate()
+
+    def shrink(self) -> None:
+        """Give back the free blocks past the last held one once they are most of the pool
+        (blocks are handed out lowest first, so the held ones gather at the start)."""
+        capacity = self.allocator.capacity
+        keep = max(MIN_GROWTH, 2 * self.allocator.highest_held() + 2)
+        if capacity < 4 * keep:
+            return
+        old = self.positions
+        self.allocator.truncate(keep)
+        for i, layer in enumerate(self.layers):
+            self.keys[i] = _resized(self.keys[i], layer, layer.key_dim, old, self.positions)
+            self.values[i] = _resized(self.values[i], layer, layer.value_dim, old, self.positions)
+        self.evaluate()
+
+    def evaluate(self) -> None:
+        mx.eval([a for a in (*self.keys, *self.values) if a is not None])
+
+    # -- positions ---------------------------------------------------------------------------
+
+    def arrays(self, ordinal: int) -> tuple[mx.array, mx.array]:
+        keys, values = self.keys[ordinal], self.values[ordinal]
+        assert keys is not None and values is not None, "a paged layer read before any block was allocated"
+        return keys, values
+
+    def flat_index(self, positions: mx.array, heads: int) -> mx.array:
+        """`[heads * n]` flat indices of pool positions `positions` (`[n]`) in every head."""
+        return (mx.arange(heads, dtype=mx.int32)[:, None] * self.positions + positions[None, :]).reshape(-1)
+
+    def write(self, ordinal: int, keys: mx.array, values: mx.array, index: mx.array) -> None:
+        """`keys`/`values` `[heads, n, dim]` at flat `[heads * n]` `index`."""
+        pool_keys, pool_values = self.arrays(ordinal)
+        self.keys[ordinal] = _scatter(pool_keys, keys, index)
+        self.values[ordinal] = _scatter(pool_values, values, index)
+
+    def write_positions(self, ordinal: int, table: Sequence[int], keys: mx.array, values: mx.array, start: int) -> None:
+        """One request's `[1, heads, n, dim]` keys and values as its positions `[start, start + n)`."""
+        n = keys.shape[2]
+        if not n:
+            return
+        positions = mx.array(positions_of(table, start, start + n, self.block_size), dtype=mx.int32)
+        index = self.flat_index(positions, self.layers[ordinal].heads)
+        self.write(ordinal, keys[0], values[0], index)
+
+    def read(self, ordinal: int, table: Sequence[int], width: int) -> tuple[mx.array, mx.array]:
+        """One request's positions `[0, width)` as `[1, heads, width, dim]`: a slice of the pool
+        when its blocks there run contiguously, else a gathered copy."""
+        keys, values = self.arrays(ordinal)
+        first = contiguous_run(table, blocks_for(width, self.block_size))
+        if first is not None:
+            start = first * self.block_size
+            return keys[None, :, start : start + width], values[None, :, start : start + width]
+        index = mx.array(positions_of(table, 0, width, self.block_size), dtype=mx.int32)
+        return keys[None, :, index], values[None, :, index]
+
+    def copy_positions(self, source: Sequence[int], target: Sequence[int], start: int, stop: int) -> None:
+        """Positions `[start, stop)` of a sequence in `source` blocks into `target` blocks, in
+        every paged layer (a seeded request's copy of an entry's last partial block)."""
+        if stop <= start:
+            return
+        size = self.block_size
+        read = mx.array(positions_of(source, start, stop, size), dtype=mx.int32)
+        written = mx.array(positions_of(target, start, stop, size), dtype=mx.int32)
+        for ordinal, layer in enumerate(self.layers):
+            keys, values = self.arrays(ordinal)
+            self.write(ordinal, keys[:, read], values[:, read], self.flat_index(written, layer.heads))
+        self.evaluate()
+
+
+def _resized(array: mx.array | None, layer: LayerLayout, dim: int, old: int, positions: int) -> mx.array:
+    if array is not None and positions <= old:
+        return mx.contiguous(array[:, :positions])
+    resized = mx.zeros((layer.heads, positions, dim), DTYPES[layer.dtype])
+    if array is not None and old:
+        resized[:, :old] = array
+    return resized
+
+
+def _scatter(pool: mx.array, new: mx.array, index: mx.array) -> mx.array:
+    heads, positions, dim = pool.shape
+    flat = pool.reshape(heads * positions, dim)
+    flat[index] = new.reshape(-1, dim)
+    return flat.reshape(heads, positions, dim)
+
+
+def _heads_first(x: mx.array) -> mx.array:
+    """`[rows, heads, n, dim]` as `[heads, rows * n, dim]` (row-major over rows, then n)."""
+    rows, heads, n, dim = x.shape
+    return x.transpose(1, 0, 2, 3).reshape(heads, rows * n, dim)
+
+
+class PagedKV(_BaseCache):
+    """One request's paged layer outside the decode batch (prefilling, parked), as mlx-lm's
+    layers use a `KVCache`: new positions go into the request's blocks (`table`, the
+    request's own list, extended in place), and every position is read back from them."""
+
+    def __init__(self, pool: BlockPool, ordinal: int, table: list[int], offset: int = 0):
+        self.pool = pool
+        self.ordinal = ordinal
+        self.table = table
+        self.offset = offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        start = self.offset
+        self.pool.ensure(self.table, start + keys.shape[2])
+        self.pool.write_positions(self.ordinal, self.table, keys, values, start)
+        self.offset = start + keys.shape[2]
+        return self.pool.read(self.ordinal, self.table, self.offset)
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """What the last `update_and_fetch` returned (layers that share another's KV read it)."""
+        return self.pool.read(self.ordinal, self.table, self.offset)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
+
+    @property
+    def keys(self) -> mx.array:
+        """Its positions as one contiguous array (checkpoints)."""
+        return mx.contiguous(self.pool.read(self.ordinal, self.table, self.offset)[0])
+
+    @property
+    def values(self) -> mx.array:
+        return mx.contiguous(self.pool.read(self.ordinal, self.table, self.offset)[1])
+
+    @property
+    def state(self) -> list[mx.array]:
+        return list(self.pool.arrays(self.ordinal)) if self.table else []
+
+    @state.setter
+    def state(self, value) -> None:
+        raise AttributeError("a paged layer's state is its blocks")
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # its blocks are the pool's bytes, counted once
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+
+class PagedRef:
+    """A paged layer's place in a prefix entry's caches: its positions are in the entry's
+    blocks (`engine.prefixes`), read out when the entry seeds a request."""
+
+    nbytes = 0
+
+    def __init__(self, ordinal: int):
+        self.ordinal = ordinal
+        self.state: list = []
+
+
+class PagedSlots(FullSlots):
+    """A paged full-attention layer's view of the batch: each row's positions are in the
+    blocks of its table (`DecodeBatch.tables`, the row's request's own list)."""
+
+    def __init__(self, batch, layout: LayerLayout, ordinal: int):
+        super().__init__(batch, layout)
+        self.ordinal = ordinal
+        self._fetched: tuple[mx.array, mx.array] | None = None
+
+    @property
+    def pool(self) -> BlockPool:
+        return self._batch.pool
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # the pool's bytes are the engine's to count, once
+
+    def capacity(self) -> int:
+        return 0
+
+    def reserve(self, rows: int, length: int) -> None:
+        pass  # blocks are allocated per row (`DecodeBatch`)
+
+    def shrink(self, rows: int, length: int) -> None:
+        pass
+
+    def clear(self) -> None:
+        self._fetched = None
+
+    def move_row(self, source: int, target: int) -> None:
+        pass  # the batch moves the row's table
+
+    def traced_inputs(self, rows: int) -> list[mx.array]:
+        raise NotImplementedError("a paged batch does not run the compiled step")
+
+    def take_traced(self, outputs: Iterator[mx.array], rows: int) -> None:
+        raise NotImplementedError("a paged batch does not run the compiled step")
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        step = self._batch.step
+        assert step is not None
+        pool = self.pool
+        heads = self.layout.heads
+        index = step.derive(("paged-write", pool.positions, heads), lambda: pool.flat_index(self._write_positions(step), heads))
+        pool.write(self.ordinal, _heads_first(keys), _heads_first(values), index)
+        self._fetched = self._read(step)
+        return self._fetched
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        assert self._fetched is not None
+        return self._fetched
+
+    def _write_positions(self, step: Step) -> mx.array:
+        """Each forwarded row's new positions in its blocks, its padding in the scratch block."""
+        rows = step.rows if step.rows is not None else range(step.num_rows)
+        tables, size, n = self._batch.tables, self.pool.block_size, step.num_new
+        padding = [self.pool.scratch() + j % size for j in range(n - min(step.counts))] if min(step.counts) < n else []
+        flat = []
+        for row, start, count in zip(rows, step.starts, step.counts):
+            flat += positions_of(tables[row], start, start + count, size) + padding[: n - count]
+        return mx.array(flat, dtype=mx.int32)
+
+    def _read(self, step: Step) -> tuple[mx.array, mx.array]:
+        keys, values = self.pool.arrays(self.ordinal)
+        width = step.width
+        read = step.derive(("paged-read", self.pool.positions), lambda: self._read_plan(step, width))
+        if isinstance(read, int):
+            return keys[None, :, read : read + width], values[None, :, read : read + width]
+        rows = len(step.starts)
+        return _gather(keys, read, rows, width), _gather(values, read, rows, width)
+
+    def _read_plan(self, step: Step, width: int) -> int | mx.array:
+        """Where the step's rows' positions `[0, width)` are: the pool position they start at
+        when one row's blocks run contiguously, else every position (padding: position 0)."""
+        rows = list(step.rows) if step.rows is not None else list(range(step.num_rows))
+        tables, size = self._batch.tables, self.pool.block_size
+        if len(rows) == 1:
+            first = contiguous_run(tables[rows[0]], blocks_for(width, size))
+            if first is not None:
+                return first * size
+        flat = []
+        for row in rows:
+            covered = min(width, len(tables[row]) * size)
+            flat += positions_of(tables[row], 0, covered, size) + [0] * (width - covered)
+        return mx.array(flat, dtype=mx.int32)
+
+    def join_row(self, row: int, cache: Any, length: int) -> None:
+        """A request's paged cache is in the row's blocks already; a contiguous one (a
+        caller outside the engine) is copied in."""
+        if type(cache) is KVCache and length:
+            keys, values = cache.keys, cache.values
+            assert keys is not None and values is not None
+            self.pool.write_positions(self.ordinal, self._batch.tables[row], keys[..., :length, :], values[..., :length, :], 0)
+
+    def extract_row(self, row: int, length: int) -> PagedKV:  # type: ignore[override]
+        """The row's positions where they are (no copy): the request keeps its table."""
+        return PagedKV(self.pool, self.ordinal, self._batch.tables[row], length)
+
+
+def _gather(pool: mx.array, index: mx.array, rows: int, width: int) -> mx.array:
+    heads, _, dim = pool.shape
+    return pool[:, index].reshape(heads, rows, width, dim).transpose(1, 0, 2, 3)
