@@ -23,18 +23,20 @@ import mlx.core as mx
 import structlog
 
 from engine import caches
+from engine.attention import install as install_attention
 from engine.batch import DecodeBatch
 from engine.compiled import compile_decode_step
 from engine.forward import append_known, forward_drafts, forward_pending, grammar_mask, host, read_logprobs, replay_accepted
 from engine.known import KnownTokens
-from engine.kvquant import is_quantized, new_caches, packed_nbytes, quantized_start
+from engine.kvquant import is_quantized, packed_nbytes, quantized_start
 from engine.lora import AdapterBank
-from engine.paged import BlockPool, PagedKV, map_paged, paged_layers
+from engine.paged import BlockPool, paged_layers
 from engine.prefill import prefill_one, prefill_together
 from engine.prefixes import PrefixEntries
 from engine.sampler import BatchSampler, RowSampling
 from engine.sequence import EngineInvariantError, InFlight, Sequence, capture_checkpoints
 from engine.speculation import Speculator
+from engine.tables import RequestBlocks
 from policies.fill_session import FillSession
 from policies.layout import is_trimmable, paged_block_bytes
 from protocols.api import FillStats, TokenLogprob
@@ -54,7 +56,6 @@ from protocols.model import (
 )
 
 CLEAR_CACHE_EVERY = 256
-SHRINK_POOL_EVERY = 64
 
 log = structlog.get_logger(actor="engine")
 
@@ -100,6 +101,9 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         # Paged KV: the block pool (at most `pool_bytes`, the KV budget) outlives the batch.
         self._pool = BlockPool(layout, pool_bytes // paged_block_bytes(layout)) if paged_layers(layout) else None
+        self._blocks = RequestBlocks(self._pool, layout, model)
+        if self._pool is not None:
+            install_attention(model)  # decode steps attend row by row over the pool (`engine.paged`)
         self._batch = DecodeBatch(layout, self._pool)
         # Quantized KV: a lone row decodes uncompiled (traced: 12.5 vs 13.5 tok/s at 2,048); a
         # paged one reads its blocks in place, which the traced step's fixed buffers cannot.
@@ -115,7 +119,6 @@ class Engine:
         self._prefixes = PrefixEntries(layout, self._pool, self._trimmable)
         self._checkpoints: list[CheckpointData] = []
         self._peak_bytes = 0
-        self._steps_since_shrink = 0
 
     def step(self, plan: StepPlan) -> StepOutcome:
         """Apply one plan; see the module docstring for the order."""
@@ -142,10 +145,7 @@ class Engine:
             outputs += self._decode()
         if not self._sequences:
             mx.clear_cache()
-        self._steps_since_shrink += 1
-        if self._pool is not None and self._steps_since_shrink >= SHRINK_POOL_EVERY:
-            self._pool.shrink()
-            self._steps_since_shrink = 0
+        self._blocks.after_step()
         kv_bytes = self.kv_bytes()
         self._peak_bytes = max(self._peak_bytes, kv_bytes)
         return StepOutcome(
@@ -175,7 +175,7 @@ class Engine:
     def reset(self) -> None:
         """Drop every request (after a failed step); prefix entries stay."""
         for seq in self._sequences.values():
-            self._release_blocks(seq)
+            self._blocks.release(seq)
         self._sequences.clear()
         self.adapters.release_all()
         self._batch = DecodeBatch(self._layout, self._pool)
@@ -202,15 +202,11 @@ class Engine:
     def kv_bytes(self) -> int:
         outside = sum(caches.nbytes(s.cache) for s in self._sequences.values() if s.cache is not None)
         draft = self._speculator.draft.nbytes if self._speculator.draft is not None else 0
-        pool = self._pool.used_bytes if self._pool is not None else 0  # (free blocks: in `pool_stats`)
-        return outside + self._prefixes.nbytes + self._batch.nbytes + pool + draft
+        # (The pool's blocks held; its free ones are in `pool_stats`.)
+        return outside + self._prefixes.nbytes + self._batch.nbytes + self._blocks.used_bytes + draft
 
     def pool_stats(self) -> KvPool | None:
-        if self._pool is None:
-            return None
-        positions = self.kv_tokens()
-        requests = [(positions.get(rid, 0), len(seq.table)) for rid, seq in self._sequences.items()]
-        return self._pool.stats(requests + self._prefixes.holders())
+        return self._blocks.stats(self.kv_tokens(), self._sequences.values(), self._prefixes.holders())
 
     # -- admission, parking, release ---------------------------------------------------------
 
@@ -248,7 +244,7 @@ class Engine:
             if admit.resume.num_kv_tokens != len(admit.context_ids) - 1:
                 raise EngineInvariantError(f"checkpoint covers {admit.resume.num_kv_tokens} tokens, expected {len(admit.context_ids) - 1}")
             restored = caches.from_tensors(admit.resume.kv_tensors, self._layout, admit.resume.num_kv_tokens)
-            seq.cache = self._into_pool(seq, restored, admit.resume.num_kv_tokens)
+            seq.cache = self._blocks.into_pool(seq, restored, admit.resume.num_kv_tokens)
             seq.num_prefilled = admit.resume.num_kv_tokens
         elif admit.prefix_entry is not None:
             n = admit.prefix_tokens
@@ -283,7 +279,7 @@ class Engine:
             self._keep_kv(seq)
         if seq.in_batch:
             self._remove_row(request_id)
-        self._release_blocks(seq)
+        self._blocks.release(seq)
         self._speculator.release(request_id)
         if seq.admit.adapter is not None:
             self.adapters.release(seq.admit.adapter)
@@ -312,8 +308,8 @@ class Engine:
         models with recurrent layers only chunks of one length together); later chunks extend
         their request's own cache one at a time."""
         seqs = [self._prefill_target(work) for work in works]
-        if self._pool is not None and seqs:
-            self._ready_blocks(seqs, works)
+        in_flight = self._in_flight.result.arrays() if self._in_flight is not None and self._in_flight.result is not None else []
+        self._blocks.ready(zip(seqs, (work.num_tokens for work in works)), in_flight)
         first = [(s, w.num_tokens) for s, w in zip(seqs, works) if s.num_prefilled == 0 and w.num_tokens <= self._batched_prefill_limit]
         together = [group for group in self._batch.unpadded_groups([n for _, n in first]) if len(group) > 1]
         batched = {id(first[i][0]) for group in together for i in group}
@@ -324,7 +320,7 @@ class Engine:
             prefill_together(self._model, self._layout, self._trimmable, [first[i] for i in group])
             for i in group:
                 seq = first[i][0]
-                seq.cache = self._into_pool(seq, seq.cache or [], seq.num_prefilled)
+                seq.cache = self._blocks.into_pool(seq, seq.cache or [], seq.num_prefilled)
         draft = self._speculator.draft
         if draft is not None and self._speculator.gate.allows(len(self._batch) + len(seqs)):
             # The draft model prefills what the target did (and any prefix it lacks); in a batch
@@ -338,39 +334,6 @@ class Engine:
             if seq.admit.save_prefix and wanted and seq.cache is not None:
                 self._prefixes.save(seq, caches.trimmed(seq.cache, seq.num_prefilled), seq.num_prefilled)
         return [PrefillReport(request_id=s.request_id, processed_tokens=s.num_prefilled, total_tokens=s.prompt_len) for s in seqs]
-
-    def _ready_blocks(self, seqs: list[Sequence], works: list[PrefillWork]) -> None:
-        """Paged KV: each chunk's blocks, and caches writing into them, before any forward
-        (a pool that grows mid-forward is evaluated there). A step still in flight reads the
-        pool, and writing into it meanwhile would copy it whole: it is waited for first."""
-        assert self._pool is not None
-        if self._in_flight is not None and self._in_flight.result is not None:
-            mx.eval(self._in_flight.result.arrays())
-        for seq, work in zip(seqs, works):
-            self._pool.ensure(seq.table, seq.num_prefilled + work.num_tokens)
-            if seq.cache is None:
-                seq.cache = self._into_pool(seq, new_caches(self._model, self._layout), 0)
-
-    def _into_pool(self, seq: Sequence, cache_list: list, length: int) -> list:
-        """The caches with each paged layer's first `length` positions in `seq`'s blocks (a
-        `PagedKV`; a contiguous `KVCache` is copied in: a checkpoint, a batched first chunk)."""
-        pool = self._pool
-        if pool is None:
-            return cache_list
-        pool.ensure(seq.table, length)
-
-        def move(cache, ordinal: int) -> PagedKV:
-            if type(cache) is not PagedKV and length:
-                pool.write_positions(ordinal, seq.table, cache.keys[..., :length, :], cache.values[..., :length, :], 0)
-            return cache if type(cache) is PagedKV else PagedKV(pool, ordinal, seq.table, length)
-
-        moved = map_paged(cache_list, self._layout, move)
-        pool.evaluate()
-        return moved
-
-    def _release_blocks(self, seq: Sequence) -> None:
-        if self._pool is not None:
-            self._pool.release(seq.table)
 
     def _prefill_target(self, work: PrefillWork) -> Sequence:
         seq = self._sequences.get(work.request_id)

@@ -104,7 +104,7 @@ class PrefixEntries:
         pool.allocator.hold(shared)
         seq.table += shared
         seq.num_shared = len(shared)
-        pool.ensure(seq.table, n)
+        pool.ensure(seq.table, n, expected=seq.prompt_len + seq.admit.max_tokens, shared=len(shared))
         pool.copy_positions(entry.blocks, seq.table, len(shared) * pool.block_size, n)
         return map_paged(view, self._layout, lambda cache, ordinal: PagedKV(pool, ordinal, seq.table, n))
 

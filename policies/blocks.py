@@ -3,9 +3,12 @@
 A block is `block_size` consecutive positions of every paged layer's pool (`engine.paged`).
 A request holds the blocks of its table; a prefix entry holds the blocks of the KV it kept;
 a request seeded from an entry holds the entry's full blocks too (shared, not copied). A
-block is free once nobody holds it. A table grows by the blocks right after its last one
-when they are free, else by the lowest free ones, so a request's blocks tend to be one
-contiguous run (read as a slice, not gathered) and held blocks gather at the pool's start.
+block is free once nobody holds it. A request's blocks are best one contiguous run (attention
+reads a slice of the pool, not a gathered copy), so a new table starts where it has room to
+grow into: in the largest free run, leaving up to half of it to the table before the run
+when that one is held. A table grows by the blocks right after its last one while they are
+free, else by the lowest free ones. (Free blocks in a table's room are not held: anyone
+takes them when nothing else is free.)
 """
 
 from __future__ import annotations
@@ -61,14 +64,15 @@ class BlockAllocator:
         """The last held block (-1: none)."""
         return next((block for block in range(self.capacity - 1, -1, -1) if self._refs[block]), -1)
 
-    def allocate(self, count: int, after: int | None = None) -> list[int]:
-        """`count` free blocks, each now held once: those right after block `after` while they
-        are free, then the lowest free ones. The caller grows the pool first when fewer are
-        free (`ValueError` otherwise: nothing is allocated)."""
+    def allocate(self, count: int, after: int | None = None, room: int = 0) -> list[int]:
+        """`count` free blocks, each now held once: those right after block `after` (a table's
+        last; None: a new table expecting to grow by `room` more, placed by `place`) while
+        they are free, then the lowest free ones. The caller grows the pool first when fewer
+        are free (`ValueError` otherwise: nothing is allocated)."""
         if count > self.num_free:
             raise ValueError(f"{count} blocks wanted, {self.num_free} free")
         blocks: list[int] = []
-        block = after + 1 if after is not None else self.capacity
+        block = after + 1 if after is not None else self.place(count + room)
         while len(blocks) < count and block < self.capacity and not self._refs[block]:
             blocks.append(block)
             self._refs[block] = 1
@@ -83,6 +87,26 @@ class BlockAllocator:
             self._heap = [b for b in range(self.capacity) if not self._refs[b]]
             heapq.heapify(self._heap)
         return blocks
+
+    def largest_free_run(self) -> tuple[int, int]:
+        """(first block, length) of the longest run of free blocks."""
+        best_start, best_length, start = 0, 0, None
+        for block in range(self.capacity + 1):
+            if block < self.capacity and not self._refs[block]:
+                start = block if start is None else start
+                continue
+            if start is not None and block - start > best_length:
+                best_start, best_length = start, block - start
+            start = None
+        return best_start, best_length
+
+    def place(self, span: int) -> int:
+        """Where a new table that may grow to `span` blocks starts: in the largest free run,
+        as far in as leaves it `span` blocks and the table before the run at most half."""
+        start, length = self.largest_free_run()
+        if start == 0 or not self._refs[start - 1]:
+            return start
+        return start + max(0, min(length // 2, length - span))
 
     def hold(self, blocks: Iterable[int]) -> None:
         """One more holder of each (already held) block."""

@@ -1,15 +1,18 @@
-"""`mlxrt bench --kv`: float, 8-bit and 4-bit KV side by side, in one run.
+"""`mlxrt bench --kv`: float KV in padded rows and in pool blocks, 8-bit and 4-bit KV, side
+by side in one run.
 
 - `throughput`: concurrency 1 and 16 at 128- and 2,048-token prompts for each KV format
-  (decode tokens/s while every stream decodes, TTFT), with mlx-lm's own quantized KV (`generate_step` with
-  `kv_bits`, `quantized_kv_start=0`) at concurrency 1 (its batch generator has none);
+  (decode tokens/s while every stream decodes, TTFT), with mlx-lm's own float and quantized KV
+  (`generate_step`, with `kv_bits` and `quantized_kv_start=0`) at concurrency 1;
 - `fidelity`: prompts and continuations fixed (the float greedy stream), the mean absolute
   difference of each forced token's logprob from float KV, ours (the decode batch) next to
   mlx-lm's `QuantizedKVCache` at the same bits and group size;
 - `agreement`: greedy streams of 512 tokens on `builtin:bench-spec` (whose choices come from
   a structured, not random, circuit) with quantized KV against float KV: positions agreeing
   before the first divergence;
-- `admission`: 1,024-token conversations a 1 GiB `kv.budget_bytes` admits (the ledger's count).
+- `admission`: 1,024-token conversations a 1 GiB `kv.budget_bytes` admits (the ledger's count);
+- `sharing`: 16 requests sharing a 1,024-token system prompt, then one long request beside
+  short ones, in rows and in blocks: the most KV bytes held at once, and decode tokens/s.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from runtime.progress import Progress
 from tools.bench import Run, _median, _mlxrt_run, _prompts
 
 AGREEMENT_MODEL = "builtin:bench-spec"
-WORKLOADS = ("throughput", "fidelity", "agreement", "admission")
+WORKLOADS = ("throughput", "fidelity", "agreement", "admission", "sharing")
+# KV formats by name: (kv.bits, kv.block_size).
+FORMATS = {"float": (0, 0), "paged": (0, 16), "int8": (8, 0), "int4": (4, 0)}
 
 
 @dataclass(frozen=True)
 class KvBenchOptions:
-    bits: tuple[int, ...] = (0, 8, 4)
+    formats: tuple[str, ...] = ("float", "paged", "int8", "int4")
     group_size: int = 64
     contexts: tuple[int, ...] = (128, 2048)
     concurrency: tuple[int, ...] = (1, 16)
@@ -169,63 +174,110 @@ def _summary(run: Run) -> dict:
     return run.summary() | {"steady_decode_tok_s": steady_decode(run)}
 
 
-def _with_kv(config: RuntimeConfig, bits: int, group_size: int, model: str | None = None) -> RuntimeConfig:
+def _with_kv(config: RuntimeConfig, bits: int, group_size: int, model: str | None = None, block_size: int = 0, **kv) -> RuntimeConfig:
     scheduler = msgspec.structs.replace(config.scheduler, max_batch_size=max(16, config.scheduler.max_batch_size))
-    config = msgspec.structs.replace(config, kv=KvConfig(bits=bits, group_size=group_size, prefix_cache_bytes=0), scheduler=scheduler)  # type: ignore[arg-type]
+    kv_config = KvConfig(bits=bits, group_size=group_size, block_size=block_size, **{"prefix_cache_bytes": 0, **kv})  # type: ignore[arg-type]
+    config = msgspec.structs.replace(config, kv=kv_config, scheduler=scheduler)
     if model:
         config = msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=model))
     return config
 
 
-async def run_kv_bench(config: RuntimeConfig, options: KvBenchOptions) -> dict:
-    from runtime.runtime import Runtime
+def _format_bits(options: KvBenchOptions) -> tuple[int, ...]:
+    """The quantized bit widths measured (float: 0), each once."""
+    return tuple(dict.fromkeys(FORMATS[name][0] for name in options.formats))
 
+
+async def run_kv_bench(config: RuntimeConfig, options: KvBenchOptions) -> dict:
     progress = Progress("bench --kv")
     results: dict = {"options": asdict(options), "mlxrt": {}, "mlx_lm": {}}
     thread, side = MlxThread(name="mlx-baseline"), _MlxLmSide()
     thread.start()
     try:
-        for bits in options.bits:
-            name = f"int{bits}" if bits else "float"
-            async with Runtime.open(_with_kv(config, bits, options.group_size)) as rt:
-                info = rt.model_info
-                results.setdefault("model", {"path": info.path, "dtype": info.dtype, "device": info.device, "vocab_size": info.vocab_size})
-                results["mlxrt"].setdefault("bytes_per_token", {})[name] = (await rt.stats()).kv.bytes_per_token
-                results["mlxrt"].setdefault("admitted_1024", {})[name] = _admitted(info.layers)
-                if "throughput" not in options.workloads:
-                    continue
-                await _mlxrt_run(rt, _prompts(2, 32, info.vocab_size, 12345), 4)
-                for ctx in options.contexts:
-                    for n in options.concurrency:
-                        runs = []
-                        for rep in range(options.repeats):
-                            progress.step(f"{name} KV, {ctx}-token prompts, concurrency {n} ({rep + 1}/{options.repeats})")
-                            prompts = _prompts(n, ctx, info.vocab_size, 1000 * rep + 10 * n + ctx)
-                            runs.append(_summary(await _mlxrt_run(rt, prompts, options.new_tokens)))
-                        results["mlxrt"].setdefault(f"{name}_ctx{ctx}_c{n}", _median(runs))
-            if "throughput" in options.workloads and 1 in options.concurrency:
+        for name in options.formats:
+            await _format_throughput(config, options, name, results, progress)
+            bits = FORMATS[name][0]
+            if "throughput" in options.workloads and 1 in options.concurrency and f"{_bits_name(bits)}_ctx{options.contexts[0]}_c1" not in results["mlx_lm"]:
                 if not hasattr(side, "model"):
                     progress.step("loading the mlx-lm side")
                     await thread.run(side.load, results["model"]["path"])
                 for ctx in options.contexts:
                     runs = []
                     for rep in range(options.repeats):
-                        progress.step(f"mlx-lm {name} KV, {ctx}-token prompt, one stream ({rep + 1}/{options.repeats})")
+                        progress.step(f"mlx-lm {_bits_name(bits)} KV, {ctx}-token prompt, one stream ({rep + 1}/{options.repeats})")
                         prompt = _prompts(1, ctx, results["model"]["vocab_size"], 1000 * rep + 10 + ctx)[0]
                         runs.append(_summary(await thread.run(side.single, prompt, options.new_tokens, bits, options.group_size)))
-                    results["mlx_lm"][f"{name}_ctx{ctx}_c1"] = _median(runs)
+                    results["mlx_lm"][f"{_bits_name(bits)}_ctx{ctx}_c1"] = _median(runs)
         if "fidelity" in options.workloads:
             if not hasattr(side, "model"):
                 await thread.run(side.load, results["model"]["path"])
             progress.step(f"fidelity: {options.fidelity_prompts} prompts x {options.fidelity_tokens} forced tokens")
             prompts = _prompts(options.fidelity_prompts, 128, results["model"]["vocab_size"], 77)
-            results["fidelity"] = await thread.run(side.fidelity, prompts, options.fidelity_tokens, options.bits, options.group_size)
+            results["fidelity"] = await thread.run(side.fidelity, prompts, options.fidelity_tokens, _format_bits(options), options.group_size)
         if "agreement" in options.workloads:
             results["agreement"] = await _agreement(config, options, progress)
+        if "sharing" in options.workloads:
+            results["sharing"] = await _sharing(config, options, progress)
     finally:
         await thread.stop()
     progress.done("KV benchmark finished")
     return results
+
+
+def _bits_name(bits: int) -> str:
+    return f"int{bits}" if bits else "float"
+
+
+async def _format_throughput(config: RuntimeConfig, options: KvBenchOptions, name: str, results: dict, progress: Progress) -> None:
+    from runtime.runtime import Runtime
+
+    bits, block_size = FORMATS[name]
+    async with Runtime.open(_with_kv(config, bits, options.group_size, block_size=block_size)) as rt:
+        info = rt.model_info
+        results.setdefault("model", {"path": info.path, "dtype": info.dtype, "device": info.device, "vocab_size": info.vocab_size})
+        results["mlxrt"].setdefault("bytes_per_token", {})[name] = (await rt.stats()).kv.bytes_per_token
+        results["mlxrt"].setdefault("admitted_1024", {})[name] = _admitted(info.layers)
+        if "throughput" not in options.workloads:
+            return
+        await _mlxrt_run(rt, _prompts(2, 32, info.vocab_size, 12345), 4)
+        for ctx in options.contexts:
+            for n in options.concurrency:
+                runs = []
+                for rep in range(options.repeats):
+                    progress.step(f"{name} KV, {ctx}-token prompts, concurrency {n} ({rep + 1}/{options.repeats})")
+                    prompts = _prompts(n, ctx, info.vocab_size, 1000 * rep + 10 * n + ctx)
+                    runs.append(_summary(await _mlxrt_run(rt, prompts, options.new_tokens)))
+                results["mlxrt"].setdefault(f"{name}_ctx{ctx}_c{n}", _median(runs))
+
+
+async def _sharing(config: RuntimeConfig, options: KvBenchOptions, progress: Progress) -> dict:
+    """Rows against blocks: 16 requests sharing a 1,024-token system prompt (after one that
+    left it in the prefix cache), then a 2,048-token request beside 15 of 128 tokens: the most
+    KV bytes held at once, and decode tokens/s while every stream decodes (the second: tokens/s
+    over the run, the short ones being done before the long one starts)."""
+    from runtime.runtime import Runtime
+
+    out: dict = {}
+    for name in ("float", "paged"):
+        _, block_size = FORMATS[name]
+        shared = _with_kv(config, 0, options.group_size, block_size=block_size, prefix_cache_bytes=1 << 32)
+        async with Runtime.open(shared) as rt:
+            vocab = rt.model_info.vocab_size
+            system = _prompts(1, 1024, vocab, 4242)[0]
+            progress.step(f"sharing, {name}: 16 requests on a 1,024-token system prompt")
+            await _mlxrt_run(rt, [system + _prompts(1, 8, vocab, 1)[0]], 2)
+            tails = _prompts(16, 64, vocab, 4343)
+            run = await _mlxrt_run(rt, [system + tail for tail in tails], options.new_tokens)
+            kv = (await rt.stats()).kv
+            out[f"{name}_shared_prefix"] = {"peak_kv_bytes": kv.peak_physical_bytes, "steady_decode_tok_s": steady_decode(run)}
+        async with Runtime.open(_with_kv(config, 0, options.group_size, block_size=block_size)) as rt:
+            progress.step(f"sharing, {name}: one 2,048-token request beside 15 of 128")
+            long = min(2048, rt.model_info.max_context - options.new_tokens - 1)
+            prompts = _prompts(1, long, vocab, 5) + _prompts(15, 128, vocab, 6)
+            run = await _mlxrt_run(rt, prompts, options.new_tokens)
+            kv = (await rt.stats()).kv
+            out[f"{name}_long_and_short"] = {"peak_kv_bytes": kv.peak_physical_bytes, "throughput_tok_s": run.summary()["throughput_tok_s"]}
+    return out
 
 
 def _admitted(layers) -> int:
@@ -242,7 +294,7 @@ async def _agreement(config: RuntimeConfig, options: KvBenchOptions, progress: P
     prompt = _prompts(1, 64, 32768, 5)[0]
     request = GenerateRequest(prompt_ids=prompt, max_tokens=options.agreement_tokens, ignore_eos=True)
     streams = {}
-    for bits in options.bits:
+    for bits in _format_bits(options):
         progress.step(f"agreement: {AGREEMENT_MODEL}, {'float' if not bits else f'{bits}-bit'} KV, {options.agreement_tokens} tokens")
         single = msgspec.structs.replace(_with_kv(config, bits, options.group_size, AGREEMENT_MODEL), scheduler=SchedulerConfig(max_batch_size=1))
         async with Runtime.open(single) as rt:
@@ -268,7 +320,7 @@ def format_kv_table(r: dict) -> str:
         if not key.endswith(tuple(f"_c{n}" for n in range(1, 257))):
             continue
         fmt, ctx, conc = key.split("_")
-        ref = r["mlx_lm"].get(key)
+        ref = r["mlx_lm"].get(key.replace("paged", "float"))  # (mlx-lm's float KV is one contiguous cache)
         decode = s["steady_decode_tok_s"]
         theirs = f"{ref['steady_decode_tok_s']:10.1f}{decode / ref['steady_decode_tok_s']:8.2f}" if ref else f"{'':>18}"
         row = f"{fmt:<8}{ctx[3:]:>8}{conc[1:]:>6}{decode:14.1f}{s['ttft_p50_s']:10.3f}"
@@ -277,4 +329,9 @@ def format_kv_table(r: dict) -> str:
         lines.append(f"fidelity {bits}: mean |dlogprob| mlxrt {f['mlxrt']:.4f}, mlx-lm QuantizedKVCache {f['mlx_lm']:.4f}")
     for bits, a in r.get("agreement", {}).items():
         lines.append(f"agreement {bits} vs float ({AGREEMENT_MODEL}): same until {a['agree_until']}/{a['tokens']}, {a['same_position_share']:.0%} of positions")
+    for key, figures in r.get("sharing", {}).items():
+        fmt, _, workload = key.partition("_")
+        peak = figures["peak_kv_bytes"] / 2**20
+        speed = f"decode {figures['steady_decode_tok_s']:.1f} tok/s" if "steady_decode_tok_s" in figures else f"{figures['throughput_tok_s']:.1f} tok/s overall"
+        lines.append(f"{workload.replace('_', ' ')} ({'blocks' if fmt == 'paged' else 'rows'}): peak KV {peak:.1f} MiB, {speed}")
     return "\n".join(lines)

@@ -94,9 +94,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--pool", action="store_true", help="two models in one process: swap latency, and alternating streams under a one-model cap")
     bench.add_argument(
-        "--kv", action="store_true", help="float, 8-bit and 4-bit KV side by side: c1/c16 at 128 and 2,048 tokens, fidelity, agreement, admission"
+        "--kv",
+        action="store_true",
+        help="float KV in rows and in blocks, 8-bit and 4-bit KV side by side: c1/c16 at 128 and 2,048 tokens, fidelity, agreement, admission, prefix sharing",
     )
-    bench.add_argument("--kv-workloads", default="throughput,fidelity,agreement,admission", help="with --kv: comma-separated subset")
+    bench.add_argument("--kv-workloads", default="throughput,fidelity,agreement,admission,sharing", help="with --kv: comma-separated subset")
     bench.set_defaults(func=_bench)
 
     bench_http = sub.add_parser("bench-http", help="TTFT over HTTP next to the Unix socket and in-process, one runtime")

@@ -116,3 +116,28 @@ async def _streams(config: RuntimeConfig, prompts: list[list[int]]) -> list[list
     config = msgspec.structs.replace(config, kv=msgspec.structs.replace(config.kv, prefix_cache_bytes=0))
     async with Runtime.open(config) as rt:
         return [tokens for tokens, _ in await _run_all(rt, prompts, 20)]
+
+
+async def test_a_checkpoint_resumes_exactly_across_rows_and_blocks(tmp_path):
+    """Checkpoints hold contiguous tensors whatever the layout: a paged runtime resumes a rows
+    runtime's checkpoint, and the other way round, continuing the uninterrupted stream."""
+    from runtime.checkpoints import path_for
+    from runtime.config import CheckpointConfig
+
+    def config(block_size: int, directory) -> RuntimeConfig:
+        base = _config(block_size=block_size, batch=8)
+        return msgspec.structs.replace(base, checkpoints=CheckpointConfig(dir=str(directory)))
+
+    request = GenerateRequest(prompt_ids=_ids(40, 5), max_tokens=300, ignore_eos=True, request_id="r", checkpoint_every=8)
+    async with Runtime.open(config(0, tmp_path / "plain")) as rt:
+        uninterrupted = [t async for e in rt.generate(request) if isinstance(e, TokenDelta) for t in e.token_ids]
+    for writer, reader in ((BLOCK, 0), (0, BLOCK)):
+        directory = tmp_path / f"{writer}-{reader}"
+        async with Runtime.open(config(writer, directory)) as rt:
+            stream = rt.generate(request).__aiter__()
+            with anyio.fail_after(60):
+                while not path_for(directory, "r").exists():
+                    await stream.__anext__()
+        async with Runtime.open(config(reader, directory)) as rt:
+            resumed = [t async for e in rt.resume("r") if isinstance(e, TokenDelta) for t in e.token_ids]
+        assert resumed == uninterrupted, (writer, reader)

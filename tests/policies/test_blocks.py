@@ -13,22 +13,31 @@ def test_blocks_for_rounds_up():
     assert [blocks_for(n, 16) for n in (0, 1, 16, 17, 32, 33)] == [0, 1, 1, 2, 2, 3]
 
 
-def test_blocks_are_handed_out_lowest_first_and_come_back_when_released():
-    allocator = BlockAllocator(16, capacity=8)
-    assert allocator.allocate(3) == [0, 1, 2]
-    assert allocator.allocate(2) == [3, 4]
-    allocator.release([1])
-    assert (allocator.num_used, allocator.num_free) == (4, 4)
-    assert allocator.allocate(2) == [1, 5]
-
-
-def test_a_table_grows_by_the_blocks_right_after_its_last_one_when_free():
+def test_a_new_table_starts_where_it_has_room_to_grow():
     allocator = BlockAllocator(16, capacity=16)
+    assert allocator.allocate(2) == [0, 1]  # an empty pool: at its start
+    assert allocator.allocate(2) == [9, 10]  # halfway along the free run after the first table
+    assert allocator.allocate(2, after=1) == [2, 3]  # the first table grows in place
+    assert allocator.allocate(2) == [6, 7]  # the largest run is 4..8: halfway again
+    assert allocator.allocate(3, after=10) == [11, 12, 13]
+
+
+def test_a_table_whose_next_block_is_taken_grows_by_the_lowest_free_ones():
+    allocator = BlockAllocator(16, capacity=6)
     first = allocator.allocate(2)  # 0, 1
-    allocator.allocate(2)  # 2, 3: right after the first table
-    assert allocator.allocate(2, after=first[-1]) == [4, 5]  # block 2 is taken: lowest free instead
-    table = allocator.allocate(1)  # 6
-    assert allocator.allocate(3, after=table[-1]) == [7, 8, 9]
+    allocator.allocate(2, after=first[-1])  # 2, 3
+    second = allocator.allocate(1)
+    assert second == [5]  # halfway along 4..5
+    allocator.release([2])
+    assert allocator.allocate(2, after=second[-1]) == [2, 4]
+
+
+def test_released_blocks_come_back():
+    allocator = BlockAllocator(16, capacity=4)
+    blocks = allocator.allocate(3)
+    allocator.release(blocks[1:2])
+    assert (allocator.num_used, allocator.num_free) == (2, 2)
+    assert allocator.allocate(2, after=blocks[0]) == [1, 3]
 
 
 def test_allocating_more_than_is_free_raises_and_takes_nothing():
