@@ -4,6 +4,12 @@ Loads the model (and tokenizer) on the dedicated MLX thread, with the LoRA adapt
 config names, builds the engine there, then executes `RunStep` plans one at a time,
 answering each with a `StepOutcome` (or `StepFailed`, after which the engine holds no
 requests), and `AdapterCall`s (load, unload, list adapters) between steps.
+
+In a distributed world (`[distributed]`) this is rank 0's: its engine broadcasts every plan to
+the other ranks (`engine.world.Leader`), and a step that does not finish on every rank within
+`distributed.step_timeout_s`, or fails, ends its requests with an `unavailable` error and
+leaves the world unavailable (`WorldState`): later steps fail at once, and the runtime
+refuses requests, until the world is relaunched.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any, assert_never
 
 import anyio
 import anyio.to_thread
+import msgspec
 import structlog
 
 from actors.mailbox import Mailbox, answer
@@ -22,10 +29,15 @@ from actors.mlx_thread import MlxThread
 from engine.engine import Engine, Grammars
 from engine.loader import load_model, load_speculator, with_kv_format
 from engine.lora import AdapterBank
+from engine.world import Leader, World
 from protocols.api import AdapterInfo
-from protocols.config import AdapterConfig, KvConfig, LoraConfig, ModelConfig, SpeculativeConfig
-from protocols.errors import InternalError, MlxrtError
-from protocols.model import AdapterCall, DropPrefixes, ModelInbox, ModelInfo, RunStep, StepFailed, StepOutcome, StepPlan
+from protocols.config import AdapterConfig, DistributedConfig, KvConfig, LoraConfig, ModelConfig, SpeculativeConfig
+from protocols.errors import AdapterLoadError, InternalError, MlxrtError
+from protocols.model import AdapterCall, DropPrefixes, ModelInbox, ModelInfo, RunStep, StepFailed, StepOutcome, StepPlan, WorldStats
+
+# A clean shutdown tells the followers to stop; a world that does not take the message in
+# this long is already gone.
+WORLD_STOP_S = 5.0
 
 log = structlog.get_logger(actor="model")
 
@@ -41,6 +53,21 @@ class ModelReady:
     grammars: Grammars
     # The adapters `[[adapters]]` named, loaded.
     adapters: list[AdapterInfo]
+    # In a distributed world: rank 0's view of it.
+    world: WorldState | None = None
+
+
+class WorldState:
+    """Whether the world can run steps (shared with the event loop side: the runtime refuses
+    requests once `error` is set)."""
+
+    def __init__(self, leader: Leader, timeout_s: float):
+        self.leader = leader
+        self.timeout_s = timeout_s
+        self.error: str | None = None
+
+    def stats(self) -> WorldStats:
+        return self.leader.stats(available=self.error is None, error=self.error)
 
 
 # Builds the grammar compiler for a loaded tokenizer (the runtime's GrammarCache).
@@ -60,6 +87,7 @@ class ModelActor:
         lora: LoraConfig | None = None,
         adapters: list[AdapterConfig] | None = None,
         kv: KvConfig | None = None,
+        distributed: DistributedConfig | None = None,
     ):
         self._config = config
         self._kv = kv or KvConfig()
@@ -70,11 +98,14 @@ class ModelActor:
         self._make_grammars = make_grammars
         self._thread = thread
         self._progress = progress
+        self._distributed = distributed or DistributedConfig()
+        self.world: WorldState | None = None
         self.inbox: Mailbox[ModelInbox] = Mailbox(16)
 
     async def run(self, *, task_status) -> None:
         with self.inbox:  # closed however this ends, a failed load included
-            loaded = await self._thread.run(load_model, self._config, self._builtin_root, self._progress)
+            world = await self._thread.run(World.join, self._distributed) if self._distributed.backend else None
+            loaded = await self._thread.run(load_model, self._config, self._builtin_root, self._progress, world)
             loaded = with_kv_format(loaded, self._kv)
             grammars = await anyio.to_thread.run_sync(self._make_grammars, loaded.tokenizer, loaded.info)
             speculator = await self._thread.run(load_speculator, loaded, self._speculative, self._config, self._builtin_root, self._progress)
@@ -82,23 +113,45 @@ class ModelActor:
             for adapter in self._adapters:
                 await self._thread.run(lambda a=adapter: bank.register(a.name, a.path, pinned=a.pinned))
             pool_bytes = self._kv.budget_bytes
-            engine = await self._thread.run(lambda: Engine(loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator, bank, pool_bytes))
+            engine: Engine | Leader = await self._thread.run(
+                lambda: Engine(loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator, bank, pool_bytes, compiled=world is None)
+            )
+            if world is not None:
+                loaded.info = msgspec.structs.replace(loaded.info, world=f"{world.config.mode}/{world.size}")
+                leader = engine = Leader(engine, world)
+                self.world = WorldState(leader, self._distributed.step_timeout_s)
             log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
             adapters = await self._thread.run(bank.infos)
-            task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer, grammars=grammars, adapters=adapters))
-            while True:
-                message = await self.inbox.receive()
-                match message:
-                    case RunStep(plan=plan, reply=reply):
-                        answer(reply, await self._step(engine, plan))
-                    case DropPrefixes(entry_ids=entry_ids):
+            task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer, grammars=grammars, adapters=adapters, world=self.world))
+            try:
+                await self._serve(engine, bank)
+            finally:
+                if self.world is not None and self.world.error is None:
+                    with anyio.CancelScope(shield=True), anyio.move_on_after(WORLD_STOP_S):
+                        try:
+                            await self._thread.run(self.world.leader.stop)
+                        except Exception as exc:  # a rank already gone: nothing to stop
+                            log.warning("world_stop_failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def _serve(self, engine: Engine | Leader, bank: AdapterBank) -> None:
+        while True:
+            message = await self.inbox.receive()
+            match message:
+                case RunStep(plan=plan, reply=reply):
+                    answer(reply, await self._step(engine, plan))
+                case DropPrefixes(entry_ids=entry_ids):
+                    if self.world is None:
                         await self._thread.run(engine.drop_prefixes, entry_ids)
-                    case AdapterCall(reply=reply):
-                        answer(reply, await self._adapter_call(bank, message))
-                    case _:
-                        assert_never(message)
+                    elif self.world.error is None:
+                        await self._on_world(engine.drop_prefixes, entry_ids)
+                case AdapterCall(reply=reply):
+                    answer(reply, await self._adapter_call(bank, message))
+                case _:
+                    assert_never(message)
 
     async def _adapter_call(self, bank: AdapterBank, call: AdapterCall) -> list[AdapterInfo] | Exception:
+        if self.world is not None and call.op != "list":
+            return AdapterLoadError("a distributed world serves no LoRA adapters (adapters are not sharded)")
         def run() -> list[AdapterInfo]:
             if call.op == "load":
                 bank.register(call.name, call.path, pinned=call.pinned)
@@ -114,10 +167,32 @@ class ModelActor:
             log.exception("adapter_call_failed", op=call.op, name=call.name)
             return InternalError(f"the adapter call failed ({call.op} {call.name!r}); the server log has the details")
 
-    async def _step(self, engine: Engine, plan: StepPlan) -> StepOutcome | StepFailed:
+    async def _step(self, engine: Engine | Leader, plan: StepPlan) -> StepOutcome | StepFailed:
+        if self.world is not None:
+            if self.world.error is None:
+                outcome = await self._on_world(engine.step, plan)
+                if outcome is not None:
+                    return outcome
+            return StepFailed(error=f"the distributed world is unavailable: {self.world.error}", code="unavailable")
         try:
             return await self._thread.run(engine.step, plan)
         except Exception as exc:
             log.exception("step_failed")
             await self._thread.run(engine.reset)
             return StepFailed(error=f"{type(exc).__name__}: {exc}")
+
+    async def _on_world(self, call: Callable[..., Any], *args: Any) -> Any:
+        """A call every rank makes, within the step timeout; None (and the world unavailable
+        from now on) if it fails or times out: the ranks may no longer agree on any state."""
+        world = self.world
+        assert world is not None
+        try:
+            with anyio.fail_after(world.timeout_s):
+                return await self._thread.run(call, *args)
+        except TimeoutError:
+            world.error = f"a step did not finish on every rank within {world.timeout_s:g} s (distributed.step_timeout_s): a rank stalled or died"
+        except Exception as exc:
+            log.exception("world_step_failed")
+            world.error = f"a step failed ({type(exc).__name__}: {exc}); the ranks may no longer agree"
+        log.error("world_unavailable", reason=world.error)
+        return None

@@ -142,9 +142,9 @@ class SchedulerActor:
         match result:
             case StepOutcome():
                 await self._deliver(result, started)
-            case StepFailed(error=error):
-                log.error("step_failed", error=error)
-                for ended in self.policy.fail_all(error):
+            case StepFailed(error=error, code=code):
+                log.error("step_failed", error=error, code=code)
+                for ended in self.policy.fail_all(error, code):
                     await self._finish(ended)
 
     async def _deliver(self, outcome: StepOutcome, started: float) -> None:
@@ -214,6 +214,8 @@ class SchedulerActor:
         # A checkpoint survives shutdowns and failed steps (that is what it is for), not a normal end.
         has_checkpoint = tracked.checkpoint_every or tracked.admit.resume is not None
         delete = bool(has_checkpoint) and not tracked.keep_checkpoint and ended.error is None
+        if delete:
+            self.policy.forget_checkpoint(tracked.request_id)
         await self._kv.send(ReleaseKv(request_id=tracked.request_id, delete_checkpoint=delete))
 
     def _notify_end(self, ended: Ended) -> None:
@@ -228,6 +230,7 @@ class SchedulerActor:
                 stop_token_id=ended.stop_token_id,
                 cached_tokens=tracked.cached_tokens,
                 error=ended.error,
+                error_code=ended.error_code,
                 fill=tracked.fill,
                 spec=tracked.spec,
                 checkpoint=tracked.checkpoint_report(),

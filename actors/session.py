@@ -226,6 +226,7 @@ class SessionActor:
             timings=_timings(message.timeline, self._num_prompt_tokens, message.cached_tokens, num_completion),
             stop_sequence=self._stop_sequence,
             error=error,
+            error_code=message.error_code if message.finish_reason == "error" else None,
             fill=message.fill or self._fill,
             checkpoint=message.checkpoint,
             spec=message.spec or self._spec,

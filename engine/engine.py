@@ -83,6 +83,7 @@ class Engine:
         speculator: Speculator | None = None,
         adapters: AdapterBank | None = None,
         pool_bytes: int = 0,
+        compiled: bool = True,
     ):
         self._model = model
         # LoRA adapters: each row's forwards add its adapter's delta (`engine.lora`).
@@ -108,7 +109,8 @@ class Engine:
         # Quantized KV: a lone row decodes uncompiled (traced: 12.5 vs 13.5 tok/s at 2,048); a
         # paged one reads its blocks in place, which the traced step's fixed buffers cannot.
         self._quantized = is_quantized(layout)
-        self._decode_step = None if self._quantized or self._pool is not None else compile_decode_step(model, layout)
+        # (Nor does a sharded model: its collectives stay out of traced functions.)
+        self._decode_step = compile_decode_step(model, layout) if compiled and not self._quantized and self._pool is None else None
         # Quantized first chunks prefill together over full attention without a float head only.
         together = not self._quantized or (self._trimmable and quantized_start(layout) == 0)
         self._batched_prefill_limit = float("inf") if together else quantized_start(layout)

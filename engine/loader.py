@@ -29,6 +29,7 @@ from engine.draft import DraftRunner
 from engine.layout import dtype_name, probe_layout
 from engine.quantized import apply_cpu_policy
 from engine.speculation import Speculator
+from engine.world import World, shard
 from policies.layout import full_token_bytes, is_trimmable, with_kv_blocks, with_kv_quantization
 from policies.speculation import MEASURED_MAX_BATCH, SpeculationGate
 from protocols.config import KvConfig, ModelConfig, SpeculativeConfig
@@ -84,15 +85,20 @@ def resolve_model_path(path: str, builtin_root: Path, progress: Callable[[str], 
     return directory
 
 
-def load_model(config: ModelConfig, builtin_root: Path, progress: Callable[[str], None] | None = None) -> LoadedModel:
+def load_model(config: ModelConfig, builtin_root: Path, progress: Callable[[str], None] | None = None, world: World | None = None) -> LoadedModel:
+    """With a `world`: this rank's shard only (loaded lazily, split, then read)."""
     started = time.perf_counter()
     directory = resolve_model_path(config.path, builtin_root, progress)
     if progress:
-        progress(f"loading {directory}")
+        progress(f"loading {directory}" + (f" (rank {world.rank} of {world.size}, {world.config.mode} parallel)" if world else ""))
     try:
-        model, tokenizer = cast(tuple[nn.Module, TokenizerWrapper], mlx_lm_load(str(directory), trust_remote_code=config.trust_remote_code))
+        model, tokenizer = cast(
+            tuple[nn.Module, TokenizerWrapper], mlx_lm_load(str(directory), trust_remote_code=config.trust_remote_code, lazy=world is not None)
+        )
     except Exception as exc:  # mlx-lm reports unknown types, missing files and bad weights variously
         raise ModelLoadError(f"{directory}: mlx-lm cannot load it: {type(exc).__name__}: {exc}") from exc
+    if world is not None:
+        shard(model, json.loads((directory / "config.json").read_text()).get("model_type", "?"), world)
     try:
         return _inspect(model, tokenizer, directory, config, started)
     except ModelLoadError:

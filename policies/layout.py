@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 
 import msgspec
 
-from protocols.model import LayerLayout
+from protocols.model import LayerLayout, ModelInfo
 
 # Positions a sliding-window ring keeps beyond its window: the most tokens one forward may
 # append to a row (known tokens are appended in pieces of at most this many).
@@ -71,6 +71,12 @@ def kv_format(layers: Sequence[LayerLayout]) -> str:
         if layer.kind == "full" and layer.kv_bits:
             return f"int{layer.kv_bits}/g{layer.kv_group_size}/start{layer.kv_start}"
     return "float"
+
+
+def checkpoint_format(info: ModelInfo) -> str:
+    """`kv_format`, and the world's sharding in a distributed one (each rank's checkpoint
+    holds its shard: a resume needs the same world)."""
+    return kv_format(info.layers) + (f", sharded {info.world}" if info.world else "")
 
 
 def with_kv_quantization(layers: Sequence[LayerLayout], bits: int, group_size: int, start: int) -> tuple[list[LayerLayout], list[str]]:

@@ -170,6 +170,7 @@ class Ended:
     stop_token_id: int | None = None
     # Why it failed, when the engine ended it with an error.
     error: str | None = None
+    error_code: str | None = None
 
 
 class SchedulePolicy:
@@ -188,6 +189,7 @@ class SchedulePolicy:
         self._waiting: deque[Tracked] = deque()
         self._active: dict[str, Tracked] = {}
         self._to_admit: list[Tracked] = []
+        self._forgotten: list[str] = []
         self.num_steps = 0
         self.num_finished = 0
 
@@ -277,7 +279,14 @@ class SchedulePolicy:
         decode = any(t.phase is Phase.DECODING and not t.is_idle for t in self._active.values())
         self.num_steps += 1
         checkpoint = self._plan_checkpoints()
-        return StepPlan(release=release, admit=admit, prefill=prefill, decode=decode, checkpoint=checkpoint, park=park, unpark=unpark)
+        forget, self._forgotten = self._forgotten, []
+        return StepPlan(
+            release=release, admit=admit, prefill=prefill, decode=decode, checkpoint=checkpoint, park=park, unpark=unpark, forget_checkpoints=forget
+        )
+
+    def forget_checkpoint(self, request_id: str) -> None:
+        """The request's checkpoint is deleted: the next plan says so (to follower ranks)."""
+        self._forgotten.append(request_id)
 
     def _plan_parking(self) -> tuple[list[str], list[str]]:
         """Rows whose callers fell behind leave the batch; caught-up ones rejoin while there is room."""
@@ -353,7 +362,7 @@ class SchedulePolicy:
                 tracked.timeline["last_token"] = now
             if row.finish_reason is not None:
                 del self._active[row.request_id]
-                ended.append(Ended(tracked, tracked.release_reason or row.finish_reason, row.stop_token_id, row.error))
+                ended.append(Ended(tracked, tracked.release_reason or row.finish_reason, row.stop_token_id, row.error, "internal" if row.error else None))
         self.num_finished += len(ended)
         return ended
 
@@ -369,11 +378,14 @@ class SchedulePolicy:
             "paused": sum(t.parked for t in self._active.values()),
         }
 
-    def fail_all(self, error: str) -> list[Ended]:
+    def fail_all(self, error: str, code: str = "internal") -> list[Ended]:
         """The engine dropped everything: every admitted request ends in error."""
         # Requests already ending keep their reason and have no error (a cancel stays a cancel,
         # and deletes its checkpoint as a cancel does).
-        ended = [Ended(t, t.release_reason or "error", error=None if t.release_reason else error) for t in self._active.values()]
+        ended = [
+            Ended(t, t.release_reason or "error", error=None if t.release_reason else error, error_code=None if t.release_reason else code)
+            for t in self._active.values()
+        ]
         self._active.clear()
         self.num_finished += len(ended)
         return ended

@@ -303,6 +303,9 @@ class Finished(Message, frozen=True):
     checkpoint: CheckpointReport | None = None
     # Speculative decoding figures, when the runtime speculates.
     spec: SpecStats | None = None
+    # With finish_reason "error": the error's code (`protocols.errors`), e.g. "unavailable"
+    # when a rank of a distributed world died under the request.
+    error_code: str | None = None
 
 
 Event = TokenDelta | ToolCall | PrefillProgress | Finished

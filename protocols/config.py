@@ -184,6 +184,25 @@ class SpeculativeConfig(Section, frozen=True):
     max_batch: NonNegative = 0
 
 
+class DistributedConfig(Section, frozen=True):
+    # The mlx.distributed backend the world was launched with (`mlxrt launch` or `mlx.launch`);
+    # "" = one process. Rank 0 serves; every other rank follows its steps on its shard.
+    backend: Literal["", "ring", "mpi", "jaccl", "nccl", "any"] = ""
+    # "tensor": every layer split across the ranks (mlx-lm's `shard()`); "pipeline": the
+    # layers split into consecutive stages (mlx-lm's `pipeline()`).
+    mode: Literal["tensor", "pipeline"] = "tensor"
+    # The hosts for `mlxrt launch` (mlx.launch's hostfile: JSON); "" = this machine only.
+    hostfile: str = ""
+    # "host:port" rank 0 listens on (every rank must reach it) for a wake-up before each
+    # plan: MLX's ring backend spins a core while a rank waits in a collective, so an idle
+    # follower sleeps on this socket instead. `mlxrt launch` on one machine sets it; "" =
+    # followers wait in the collective.
+    control: str = ""
+    # A step every rank has not finished within this ends the requests in it with an
+    # `unavailable` error, and the runtime refuses requests until relaunched.
+    step_timeout_s: Seconds = 60.0
+
+
 class LoraConfig(Section, frozen=True):
     # Adapter slots on the device: rows of this many distinct adapters (plus base rows) share
     # a batch; a request for another waits until an adapter no live request holds can be

@@ -16,6 +16,7 @@ ErrorCode = Literal[
     "checkpoint_not_found",  # Resume: no checkpoint for that request id
     "checkpoint_invalid",  # Resume: corrupt, truncated, foreign-model or other-version checkpoint
     "busy",  # the admission queue is full; retry later
+    "unavailable",  # a distributed world lost a rank: nothing runs until it is relaunched
     "duplicate_request",  # the request_id is already live
     "unknown_request",  # Cancel for an id this connection does not own
     "invalid_message",  # the frame decoded but is not a valid client message
@@ -57,6 +58,7 @@ ERROR_KINDS: dict[str, ErrorKind] = {
     "frame_too_large": ErrorKind(413, "invalid_request_error"),
     "protocol_error": ErrorKind(400, "invalid_request_error"),
     "shutting_down": ErrorKind(503, "server_unavailable"),
+    "unavailable": ErrorKind(503, "server_unavailable"),
     "internal": ErrorKind(500, "server_error"),
     "adapter_not_found": ErrorKind(404, "not_found_error"),
     "adapter_invalid": ErrorKind(422, "invalid_request_error"),
@@ -140,6 +142,13 @@ class RuntimeClosedError(MlxrtError):
     code: ErrorCode = "shutting_down"
 
 
+class WorldUnavailableError(MlxrtError):
+    """A rank of the distributed world died or stalled past `distributed.step_timeout_s`: the
+    requests it was running ended, and no request runs until the world is relaunched."""
+
+    code: ErrorCode = "unavailable"
+
+
 class InternalError(MlxrtError):
     """Something failed that is not the caller's fault; details are in the log."""
 
@@ -197,6 +206,7 @@ _BY_CODE: dict[str, type[MlxrtError]] = {
         AdapterNotFoundError,
         AdapterLoadError,
         ModelNotFoundError,
+        WorldUnavailableError,
     )
 }
 

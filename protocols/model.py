@@ -166,6 +166,9 @@ class StepPlan(Record, frozen=True):
     # Stop decoding these (their callers are not reading), keeping their KV; restart these.
     park: list[str] = msgspec.field(default_factory=list)
     unpark: list[str] = msgspec.field(default_factory=list)
+    # Checkpoints deleted since the last step (the engine ignores this; in a distributed world
+    # each follower deletes its shard of them).
+    forget_checkpoints: list[str] = msgspec.field(default_factory=list)
 
 
 class RowOutput(Record, frozen=True):
@@ -302,12 +305,16 @@ class ModelInfo(Record, frozen=True):
     max_token_bytes: int = 0
     # What the load did with quantized weights ("" for a model that is not quantized).
     quantization: str = ""
+    # In a distributed world: how it is sharded, e.g. "tensor/2" (rank 0's shard is described).
+    world: str = ""
 
 
 class StepFailed(Record, frozen=True):
     """The step raised; the engine dropped every request it held."""
 
     error: str
+    # The error code the requests end with ("unavailable": the distributed world lost a rank).
+    code: str = "internal"
 
 
 class RunStep(Message, frozen=True):
@@ -333,3 +340,40 @@ class AdapterCall(Message, frozen=True):
 
 
 ModelInbox = RunStep | DropPrefixes | AdapterCall
+
+
+# -- a distributed world: rank 0's calls, made by every rank (`engine.world`) ------------------
+
+
+class WorldStep(Message, frozen=True):
+    plan: StepPlan
+
+
+class WorldDrop(Message, frozen=True):
+    entry_ids: list[str]
+
+
+class WorldReset(Message, frozen=True):
+    """The engine dropped everything (after a failed step)."""
+
+
+class WorldStop(Message, frozen=True):
+    """A clean shutdown: followers leave their loops and exit."""
+
+
+WorldCommand = WorldStep | WorldDrop | WorldReset | WorldStop
+
+
+class WorldStats(Record, frozen=True):
+    """The world as rank 0 sees it."""
+
+    size: int
+    backend: str
+    mode: str
+    # False once a rank died or stalled: requests are refused until the world is relaunched.
+    available: bool
+    error: str | None = None
+    steps: int = 0
+    # Seconds in steps (all ranks' work, communication included) and in broadcasting plans.
+    step_s: float = 0.0
+    broadcast_s: float = 0.0

@@ -54,6 +54,7 @@ class RequestFinished(Message, frozen=True):
     stop_token_id: int | None = None
     cached_tokens: int = 0
     error: str | None = None
+    error_code: str | None = None
     fill: FillStats | None = None
     checkpoint: CheckpointReport | None = None
     spec: SpecStats | None = None

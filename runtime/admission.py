@@ -26,7 +26,7 @@ import structlog
 from policies import fill_plan as fill
 from policies import validation as requests
 from policies.adapters import AdapterRegistry
-from policies.layout import kv_format
+from policies.layout import checkpoint_format
 from policies.speculation import plan_speculation
 from protocols.api import FillStats, GenerateRequest, SpecStats
 from protocols.model import AdmitRequest, GrammarSpec, ModelInfo, ResumeState
@@ -257,7 +257,7 @@ class Admission:
                 model_id=info.model_id,
                 tokenizer_id=info.tokenizer_id,
                 max_bytes=self._max_checkpoint_bytes,
-                kv_format=kv_format(info.layers),
+                kv_format=checkpoint_format(info),
             )
         except (OSError, RecursionError, ValueError) as exc:
             raise CorruptCheckpointError(f"checkpoint of {request_id!r} cannot be read: {type(exc).__name__}") from None

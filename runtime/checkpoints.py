@@ -167,7 +167,9 @@ def read(directory: Path, request_id: str, *, model_id: str, tokenizer_id: str, 
     if header.model_id != model_id or header.tokenizer_id != tokenizer_id:
         raise ForeignCheckpointError(f"{path} was written for another model or tokenizer")
     if header.kv_format != kv_format:
-        raise ForeignCheckpointError(f"{path} holds {header.kv_format} KV; this runtime stores {kv_format} KV (kv.bits, kv.group_size, kv.quantized_start)")
+        raise ForeignCheckpointError(
+            f"{path} holds {header.kv_format} KV; this runtime stores {kv_format} KV (kv.bits, kv.group_size, kv.quantized_start, the distributed world)"
+        )
     if header.request.request_id != request_id:
         raise CorruptCheckpointError(f"{path} belongs to request {header.request.request_id!r}")
     return header, tensors

@@ -17,6 +17,7 @@ import msgspec
 from protocols.config import (
     AdapterConfig,
     CheckpointConfig,
+    DistributedConfig,
     GenerationConfig,
     KvConfig,
     LimitsConfig,
@@ -37,6 +38,7 @@ from runtime import env
 __all__ = [
     "AdapterConfig",
     "CheckpointConfig",
+    "DistributedConfig",
     "GenerationConfig",
     "KvConfig",
     "LimitsConfig",
@@ -52,7 +54,21 @@ __all__ = [
     "TracingConfig",
 ]
 
-SECTIONS = ("model", "scheduler", "kv", "generation", "limits", "logging", "server", "checkpoints", "speculative", "tracing", "lora", "model_pool")
+SECTIONS = (
+    "model",
+    "scheduler",
+    "kv",
+    "generation",
+    "limits",
+    "logging",
+    "server",
+    "checkpoints",
+    "speculative",
+    "tracing",
+    "lora",
+    "model_pool",
+    "distributed",
+)
 
 
 class RuntimeConfig(Section, frozen=True):
@@ -72,6 +88,7 @@ class RuntimeConfig(Section, frozen=True):
     # `[[models]]`: more models a `ModelPool` serves beside `[model]` (the default one).
     models: list[PoolModelConfig] = msgspec.field(default_factory=list)
     model_pool: ModelPoolConfig = ModelPoolConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     @classmethod
     def load(cls, path: str | Path, *, environ: Mapping[str, str] | None = None, overrides: Mapping[str, object] | None = None) -> RuntimeConfig:
@@ -143,6 +160,23 @@ class RuntimeConfig(Section, frozen=True):
     def step_token_budget(self) -> int:
         s = self.scheduler
         return s.step_token_budget or 4 * s.prefill_chunk_size + s.max_batch_size
+
+    def check_distributed(self) -> None:
+        """Raise `ConfigError` for what a distributed world does not run (yet): every rank
+        would need the same adapters, draft model or other models, and quantized or paged KV
+        is untested there."""
+        if not self.distributed.backend:
+            return
+        refused = [
+            (bool(self.models), "`[[models]]` (one model per world)"),
+            (bool(self.adapters), "`[[adapters]]` (LoRA adapters are not sharded)"),
+            (bool(self.speculative.draft), "`speculative.draft` (a draft model is not sharded)"),
+            (self.kv.bits != 0, "`kv.bits` (quantized KV)"),
+            (self.kv.block_size != 0, "`kv.block_size` (paged KV)"),
+        ]
+        found = [what for bad, what in refused if bad]
+        if found:
+            raise ConfigError(f"`distributed.backend = {self.distributed.backend!r}` does not run with {', '.join(found)}")
 
     def checkpoint_directory(self) -> Path:
         """`checkpoints.dir`, or `$MLXRT_HOME/checkpoints`."""

@@ -24,6 +24,7 @@ from protocols.errors import (
     ServerBusyError,
     ServerError,
     UnsupportedCheckpointError,
+    WorldUnavailableError,
 )
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "ServerBusyError",
     "ServerError",
     "UnsupportedCheckpointError",
+    "WorldUnavailableError",
     "single_errors",
 ]
 

@@ -25,20 +25,20 @@ from actors.scheduler import SchedulerActor
 from actors.session import SessionActor
 from policies.adapters import AdapterRegistry, AdapterSlots
 from policies.detokenize import make_detokenizer
-from policies.layout import kv_format
+from policies.layout import checkpoint_format
 from policies.ledger import KvLedger
 from policies.output_parser import OutputParser
 from policies.scheduling import SchedulePolicy
 from protocols.api import AdapterInfo, Event, GenerateRequest, ModelStatus, new_request_id
 from protocols.kv import DrainFiles, GetKvStats, KvStats
 from protocols.metrics import MetricsSnapshot
-from protocols.model import AdapterCall, ModelInbox, ModelInfo
+from protocols.model import AdapterCall, ModelInbox, ModelInfo, WorldStats
 from protocols.scheduler import GetSchedulerStats, SchedulerStats
 from runtime import blas, env
 from runtime.admission import Admission, Prepared, checkpoint_directory_problem
 from runtime.checkpoints import CheckpointStore
 from runtime.config import RuntimeConfig
-from runtime.errors import ConfigError, InvalidRequestError, RuntimeClosedError, single_errors
+from runtime.errors import ConfigError, InvalidRequestError, RuntimeClosedError, WorldUnavailableError, single_errors
 from runtime.grammar import GrammarCache
 from runtime.logging import configure_logging
 from runtime.metrics import RuntimeMetrics
@@ -64,6 +64,9 @@ class RuntimeStats:
     adapters: list[AdapterInfo] = field(default_factory=list)
     # With a `ModelPool`: every model's state (the figures above are the default model's).
     models: list[ModelStatus] = field(default_factory=list)
+    # In a distributed world (`[distributed]`): its size, mode, whether it is available, and
+    # the seconds its steps took and spent broadcasting plans.
+    world: WorldStats | None = None
 
 
 class Runtime:
@@ -97,6 +100,7 @@ class Runtime:
             scheduler=scheduler.inbox, task_group=task_group, make_session=self._make_session, release=admission.release, buffer=EVENT_BUFFER
         )
         self._closed = False
+        self._world = ready.world
 
     @classmethod
     @asynccontextmanager
@@ -106,7 +110,9 @@ class Runtime:
         (a model pool's), else one of its own."""
         configure_logging(config.logging)
         _report_blas()
+        config.check_distributed()
         own_thread = thread is None
+        runtime: Runtime | None = None
         if thread is None:
             thread = MlxThread()
             thread.start()
@@ -122,7 +128,9 @@ class Runtime:
                         tg.cancel_scope.cancel()
         finally:
             if own_thread:
-                with anyio.CancelScope(shield=True):
+                # A world that lost a rank may hold the MLX thread in a collective for good.
+                lost = runtime is not None and runtime.world_error is not None
+                with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_GRACE_S if lost else None):
                     await thread.stop()
 
     @classmethod
@@ -151,6 +159,7 @@ class Runtime:
             kv=config.kv,
             lora=config.lora,
             adapters=config.adapters,
+            distributed=config.distributed,
         )
         ready: ModelReady = await tg.start(model.run)
         progress.done(f"{ready.info.model_type} {ready.info.num_parameters / 1e6:.1f}M params, {ready.info.dtype} on {ready.info.device}")
@@ -166,7 +175,7 @@ class Runtime:
         store = (
             None
             if problem is not None
-            else CheckpointStore(directory, model_id=info.model_id, tokenizer_id=info.tokenizer_id, kv_format=kv_format(info.layers))
+            else CheckpointStore(directory, model_id=info.model_id, tokenizer_id=info.tokenizer_id, kv_format=checkpoint_format(info))
         )
         kv = KvStoreActor(ledger, model=model.inbox, checkpoints=store, max_age_s=config.checkpoints.max_age_s)
         await tg.start(kv.run)
@@ -235,6 +244,13 @@ class Runtime:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeClosedError("the runtime is shutting down")
+        if self.world_error is not None:
+            raise WorldUnavailableError(f"the distributed world is unavailable ({self.world_error}); relaunch it")
+
+    @property
+    def world_error(self) -> str | None:
+        """Why the distributed world cannot run steps (None: it can, or there is none)."""
+        return self._world.error if self._world is not None else None
 
     async def cancel(self, request_id: str) -> None:
         """End a request at the next step boundary; its stream ends with `Finished(cancelled)`."""
@@ -247,7 +263,14 @@ class Runtime:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
             raise RuntimeClosedError("the runtime is closed") from None
         self.metrics.update(scheduler, kv)
-        return RuntimeStats(scheduler=scheduler, kv=kv, live_requests=len(self._requests), metrics=self.metrics.snapshot(), adapters=self._adapters.list())
+        return RuntimeStats(
+            scheduler=scheduler,
+            kv=kv,
+            live_requests=len(self._requests),
+            metrics=self.metrics.snapshot(),
+            adapters=self._adapters.list(),
+            world=self._world.stats() if self._world is not None else None,
+        )
 
     async def load_adapter(self, name: str, path: str | Path, *, pinned: bool = False) -> AdapterInfo:
         """Know a LoRA adapter (a directory in mlx-lm's format) by `name` and load it into a

@@ -20,6 +20,7 @@ from net.socket_path import SocketPathError
 from protocols.api import Finished, GenerateRequest, PrefillProgress, SamplingParams, TokenDelta
 from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError, InvalidRequestError, MlxrtError, ServerBusyError
+from tools.launch import launch, launched_rank
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_REJECTED = 0, 1, 2, 3
 DEFAULT_CONFIG = "configs/default.toml"
@@ -53,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI-compatible HTTP API here (default: [server] http, off)")
     serve.add_argument("--model", help="override [model] path")
     serve.set_defaults(func=_serve)
+
+    launch = sub.add_parser("launch", help="serve one model sharded over several processes or hosts ([distributed], through mlx.launch)")
+    _config_arg(launch)
+    launch.add_argument("-n", "--ranks", type=int, default=2, help="processes on this machine (default 2; ignored with a hostfile)")
+    launch.add_argument("--hostfile", default=None, help="mlx.launch's hostfile (default: [distributed] hostfile; none: this machine)")
+    launch.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: flags for every rank's `mlxrt serve` (--socket, --http)")
+    launch.set_defaults(func=_launch)
 
     client = sub.add_parser("client", help="stream one request from a running server")
     client.add_argument("--socket", default=None, help="server socket (default: MLXRT_SERVER_SOCKET or the default path)")
@@ -223,8 +231,24 @@ def _default_socket() -> str:
 def _serve(args) -> int:
     overrides = {k: v for k, v in (("server.socket", args.socket), ("server.http", args.http), ("model.path", args.model)) if v}
     config = RuntimeConfig.load(args.config, overrides=overrides)
+    if config.distributed.backend and launched_rank():
+        from runtime.follower import run_follower
+
+        try:
+            run_follower(config)  # a rank of a world that rank 0 serves
+        except RuntimeError as exc:  # the collective raised: a peer is gone
+            print(f"mlxrt: rank {launched_rank()}: the world ended: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        return EXIT_OK
     anyio.run(_serve_until_signal, config)
     return EXIT_OK
+
+
+def _launch(args) -> int:
+    if args.ranks < 2 and not args.hostfile:
+        raise ConfigError("`mlxrt launch` needs at least 2 ranks (-n)")
+    serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    return launch(RuntimeConfig.load(args.config), args.config, args.ranks, args.hostfile, serve_args)
 
 
 async def _serve_until_signal(config: RuntimeConfig) -> None:

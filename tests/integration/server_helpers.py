@@ -54,7 +54,8 @@ def write_config(directory: Path, *, scheduler: dict | None = None, server: dict
 class ServerProcess:
     """One `mlxrt serve` subprocess; its stdout is drained by a thread."""
 
-    def __init__(self, config: Path, socket_path: Path, log_dir: Path):
+    def __init__(self, config: Path, socket_path: Path, log_dir: Path, command: list[str] | None = None):
+        """`command`: the `tools.cli` arguments before `--socket` (default: serve --config)."""
         self.config = config
         self.socket = socket_path
         self.stdout_lines: list[str] = []
@@ -62,8 +63,9 @@ class ServerProcess:
         self._stderr_path = log_dir / f"{socket_path.stem}-{time.monotonic_ns()}.stderr"
         self._stderr = open(self._stderr_path, "wb")  # noqa: SIM115  (closed in stop())
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tools.cli", "serve", "--config", str(config), "--socket", str(socket_path)],
+            [sys.executable, "-m", "tools.cli", *(command or ["serve", "--config", str(config)]), "--socket", str(socket_path)],
             cwd=REPO,
+            start_new_session=True,  # its own process group: `kill_group` reaches every process it started
             env=dict(os.environ),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -128,6 +130,12 @@ class ServerProcess:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             return None
+
+    def kill_group(self) -> None:
+        """SIGKILL the process and everything it started (a distributed world's ranks)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def terminate(self) -> None:
         if self.proc.poll() is None:

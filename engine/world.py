@@ -1,0 +1,231 @@
+"""One model sharded over the ranks of an mlx.distributed world (MLX thread only).
+
+Rank 0 runs the actors; its engine is a `Leader`: before each call that changes engine state
+(a step, dropped prefixes, a reset) it broadcasts the call to every rank as msgspec bytes (two
+`all_sum`s: the length, then the bytes, summed with the followers' zeros; no pickle). Every
+other rank runs `follow`: it receives each call and makes it on its own engine, over its own
+shard, so every rank builds the same graphs in the same order and their collectives (the
+tensor-parallel sums, the pipeline's sends) meet. Sampling reads logits every rank has in
+full (after the sharded layers' `all_sum`, or the pipeline's `all_gather`) with the same
+seeds, so every rank draws the same tokens and feeds them to its next step itself.
+
+A rank's state is only what its plans made of it, so a follower needs nothing but the plans,
+plus its own shard's checkpoints (written and read beside rank 0's, `rank<r>/` under the
+checkpoint directory), which it substitutes into a resumed request's plan.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any, Protocol
+
+import mlx.core as mx
+import msgspec
+import numpy as np
+import structlog
+
+from protocols.config import DistributedConfig
+from protocols.errors import ConfigError, ModelLoadError
+from protocols.model import AdmitRequest, StepOutcome, StepPlan, WorldCommand, WorldDrop, WorldReset, WorldStats, WorldStep, WorldStop
+
+log = structlog.get_logger(actor="world")
+
+# Followers reach rank 0's control socket within this (they start together).
+CONTROL_CONNECT_S = 60.0
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(WorldCommand)
+
+
+class World:
+    """This process's place in the world: its group, rank and size, and the control sockets
+    (`distributed.control`) rank 0 wakes the followers through."""
+
+    def __init__(self, group: Any, config: DistributedConfig):
+        self.group = group
+        self.rank: int = group.rank()
+        self.size: int = group.size()
+        self.config = config
+        self._bells: list[socket.socket] = []
+
+    @classmethod
+    def join(cls, config: DistributedConfig) -> World:
+        try:
+            group = mx.distributed.init(strict=True, backend=config.backend)
+        except Exception as exc:  # no backend, no hostfile, a peer that never came up
+            raise ConfigError(f"`distributed.backend = {config.backend!r}`: cannot join the world ({exc}); start with `mlxrt launch` or mlx.launch") from exc
+        if group.size() < 2:
+            raise ConfigError(f"`distributed.backend = {config.backend!r}` but this world has one process; start with `mlxrt launch -n 2` or mlx.launch")
+        world = cls(group, config)
+        if config.control:
+            world._connect_control(config.control)
+        world.barrier()
+        log.info("world_joined", rank=world.rank, size=world.size, backend=config.backend, mode=config.mode, control=config.control or None)
+        return world
+
+    def _connect_control(self, address: str) -> None:
+        host, _, port = address.rpartition(":")
+        deadline = time.monotonic() + CONTROL_CONNECT_S
+        if self.rank == 0:
+            with socket.create_server((host, int(port)), reuse_port=False) as server:
+                server.settimeout(CONTROL_CONNECT_S)
+                while len(self._bells) < self.size - 1:
+                    try:
+                        conn, _ = server.accept()
+                    except TimeoutError:
+                        raise ConfigError(
+                            f"`distributed.control = {address!r}`: {len(self._bells)} of {self.size - 1} ranks connected within {CONTROL_CONNECT_S:g} s"
+                        ) from None
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self._bells.append(conn)
+            return
+        while True:
+            try:
+                bell = socket.create_connection((host, int(port)), timeout=5)
+                break
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"`distributed.control = {address!r}`: rank {self.rank} cannot reach rank 0 ({exc})") from None
+                time.sleep(0.05)
+        bell.settimeout(None)
+        self._bells.append(bell)
+
+    def _ring(self) -> None:
+        for bell in self._bells:
+            bell.sendall(b"\x01")
+
+    def _wait_for_bell(self) -> None:
+        """Sleep until rank 0 has a call (or is gone: the connection ends)."""
+        if self._bells and not self._bells[0].recv(1):
+            raise RuntimeError("rank 0 closed the control connection")
+
+    def broadcast(self, data: bytes) -> bytes:
+        """Rank 0's bytes on every rank (the others pass b"")."""
+        group = self.group
+        size = mx.distributed.all_sum(mx.array([len(data)], dtype=mx.int32), group=group, stream=mx.cpu)
+        length = int(size.item())  # type: ignore[arg-type]
+        buffer = mx.array(np.frombuffer(data, dtype=np.uint8)) if self.rank == 0 else mx.zeros((length,), dtype=mx.uint8)
+        total = mx.distributed.all_sum(buffer, group=group, stream=mx.cpu)
+        mx.eval(total)
+        return bytes(np.array(total, copy=True))
+
+    def send(self, command: WorldCommand) -> None:
+        self._ring()
+        self.broadcast(_ENCODER.encode(command))
+
+    def receive(self) -> WorldCommand:
+        self._wait_for_bell()
+        return _DECODER.decode(self.broadcast(b""))
+
+    def barrier(self) -> None:
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=self.group, stream=mx.cpu))
+
+
+def shard(model, model_type: str, world: World) -> None:
+    """Split a lazily loaded model's layers over the world, the way mlx-lm's `sharded_load`
+    does; only this rank's shard is then read from the weights."""
+    mode = world.config.mode
+    try:
+        if mode == "tensor":
+            if not hasattr(model, "shard"):
+                raise ModelLoadError(f'{model_type}: mlx-lm has no tensor-parallel `shard()` for this model type; try `distributed.mode = "pipeline"`')
+            model.shard(world.group)
+        else:
+            inner = getattr(model, "model", None)
+            if inner is None or not hasattr(inner, "pipeline"):
+                raise ModelLoadError(f'{model_type}: mlx-lm has no `pipeline()` for this model type; try `distributed.mode = "tensor"`')
+            if len(inner.layers) < world.size:
+                raise ModelLoadError(f"{model_type}: {len(inner.layers)} layers cannot make {world.size} pipeline stages")
+            inner.pipeline(world.group)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # shapes the world size does not divide, and the like
+        raise ModelLoadError(f"{model_type}: cannot shard over {world.size} ranks in {mode} mode: {type(exc).__name__}: {exc}") from exc
+
+
+class Leader:
+    """Rank 0's engine: each state-changing call is broadcast, then made here. Every other
+    attribute is the engine's own (read-only figures)."""
+
+    def __init__(self, engine, world: World):
+        self._engine = engine
+        self._world = world
+        self.steps = 0
+        self.broadcast_s = 0.0
+        self.step_s = 0.0
+
+    def _send(self, command: WorldCommand) -> None:
+        started = time.perf_counter()
+        self._world.send(command)
+        self.broadcast_s += time.perf_counter() - started
+
+    def step(self, plan: StepPlan) -> StepOutcome:
+        started = time.perf_counter()
+        self._send(WorldStep(plan=plan))
+        try:
+            return self._engine.step(plan)
+        finally:
+            self.steps += 1
+            self.step_s += time.perf_counter() - started
+
+    def drop_prefixes(self, entry_ids: list[str]) -> None:
+        self._send(WorldDrop(entry_ids=entry_ids))
+        self._engine.drop_prefixes(entry_ids)
+
+    def reset(self) -> None:
+        self._send(WorldReset())
+        self._engine.reset()
+
+    def stop(self) -> None:
+        """The followers exit their loops (a clean shutdown of the whole world)."""
+        self._send(WorldStop())
+
+    def stats(self, *, available: bool, error: str | None) -> WorldStats:
+        config = self._world.config
+        return WorldStats(
+            size=self._world.size,
+            backend=config.backend,
+            mode=config.mode,
+            available=available,
+            error=error,
+            steps=self.steps,
+            step_s=self.step_s,
+            broadcast_s=self.broadcast_s,
+        )
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+class Shards(Protocol):
+    """A follower's own shard of each checkpoint (`runtime.follower.ShardCheckpoints`)."""
+
+    def local_resume(self, admit: AdmitRequest) -> AdmitRequest:
+        """A resumed request's admission with this rank's shard of its checkpoint."""
+        ...
+
+    def after_step(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        """Keep the shards the step captured; delete those rank 0 deleted."""
+        ...
+
+
+def follow(engine, world: World, shards: Shards) -> None:
+    """A follower's whole life: make rank 0's calls until it says stop (or the world breaks,
+    which raises out of the collective: the peer is gone)."""
+    while True:
+        command = world.receive()
+        if isinstance(command, WorldStep):
+            plan = command.plan
+            if any(a.resume is not None for a in plan.admit):
+                plan = msgspec.structs.replace(plan, admit=[shards.local_resume(a) if a.resume is not None else a for a in plan.admit])
+            outcome = engine.step(plan)
+            shards.after_step(plan, outcome)
+            if plan.release:
+                log.info("follower_released", rank=world.rank, released=plan.release, kv_tokens=sum(outcome.kv_tokens.values()), live=len(outcome.kv_tokens))
+        elif isinstance(command, WorldDrop):
+            engine.drop_prefixes(command.entry_ids)
+        elif isinstance(command, WorldReset):
+            engine.reset()
+        elif isinstance(command, WorldStop):
+            log.info("follower_stopped", rank=world.rank)
+            return

@@ -1,0 +1,212 @@
+"""One model over a 2-rank mlx.distributed world on this machine (ring backend), issue 16.
+
+Each world is `mlxrt launch -n 2` (mlx.launch, two `mlxrt serve` ranks): rank 0 serves the
+socket, rank 1 follows its plans on its shard. Streams are compared with mlx-lm's own greedy
+generation on the unsharded model (tensor mode: `builtin:tiny`, a llama; pipeline mode:
+`builtin:tiny-qwen2`, one layer per rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from net.client import Client
+from protocols.api import GenerateRequest
+from protocols.errors import WorldUnavailableError
+from tests.conftest import CHUNK
+from tests.integration.reference import greedy_tokens, load_reference
+from tests.integration.server_helpers import ServerProcess, collect, wait_idle, write_config
+
+WORLD_READY_S = 120.0
+MAX_TOKENS = 24
+STEP_TIMEOUT_S = 4.0
+MODELS = {"tensor": "builtin:tiny", "pipeline": "builtin:tiny-qwen2"}
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000) for _ in range(rng.randrange(4, 2 * CHUNK + 5))] for _ in range(n)]
+
+
+@contextlib.contextmanager
+def world(directory: Path, mode: str, **sections) -> Iterator[ServerProcess]:
+    directory.mkdir(parents=True, exist_ok=True)
+    directory.chmod(0o700)
+    config = write_config(
+        directory,
+        model={"path": MODELS[mode]},
+        distributed={"backend": "ring", "mode": mode, "step_timeout_s": STEP_TIMEOUT_S},
+        logging={"level": "info", "format": "json"},
+        **sections,
+    )
+    process = ServerProcess(config, directory / "run" / "s.sock", directory, command=["launch", "-n", "2", "--config", str(config), "--"])
+    try:
+        process.wait_ready(WORLD_READY_S)
+        yield process
+    finally:
+        process.stop()
+        if process.alive:
+            process.kill_group()
+
+
+def rank_pid(world_process: ServerProcess, rank: int) -> int:
+    """The pid of one rank's `mlxrt serve` (a descendant of the launcher, with MLX_RANK set)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            if b"serve" in cmdline and f"MLX_RANK={rank}".encode() in environ and os.getpgid(int(entry.name)) == world_process.proc.pid:
+                return int(entry.name)
+        except (OSError, ProcessLookupError):
+            continue
+    raise AssertionError(f"no rank {rank} process in the world's group")
+
+
+@pytest.fixture(scope="module")
+def references():
+    out = {}
+    for mode, name in MODELS.items():
+        model, tokenizer = load_reference(name)
+        out[mode] = {tuple(p): greedy_tokens(model, tokenizer, p, MAX_TOKENS) for p in prompts(8, 16)}
+    return out
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+async def test_eight_concurrent_greedy_streams_over_two_ranks_equal_mlx_lm(tmp_path, references, mode):
+    with world(tmp_path / mode, mode) as process:
+        async with Client.connect(process.socket) as client:
+            outcomes: dict[tuple[int, ...], object] = {}
+
+            async def run(prompt: list[int]) -> None:
+                outcomes[tuple(prompt)] = await collect(client.generate(GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS)))
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    for prompt in prompts(8, 16):
+                        tg.start_soon(run, prompt)
+            for prompt, expected in references[mode].items():
+                outcome = outcomes[prompt]
+                assert outcome.last.finish_reason in ("length", "stop"), outcome.last
+                assert outcome.tokens == expected, f"{mode}: prompt of {len(prompt)} tokens"
+            stats = await wait_idle(client)
+            assert stats.kv.live_tokens == 0
+
+
+async def test_a_cancelled_request_frees_kv_on_both_ranks(tmp_path):
+    with world(tmp_path / "cancel", "tensor") as process:
+        async with Client.connect(process.socket) as client:
+            request = GenerateRequest(request_id="long-one", prompt_ids=prompts(1, 5)[0], max_tokens=1500, ignore_eos=True)
+            seen = 0
+            with anyio.fail_after(60):
+                async for event in client.generate(request):
+                    seen += len(getattr(event, "token_ids", ()))
+                    if seen >= 8:
+                        await client.cancel("long-one")
+                    if type(event).__name__ == "Finished":
+                        assert event.finish_reason == "cancelled"
+            stats = await wait_idle(client)
+            assert stats.kv.live_tokens == 0 and stats.kv.live_requests == 0
+        # Rank 1 logs what it holds after each step that releases a request.
+        line = _follower_release(process, "long-one")
+        assert line["kv_tokens"] == 0 and line["live"] == 0
+
+
+def _follower_release(process: ServerProcess, request_id: str) -> dict:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for text in process.log_text().splitlines() + process.stdout_lines:
+            if '"follower_released"' in text and request_id in text:
+                return json.loads(text[text.index("{") :])
+        time.sleep(0.05)
+    raise AssertionError(f"rank 1 never logged releasing {request_id!r}:\n{process.stderr()}")
+
+
+async def test_checkpoint_sigkill_of_the_world_relaunch_and_resume_is_exact(tmp_path, references):
+    directory = tmp_path / "resume"
+    prompt = prompts(1, 16)[0]
+    expected = references["tensor"][tuple(prompt)]
+    checkpoints = {"dir": str(directory / "checkpoints"), "every_tokens": 4}
+    with world(directory, "tensor", checkpoints=checkpoints) as process:
+        async with Client.connect(process.socket) as client:
+            seen: list[int] = []
+            request = GenerateRequest(request_id="durable", prompt_ids=prompt, max_tokens=MAX_TOKENS)
+            with anyio.fail_after(60):
+                async for event in client.generate(request):
+                    seen += getattr(event, "token_ids", [])
+                    if len(seen) >= 12:
+                        break
+        # Both ranks have written a checkpoint past 8 tokens: kill the whole world at once.
+        rank1 = directory / "checkpoints" / "rank1"
+        deadline = time.monotonic() + 10
+        while not (list(rank1.glob("durable@*.ckpt")) and (directory / "checkpoints" / "durable.ckpt").exists()):
+            assert time.monotonic() < deadline, "no checkpoint on both ranks"
+            time.sleep(0.05)
+        process.kill_group()
+    with world(directory, "tensor", checkpoints=checkpoints) as process:
+        async with Client.connect(process.socket) as client:
+            with anyio.fail_after(60):
+                outcome = await collect(client.resume("durable"))
+            assert outcome.last.finish_reason in ("length", "stop"), outcome.last
+            assert outcome.tokens == expected
+
+
+async def test_a_stalled_rank_ends_requests_with_unavailable_within_the_timeout(tmp_path):
+    with world(tmp_path / "stall", "tensor") as process:
+        follower = rank_pid(process, 1)
+        async with Client.connect(process.socket) as client:
+            request = GenerateRequest(prompt_ids=prompts(1, 7)[0], max_tokens=4000, ignore_eos=True)
+            stopped_at = None
+            try:
+                with anyio.fail_after(STEP_TIMEOUT_S + 30):
+                    outcome_events = []
+                    async for event in client.generate(request):
+                        outcome_events.append(event)
+                        if stopped_at is None and getattr(event, "token_ids", None):
+                            os.kill(follower, signal.SIGSTOP)  # rank 1 stalls mid-generation
+                            stopped_at = time.monotonic()
+                finished = outcome_events[-1]
+                assert finished.finish_reason == "error" and finished.error_code == "unavailable", finished
+                assert time.monotonic() - stopped_at < STEP_TIMEOUT_S + 10
+                # The world stays down: new requests are refused with the typed error.
+                with pytest.raises(WorldUnavailableError):
+                    await collect(client.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=2)))
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(follower, signal.SIGCONT)
+        # A clean shutdown of rank 0 ends the launch (the stuck follower is ended with it).
+        process.terminate()
+        assert process.wait_exit(30) is not None, "the world did not exit after SIGTERM"
+
+
+async def test_a_killed_rank_ends_in_flight_requests_with_unavailable_and_the_world_exits(tmp_path):
+    with world(tmp_path / "kill", "tensor") as process:
+        follower = rank_pid(process, 1)
+        async with Client.connect(process.socket) as client:
+            request = GenerateRequest(prompt_ids=prompts(1, 9)[0], max_tokens=4000, ignore_eos=True)
+            events = []
+            with anyio.fail_after(STEP_TIMEOUT_S + 30):
+                async for event in client.generate(request):
+                    events.append(event)
+                    if len(events) == 1:
+                        os.kill(follower, signal.SIGKILL)
+                        killed_at = time.monotonic()
+            finished = events[-1]
+            # The ring reports the lost peer at once: no need to wait for the step timeout.
+            assert finished.finish_reason == "error" and finished.error_code == "unavailable", finished
+            assert time.monotonic() - killed_at < STEP_TIMEOUT_S
+        # The launcher then shuts rank 0 down cleanly, and the launch ends with a failure.
+        code = process.wait_exit(30)
+        assert code is not None and code != 0, "the world did not exit after rank 1 died"
+        assert "rank 1 exited with -9" in process.log_text()
