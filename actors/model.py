@@ -152,6 +152,7 @@ class ModelActor:
     async def _adapter_call(self, bank: AdapterBank, call: AdapterCall) -> list[AdapterInfo] | Exception:
         if self.world is not None and call.op != "list":
             return AdapterLoadError("a distributed world serves no LoRA adapters (adapters are not sharded)")
+
         def run() -> list[AdapterInfo]:
             if call.op == "load":
                 bank.register(call.name, call.path, pinned=call.pinned)

@@ -1,11 +1,18 @@
 """One model sharded over the ranks of an mlx.distributed world (MLX thread only).
 
 Rank 0 runs the actors; its engine is a `Leader`: before each call that changes engine state
-(a step, dropped prefixes, a reset) it broadcasts the call to every rank as msgspec bytes (two
-`all_sum`s: the length, then the bytes, summed with the followers' zeros; no pickle). Every
-other rank runs `follow`: it receives each call and makes it on its own engine, over its own
-shard, so every rank builds the same graphs in the same order and their collectives (the
-tensor-parallel sums, the pipeline's sends) meet. Sampling reads logits every rank has in
+(a step, dropped prefixes, a reset) it sends the call to every rank as msgspec bytes (no
+pickle). Every other rank runs `follow`: it receives each call and makes it on its own engine,
+over its own shard, so every rank builds the same graphs in the same order and their
+collectives (the tensor-parallel sums, the pipeline's sends) meet.
+
+The calls travel over `distributed.control` (rank 0 listens, every follower connects: one
+length-prefixed frame per call) when it is set, else through mx.distributed itself (two
+`all_sum`s: the length, then the bytes, summed with the followers' zeros). The socket is the
+better road, measured: a collective queues on the CPU stream behind the step still being
+computed (decode is pipelined), so a plan sent that way waits for the previous step and the
+pipeline is lost (7 ms of a 13 ms step on `tiny`); and MLX's ring backend spins a core while
+it waits, where an idle follower blocked on the socket sleeps. Sampling reads logits every rank has in
 full (after the sharded layers' `all_sum`, or the pipeline's `all_gather`) with the same
 seeds, so every rank draws the same tokens and feeds them to its next step itself.
 
@@ -17,6 +24,7 @@ checkpoint directory), which it substitutes into a resumed request's plan.
 from __future__ import annotations
 
 import socket
+import struct
 import time
 from typing import Any, Protocol
 
@@ -34,6 +42,7 @@ log = structlog.get_logger(actor="world")
 # Followers reach rank 0's control socket within this (they start together).
 CONTROL_CONNECT_S = 60.0
 _ENCODER = msgspec.msgpack.Encoder()
+_LENGTH = struct.Struct("!I")
 _DECODER = msgspec.msgpack.Decoder(WorldCommand)
 
 
@@ -90,14 +99,14 @@ class World:
         bell.settimeout(None)
         self._bells.append(bell)
 
-    def _ring(self) -> None:
-        for bell in self._bells:
-            bell.sendall(b"\x01")
-
-    def _wait_for_bell(self) -> None:
-        """Sleep until rank 0 has a call (or is gone: the connection ends)."""
-        if self._bells and not self._bells[0].recv(1):
-            raise RuntimeError("rank 0 closed the control connection")
+    def _read_exactly(self, n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk = self._bells[0].recv(n - len(data))
+            if not chunk:
+                raise RuntimeError("rank 0 closed the control connection")
+            data += chunk
+        return bytes(data)
 
     def broadcast(self, data: bytes) -> bytes:
         """Rank 0's bytes on every rank (the others pass b"")."""
@@ -110,12 +119,19 @@ class World:
         return bytes(np.array(total, copy=True))
 
     def send(self, command: WorldCommand) -> None:
-        self._ring()
-        self.broadcast(_ENCODER.encode(command))
+        data = _ENCODER.encode(command)
+        if not self._bells:
+            self.broadcast(data)
+            return
+        frame = _LENGTH.pack(len(data)) + data
+        for bell in self._bells:
+            bell.sendall(frame)
 
     def receive(self) -> WorldCommand:
-        self._wait_for_bell()
-        return _DECODER.decode(self.broadcast(b""))
+        if not self._bells:
+            return _DECODER.decode(self.broadcast(b""))
+        (length,) = _LENGTH.unpack(self._read_exactly(_LENGTH.size))
+        return _DECODER.decode(self._read_exactly(length))
 
     def barrier(self) -> None:
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=self.group, stream=mx.cpu))
@@ -129,6 +145,7 @@ def shard(model, model_type: str, world: World) -> None:
         if mode == "tensor":
             if not hasattr(model, "shard"):
                 raise ModelLoadError(f'{model_type}: mlx-lm has no tensor-parallel `shard()` for this model type; try `distributed.mode = "pipeline"`')
+            _check_heads(model, model_type, world.size)
             model.shard(world.group)
         else:
             inner = getattr(model, "model", None)
@@ -141,6 +158,22 @@ def shard(model, model_type: str, world: World) -> None:
         raise
     except Exception as exc:  # shapes the world size does not divide, and the like
         raise ModelLoadError(f"{model_type}: cannot shard over {world.size} ranks in {mode} mode: {type(exc).__name__}: {exc}") from exc
+
+
+# Attention head counts mlx-lm's `shard()` divides by the world size (with `//=`: a count the
+# size does not divide would silently make another model).
+_HEAD_COUNTS = ("n_heads", "n_kv_heads", "num_heads", "num_key_value_heads", "num_attention_heads", "num_kv_heads")
+
+
+def _check_heads(model, model_type: str, size: int) -> None:
+    for index, layer in enumerate(getattr(model, "layers", [])):
+        attention = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+        for name in _HEAD_COUNTS:
+            count = getattr(attention, name, None)
+            if isinstance(count, int) and count % size:
+                raise ModelLoadError(
+                    f'{model_type}: layer {index} has {count} attention heads ({name}), which {size} ranks cannot split evenly; try `distributed.mode = "pipeline"`'
+                )
 
 
 class Leader:

@@ -273,6 +273,7 @@ class Connection:
                         connections=len(self._server.connections),
                         metrics=stats.metrics,
                         models=stats.models,
+                        world=stats.world,
                     )
                 )
             case AdapterCommand():

@@ -16,6 +16,7 @@ from protocols.base import Message, Record
 from protocols.errors import ErrorCode
 from protocols.kv import KvStats
 from protocols.metrics import MetricsSnapshot
+from protocols.model import WorldStats
 from protocols.scheduler import SchedulerStats
 
 PROTOCOL_VERSION = 1
@@ -105,6 +106,8 @@ class Stats(Message, frozen=True):
     # A server with several models (`[[models]]`): each one's state; `scheduler`, `kv` and
     # `metrics` are then the default model's.
     models: list[ModelStatus] = msgspec.field(default_factory=list)
+    # A distributed world (`[distributed]`): its size, mode, availability and step figures.
+    world: WorldStats | None = None
 
 
 class Adapters(Message, frozen=True):

@@ -150,6 +150,8 @@ class Admission:
         jump-forward and the fast-forwarding plan; the grammar is released if this fails."""
         request, admit = prepared.request, prepared.admit
         spec_plan, spec_stats = plan_speculation(request, self._config.speculative, has_draft=bool(self._config.speculative.draft))
+        if spec_plan is not None and spec_stats is not None and self._config.distributed.backend:
+            spec_plan, spec_stats = None, msgspec.structs.replace(spec_stats, refused="a distributed world does not speculate")
         if grammar is not None:
             await self._grammars.acquire(grammar)
         try:

@@ -107,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
         help="float KV in rows and in blocks, 8-bit and 4-bit KV side by side: c1/c16 at 128 and 2,048 tokens, fidelity, agreement, admission, prefix sharing",
     )
     bench.add_argument("--kv-workloads", default="throughput,fidelity,agreement,admission,sharing", help="with --kv: comma-separated subset")
+    bench.add_argument(
+        "--distributed", action="store_true", help="one process against 2-rank worlds (tensor, pipeline) on this machine: builtin:bench-qwen2 by default"
+    )
     bench.set_defaults(func=_bench)
 
     bench_http = sub.add_parser("bench-http", help="TTFT over HTTP next to the Unix socket and in-process, one runtime")
@@ -338,6 +341,8 @@ def _bench(args) -> int:
         return _bench_pool(args, config)
     if args.kv:
         return _bench_kv(args, config)
+    if args.distributed:
+        return _bench_world(args)
     config = _with_model(config, args.model)
     workloads = tuple(w for w in args.workloads.split(",") if w)
     unknown = set(workloads) - set(BenchOptions.workloads)
@@ -416,6 +421,18 @@ def _bench_kv(args, config: RuntimeConfig) -> int:
     options = KvBenchOptions(new_tokens=args.new_tokens, repeats=min(args.repeats, 3), workloads=workloads)
     results = anyio.run(run_kv_bench, _with_model(config, args.model), options)
     print(format_kv_table(results))
+    dump(results, args.json_path)
+    return EXIT_OK
+
+
+def _bench_world(args) -> int:
+    from tools.bench import dump
+    from tools.bench_world import WorldBenchOptions, format_world_table, run_world_bench
+
+    concurrency = max(int(c) for c in args.concurrency.split(",") if c)
+    options = WorldBenchOptions(model=args.model or WorldBenchOptions.model, concurrency=concurrency, new_tokens=args.new_tokens, repeats=min(args.repeats, 3))
+    results = anyio.run(run_world_bench, options)
+    print(format_world_table(results))
     dump(results, args.json_path)
     return EXIT_OK
 

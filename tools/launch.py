@@ -106,12 +106,16 @@ class LocalWorld:
         try:
             for rank in range(self.ranks):
                 rank_env = {
+                    # The ranks share this machine's cores: BLAS threads split between them
+                    # (more would make each rank's matmuls fight the other's).
+                    "OPENBLAS_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // self.ranks)),
                     **self.environ,
                     "MLX_RANK": str(rank),
                     "MLX_HOSTFILE": hostfile.name,
                     "MLX_WORLD_SIZE": str(self.ranks),
-                    env.PREFIX + "DISTRIBUTED_CONTROL": f"127.0.0.1:{control}",
                 }
+                # (Set, even empty, it is the caller's: "" sends plans through collectives.)
+                rank_env.setdefault(env.PREFIX + "DISTRIBUTED_CONTROL", f"127.0.0.1:{control}")
                 self.processes.append(subprocess.Popen(self.command, env=rank_env, stdin=subprocess.DEVNULL))
             return self._supervise()
         finally:

@@ -90,7 +90,7 @@ class Api:
     # -- endpoints -------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        status = "draining" if self.draining else "ok" if self.runtime is not None else "loading"
+        status = "draining" if self.draining else "loading" if self.runtime is None else "unavailable" if getattr(self.runtime, "world_error", None) else "ok"
         return _json({"status": status, "model": self.model_name}, 200 if status == "ok" else 503)
 
     async def metrics(self, request: Request) -> Response:

@@ -54,8 +54,9 @@ def write_config(directory: Path, *, scheduler: dict | None = None, server: dict
 class ServerProcess:
     """One `mlxrt serve` subprocess; its stdout is drained by a thread."""
 
-    def __init__(self, config: Path, socket_path: Path, log_dir: Path, command: list[str] | None = None):
-        """`command`: the `tools.cli` arguments before `--socket` (default: serve --config)."""
+    def __init__(self, config: Path, socket_path: Path, log_dir: Path, command: list[str] | None = None, environ: dict[str, str] | None = None):
+        """`command`: the `tools.cli` arguments before `--socket` (default: serve --config);
+        `environ`: variables added to the test's own."""
         self.config = config
         self.socket = socket_path
         self.stdout_lines: list[str] = []
@@ -66,7 +67,7 @@ class ServerProcess:
             [sys.executable, "-m", "tools.cli", *(command or ["serve", "--config", str(config)]), "--socket", str(socket_path)],
             cwd=REPO,
             start_new_session=True,  # its own process group: `kill_group` reaches every process it started
-            env=dict(os.environ),
+            env={**os.environ, **(environ or {})},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=self._stderr,

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -22,7 +23,9 @@ import pytest
 
 from net.client import Client
 from protocols.api import GenerateRequest
-from protocols.errors import WorldUnavailableError
+from protocols.errors import ForeignCheckpointError, WorldUnavailableError
+from runtime.config import RuntimeConfig
+from runtime.runtime import Runtime
 from tests.conftest import CHUNK
 from tests.integration.reference import greedy_tokens, load_reference
 from tests.integration.server_helpers import ServerProcess, collect, wait_idle, write_config
@@ -39,7 +42,7 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 @contextlib.contextmanager
-def world(directory: Path, mode: str, **sections) -> Iterator[ServerProcess]:
+def world(directory: Path, mode: str, environ: dict[str, str] | None = None, **sections) -> Iterator[ServerProcess]:
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)
     config = write_config(
@@ -49,7 +52,7 @@ def world(directory: Path, mode: str, **sections) -> Iterator[ServerProcess]:
         logging={"level": "info", "format": "json"},
         **sections,
     )
-    process = ServerProcess(config, directory / "run" / "s.sock", directory, command=["launch", "-n", "2", "--config", str(config), "--"])
+    process = ServerProcess(config, directory / "run" / "s.sock", directory, command=["launch", "-n", "2", "--config", str(config), "--"], environ=environ)
     try:
         process.wait_ready(WORLD_READY_S)
         yield process
@@ -83,9 +86,11 @@ def references():
     return out
 
 
-@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-async def test_eight_concurrent_greedy_streams_over_two_ranks_equal_mlx_lm(tmp_path, references, mode):
-    with world(tmp_path / mode, mode) as process:
+@pytest.mark.parametrize(("mode", "road"), [("tensor", "socket"), ("pipeline", "socket"), ("tensor", "collectives")])
+async def test_eight_concurrent_greedy_streams_over_two_ranks_equal_mlx_lm(tmp_path, references, mode, road):
+    # Plans reach the followers over the control socket, or (no `distributed.control`) in collectives.
+    environ = {"MLXRT_DISTRIBUTED_CONTROL": ""} if road == "collectives" else None
+    with world(tmp_path / mode, mode, environ) as process:
         async with Client.connect(process.socket) as client:
             outcomes: dict[tuple[int, ...], object] = {}
 
@@ -101,7 +106,9 @@ async def test_eight_concurrent_greedy_streams_over_two_ranks_equal_mlx_lm(tmp_p
                 assert outcome.last.finish_reason in ("length", "stop"), outcome.last
                 assert outcome.tokens == expected, f"{mode}: prompt of {len(prompt)} tokens"
             stats = await wait_idle(client)
-            assert stats.kv.live_tokens == 0
+            assert stats.kv.live_tokens == 0 and stats.world is not None and stats.world.available and stats.world.size == 2
+        joined = log_events(process, "world_joined")
+        assert len(joined) == 2 and all((j["control"] is None) == (road == "collectives") for j in joined), joined
 
 
 async def test_a_cancelled_request_frees_kv_on_both_ranks(tmp_path):
@@ -123,12 +130,17 @@ async def test_a_cancelled_request_frees_kv_on_both_ranks(tmp_path):
         assert line["kv_tokens"] == 0 and line["live"] == 0
 
 
+def log_events(process: ServerProcess, event: str) -> list[dict]:
+    """The JSON log events of that name, from every rank (their lines may interleave)."""
+    return [json.loads(m.group(0)) for m in re.finditer(r'\{[^{}]*"event": "' + event + r'"[^{}]*\}', process.log_text())]
+
+
 def _follower_release(process: ServerProcess, request_id: str) -> dict:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        for text in process.log_text().splitlines() + process.stdout_lines:
-            if '"follower_released"' in text and request_id in text:
-                return json.loads(text[text.index("{") :])
+        for found in log_events(process, "follower_released"):
+            if request_id in found["released"]:
+                return found
         time.sleep(0.05)
     raise AssertionError(f"rank 1 never logged releasing {request_id!r}:\n{process.stderr()}")
 
@@ -154,6 +166,11 @@ async def test_checkpoint_sigkill_of_the_world_relaunch_and_resume_is_exact(tmp_
             assert time.monotonic() < deadline, "no checkpoint on both ranks"
             time.sleep(0.05)
         process.kill_group()
+    # One process cannot resume a shard of a 2-rank world: refused, typed, naming the world.
+    single = RuntimeConfig.from_tree({"model": {"path": MODELS["tensor"]}, "checkpoints": checkpoints}, source="<test>")
+    async with Runtime.open(single) as rt:
+        with pytest.raises(ForeignCheckpointError, match="sharded tensor/2"):
+            await collect(rt.resume("durable"))
     with world(directory, "tensor", checkpoints=checkpoints) as process:
         async with Client.connect(process.socket) as client:
             with anyio.fail_after(60):

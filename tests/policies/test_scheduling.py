@@ -679,6 +679,22 @@ def test_fail_all_ends_every_active_request_in_error():
     assert sim.policy.fail_all("boom") == []
 
 
+def test_fail_all_carries_the_error_code_and_forgotten_checkpoints_ride_the_next_plan():
+    sim = Sim(make_policy(max_batch_size=2))
+    sim.add(make_tracked("a", prompt_len=20, max_tokens=5))
+    sim.admit_all()
+    sim.step()
+    sim.policy.forget_checkpoint("old-1")
+    sim.policy.forget_checkpoint("old-2")
+    sim.add(make_tracked("b", prompt_len=4, max_tokens=5))
+    sim.admit_all()
+    plan = sim.policy.plan(0.0)
+    assert plan.forget_checkpoints == ["old-1", "old-2"]
+    assert sim.policy.plan(0.0).forget_checkpoints == []  # said once
+    ended = sim.policy.fail_all("rank 1 is gone", "unavailable")
+    assert {(e.tracked.request_id, e.error, e.error_code) for e in ended} == {("a", "rank 1 is gone", "unavailable"), ("b", "rank 1 is gone", "unavailable")}
+
+
 # -- (l) timelines ----------------------------------------------------------------
 
 
