@@ -107,6 +107,7 @@ def _parser() -> argparse.ArgumentParser:
         help="float KV in rows and in blocks, 8-bit and 4-bit KV side by side: c1/c16 at 128 and 2,048 tokens, fidelity, agreement, admission, prefix sharing",
     )
     bench.add_argument("--kv-workloads", default="throughput,fidelity,agreement,admission,sharing", help="with --kv: comma-separated subset")
+    bench.add_argument("--kv-formats", default="float,paged,int8,int4", help="with --kv: KV formats measured (comma-separated)")
     bench.add_argument(
         "--distributed", action="store_true", help="one process against 2-rank worlds (tensor, pipeline) on this machine: builtin:bench-qwen2 by default"
     )
@@ -412,13 +413,17 @@ def _bench_pool(args, config: RuntimeConfig) -> int:
 
 def _bench_kv(args, config: RuntimeConfig) -> int:
     from tools.bench import dump
-    from tools.bench_kv import WORKLOADS, KvBenchOptions, format_kv_table, run_kv_bench
+    from tools.bench_kv import FORMATS, WORKLOADS, KvBenchOptions, format_kv_table, run_kv_bench
 
     workloads = tuple(w for w in args.kv_workloads.split(",") if w)
     if set(workloads) - set(WORKLOADS):
         print(f"mlxrt bench --kv: unknown workloads {sorted(set(workloads) - set(WORKLOADS))}; known: {', '.join(WORKLOADS)}", file=sys.stderr)
         return EXIT_USAGE
-    options = KvBenchOptions(new_tokens=args.new_tokens, repeats=min(args.repeats, 3), workloads=workloads)
+    formats = tuple(f for f in args.kv_formats.split(",") if f)
+    if set(formats) - set(FORMATS):
+        print(f"mlxrt bench --kv: unknown formats {sorted(set(formats) - set(FORMATS))}; known: {', '.join(FORMATS)}", file=sys.stderr)
+        return EXIT_USAGE
+    options = KvBenchOptions(formats=formats, new_tokens=args.new_tokens, repeats=min(args.repeats, 3), workloads=workloads)
     results = anyio.run(run_kv_bench, _with_model(config, args.model), options)
     print(format_kv_table(results))
     dump(results, args.json_path)

@@ -22,7 +22,7 @@ import anyio
 import pytest
 
 from net.client import Client
-from protocols.api import GenerateRequest
+from protocols.api import GenerateRequest, SamplingParams, TokenDelta
 from protocols.errors import ForeignCheckpointError, WorldUnavailableError
 from runtime.config import RuntimeConfig
 from runtime.runtime import Runtime
@@ -109,6 +109,31 @@ async def test_eight_concurrent_greedy_streams_over_two_ranks_equal_mlx_lm(tmp_p
             assert stats.kv.live_tokens == 0 and stats.world is not None and stats.world.available and stats.world.size == 2
         joined = log_events(process, "world_joined")
         assert len(joined) == 2 and all((j["control"] is None) == (road == "collectives") for j in joined), joined
+
+
+async def test_grammar_prefix_hits_and_seeded_sampling_in_a_world_equal_one_process(tmp_path):
+    """A grammar request (rank 1 compiles the grammar when its plan names it), a prompt served twice
+    (the second from the prefix cache) and a seeded sampled request: the same as one process gives."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}
+    prompt = [random.Random(3).randrange(1000) for _ in range(3 * CHUNK)]
+    requests = [
+        GenerateRequest(prompt="answer:", max_tokens=48, response_format=fmt),
+        GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS),
+        GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS),
+        GenerateRequest(prompt_ids=prompt[:20], max_tokens=MAX_TOKENS, sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=7)),
+    ]
+    single = RuntimeConfig.from_tree({"model": {"path": MODELS["tensor"]}, "generation": {"seed": 0}}, source="<test>")
+    expected = []
+    async with Runtime.open(single) as rt:
+        for request in requests:
+            expected.append(await collect(rt.generate(request)))
+    with world(tmp_path / "features", "tensor") as process:
+        async with Client.connect(process.socket) as client:
+            with anyio.fail_after(60):
+                got = [await collect(client.generate(request)) for request in requests]
+    assert [g.tokens for g in got] == [e.tokens for e in expected]
+    assert isinstance(json.loads("".join(ev.text for ev in got[0].events if isinstance(ev, TokenDelta)))["ok"], bool)
+    assert got[2].last.usage.cached_tokens > 0  # the repeat was seeded from the prefix cache
 
 
 async def test_a_cancelled_request_frees_kv_on_both_ranks(tmp_path):
