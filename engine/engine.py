@@ -64,7 +64,7 @@ __all__ = ["Engine", "EngineInvariantError", "Grammars"]
 
 class Grammars(Protocol):
     """What the engine needs of the grammar compiler: matchers for grammars compiled (and
-    pinned) before their requests were admitted. It never compiles on the MLX thread."""
+    pinned) before their requests were admitted (a follower rank compiles when first asked)."""
 
     vocab_size: int
 
@@ -106,10 +106,9 @@ class Engine:
         if self._pool is not None:
             install_attention(model)  # decode steps attend row by row over the pool (`engine.paged`)
         self._batch = DecodeBatch(layout, self._pool)
-        # Quantized KV: a lone row decodes uncompiled (traced: 12.5 vs 13.5 tok/s at 2,048); a
-        # paged one reads its blocks in place, which the traced step's fixed buffers cannot.
+        # A lone row decodes uncompiled when quantized (traced: 12.5 vs 13.5 tok/s at 2,048), paged
+        # (read in place: no fixed buffers) or sharded (collectives stay out of traced functions).
         self._quantized = is_quantized(layout)
-        # (Nor does a sharded model: its collectives stay out of traced functions.)
         self._decode_step = compile_decode_step(model, layout) if compiled and not self._quantized and self._pool is None else None
         # Quantized first chunks prefill together over full attention without a float head only.
         together = not self._quantized or (self._trimmable and quantized_start(layout) == 0)
