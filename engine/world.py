@@ -55,7 +55,7 @@ class World:
         self.rank: int = group.rank()
         self.size: int = group.size()
         self.config = config
-        self._bells: list[socket.socket] = []
+        self._control: list[socket.socket] = []
 
     @classmethod
     def join(cls, config: DistributedConfig) -> World:
@@ -78,31 +78,31 @@ class World:
         if self.rank == 0:
             with socket.create_server((host, int(port)), reuse_port=False) as server:
                 server.settimeout(CONTROL_CONNECT_S)
-                while len(self._bells) < self.size - 1:
+                while len(self._control) < self.size - 1:
                     try:
                         conn, _ = server.accept()
                     except TimeoutError:
                         raise ConfigError(
-                            f"`distributed.control = {address!r}`: {len(self._bells)} of {self.size - 1} ranks connected within {CONTROL_CONNECT_S:g} s"
+                            f"`distributed.control = {address!r}`: {len(self._control)} of {self.size - 1} ranks connected within {CONTROL_CONNECT_S:g} s"
                         ) from None
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    self._bells.append(conn)
+                    self._control.append(conn)
             return
         while True:
             try:
-                bell = socket.create_connection((host, int(port)), timeout=5)
+                connection = socket.create_connection((host, int(port)), timeout=5)
                 break
             except OSError as exc:
                 if time.monotonic() > deadline:
                     raise ConfigError(f"`distributed.control = {address!r}`: rank {self.rank} cannot reach rank 0 ({exc})") from None
                 time.sleep(0.05)
-        bell.settimeout(None)
-        self._bells.append(bell)
+        connection.settimeout(None)
+        self._control.append(connection)
 
     def _read_exactly(self, n: int) -> bytes:
         data = bytearray()
         while len(data) < n:
-            chunk = self._bells[0].recv(n - len(data))
+            chunk = self._control[0].recv(n - len(data))
             if not chunk:
                 raise RuntimeError("rank 0 closed the control connection")
             data += chunk
@@ -120,15 +120,15 @@ class World:
 
     def send(self, command: WorldCommand) -> None:
         data = _ENCODER.encode(command)
-        if not self._bells:
+        if not self._control:
             self.broadcast(data)
             return
         frame = _LENGTH.pack(len(data)) + data
-        for bell in self._bells:
-            bell.sendall(frame)
+        for peer in self._control:
+            peer.sendall(frame)
 
     def receive(self) -> WorldCommand:
-        if not self._bells:
+        if not self._control:
             return _DECODER.decode(self.broadcast(b""))
         (length,) = _LENGTH.unpack(self._read_exactly(_LENGTH.size))
         return _DECODER.decode(self._read_exactly(length))

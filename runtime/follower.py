@@ -57,11 +57,11 @@ class ShardCheckpoints:
 
     KEPT = 2
 
-    def __init__(self, directory: Path, info: ModelInfo, max_context: int):
+    def __init__(self, directory: Path, info: ModelInfo):
         self.directory = directory
         self.info = info
         self.kv_format = checkpoint_format(info)
-        self.max_bytes = checkpoints.max_file_bytes(max_context, info.layers)
+        self.max_bytes = checkpoints.max_file_bytes(info.max_context, info.layers)
         self._admitted: dict[str, AdmitRequest] = {}
         checkpoints.prepare_directory(directory)
 
@@ -138,7 +138,7 @@ def run_follower(config: RuntimeConfig) -> None:
     speculator = load_speculator(loaded, config.speculative, config.model, env.home())
     bank = AdapterBank(loaded.model, config.lora.max_resident, config.lora.max_rank)
     engine = Engine(loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator, bank, config.kv.budget_bytes, compiled=False)
-    shards = ShardCheckpoints(config.checkpoint_directory() / f"rank{world.rank}", info, info.max_context)
+    shards = ShardCheckpoints(config.checkpoint_directory() / f"rank{world.rank}", info)
     shards_expired = checkpoints.expire(shards.directory, config.checkpoints.max_age_s)
     progress.done(f"rank {world.rank} of {world.size} following ({info.world}, {info.num_parameters / 1e6:.1f}M params here)")
     log.info("follower_ready", rank=world.rank, size=world.size, world=info.world, expired=len(shards_expired))

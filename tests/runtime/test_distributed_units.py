@@ -115,7 +115,7 @@ def _outcome(*checkpoints: CheckpointData) -> StepOutcome:
 
 
 def test_a_rank_keeps_its_last_two_shards_and_resumes_the_one_rank_0_holds(tmp_path):
-    shards = ShardCheckpoints(tmp_path / "rank1", INFO, INFO.max_context)
+    shards = ShardCheckpoints(tmp_path / "rank1", INFO)
     shards.after_step(StepPlan(admit=[_admit("r")]), _outcome(_checkpoint("r", [5, 6], 1.0)))
     shards.after_step(StepPlan(decode=True), _outcome(_checkpoint("r", [5, 6, 7, 8], 2.0)))
     shards.after_step(StepPlan(decode=True), _outcome(_checkpoint("r", [5, 6, 7, 8, 9, 10], 3.0)))
