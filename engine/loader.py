@@ -1,4 +1,4 @@
-"""Load an mlx-lm model directory (or a built-in one) on the MLX thread.
+"""Load a model on the MLX thread: an mlx-lm directory, a GGUF file, or a built-in one.
 
 Casts floating weights to float32 on the CPU backend, where only float32 matmul
 goes through BLAS, probes each layer's KV geometry with a one-token forward,
@@ -24,10 +24,11 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
 from engine.adapters import adapt_for_batches
-from engine.builtin import builtin_name, ensure_builtin
+from engine.builtin import PackagedModelMissingError, builtin_name, ensure_builtin
 from engine.draft import DraftRunner
+from engine.gguf import is_gguf, load_gguf
 from engine.layout import dtype_name, probe_layout
-from engine.quantized import apply_cpu_policy
+from engine.quantized import apply_cpu_policy, keeps_quantized
 from engine.speculation import Speculator
 from engine.world import World, shard
 from policies.layout import full_token_bytes, is_trimmable, with_kv_blocks, with_kv_quantization
@@ -72,42 +73,76 @@ def with_kv_format(loaded: LoadedModel, kv: KvConfig) -> LoadedModel:
 
 
 def resolve_model_path(path: str, builtin_root: Path, progress: Callable[[str], None] | None = None) -> Path:
-    """A local directory for `path`, building a built-in model (under `builtin_root`) if named so."""
+    """A local model for `path`: an mlx-lm directory or a GGUF file (a packaged model's file,
+    or a random-weight built-in built under `builtin_root`, when named `builtin:<name>`)."""
     name = builtin_name(path)
     if name is not None:
         try:
             return ensure_builtin(name, root=builtin_root, progress=progress)
-        except ValueError as exc:
+        except (ValueError, PackagedModelMissingError) as exc:
             raise ModelLoadError(str(exc)) from exc
-    directory = Path(path).expanduser()
-    if not (directory / "config.json").is_file():
-        raise ModelLoadError(f"{path}: not an mlx-lm model directory (no config.json); models are never downloaded")
-    return directory
+    source = Path(path).expanduser()
+    if is_gguf(source):
+        if not source.is_file():
+            raise ModelLoadError(f"{path}: no such GGUF file; models are never downloaded")
+        return source
+    if not (source / "config.json").is_file():
+        raise ModelLoadError(f"{path}: not an mlx-lm model directory (no config.json) nor a .gguf file; models are never downloaded")
+    return source
 
 
 def load_model(config: ModelConfig, builtin_root: Path, progress: Callable[[str], None] | None = None, world: World | None = None) -> LoadedModel:
-    """With a `world`: this rank's shard only (loaded lazily, split, then read)."""
+    """With a `world`: this rank's shard only (a directory is loaded lazily, split, then read;
+    a GGUF file is read whole, then split)."""
     started = time.perf_counter()
-    directory = resolve_model_path(config.path, builtin_root, progress)
+    source = resolve_model_path(config.path, builtin_root, progress)
     if progress:
-        progress(f"loading {directory}" + (f" (rank {world.rank} of {world.size}, {world.config.mode} parallel)" if world else ""))
-    try:
-        model, tokenizer = cast(
-            tuple[nn.Module, TokenizerWrapper], mlx_lm_load(str(directory), trust_remote_code=config.trust_remote_code, lazy=world is not None)
-        )
-    except Exception as exc:  # mlx-lm reports unknown types, missing files and bad weights variously
-        raise ModelLoadError(f"{directory}: mlx-lm cannot load it: {type(exc).__name__}: {exc}") from exc
+        progress(f"loading {source}" + (f" (rank {world.rank} of {world.size}, {world.config.mode} parallel)" if world else ""))
+    if is_gguf(source):
+        model, tokenizer, identity = _load_gguf(source, config, builtin_root, progress)
+    else:
+        model, tokenizer, identity = _load_directory(source, config, lazy=world is not None)
     if world is not None:
-        shard(model, json.loads((directory / "config.json").read_text()).get("model_type", "?"), world)
+        shard(model, identity.config.get("model_type", "?"), world)
     try:
-        return _inspect(model, tokenizer, directory, config, started)
+        return _inspect(model, tokenizer, source, identity, config, started)
     except ModelLoadError:
         raise
     except Exception as exc:  # a model mlx-lm loads must never fail here untyped
-        raise ModelLoadError(f"{directory}: cannot serve this model: {type(exc).__name__}: {exc}") from exc
+        raise ModelLoadError(f"{source}: cannot serve this model: {type(exc).__name__}: {exc}") from exc
 
 
-def _inspect(model: nn.Module, tokenizer: TokenizerWrapper, directory: Path, config: ModelConfig, started: float) -> LoadedModel:
+@dataclass(frozen=True)
+class _Identity:
+    """What a model's source says about it: its config (as `config.json`) and digests."""
+
+    config: dict[str, Any]
+    model_id: str
+    tokenizer_id: str
+
+
+def _load_directory(directory: Path, config: ModelConfig, lazy: bool) -> tuple[nn.Module, TokenizerWrapper, _Identity]:
+    try:
+        model, tokenizer = cast(tuple[nn.Module, TokenizerWrapper], mlx_lm_load(str(directory), trust_remote_code=config.trust_remote_code, lazy=lazy))
+    except Exception as exc:  # mlx-lm reports unknown types, missing files and bad weights variously
+        raise ModelLoadError(f"{directory}: mlx-lm cannot load it: {type(exc).__name__}: {exc}") from exc
+    hf_config = json.loads((directory / "config.json").read_text())
+    return model, tokenizer, _Identity(hf_config, model_digest(directory), tokenizer_digest(directory))
+
+
+def _load_gguf(path: Path, config: ModelConfig, cache_root: Path, progress: Callable[[str], None] | None) -> tuple[nn.Module, TokenizerWrapper, _Identity]:
+    try:
+        loaded = load_gguf(path, cache_root=cache_root, keeps_quantized=lambda need: keeps_quantized(config.cpu_dequantize, need), progress=progress)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # anything the checks did not foresee is still the file's fault
+        raise ModelLoadError(f"{path}: cannot load this GGUF file: {type(exc).__name__}: {exc}") from exc
+    for note in loaded.notes:
+        log.warning("gguf_tensors_converted", path=str(path), note=note)
+    return loaded.model, loaded.tokenizer, _Identity(loaded.config, loaded.model_id, loaded.tokenizer_id)
+
+
+def _inspect(model: nn.Module, tokenizer: TokenizerWrapper, source: Path, identity: _Identity, config: ModelConfig, started: float) -> LoadedModel:
     """Dtype and quantization policy applied, layers probed, facts gathered."""
     dtype = _target_dtype(config.dtype)
     if dtype is not None:
@@ -116,10 +151,10 @@ def _inspect(model: nn.Module, tokenizer: TokenizerWrapper, directory: Path, con
     mx.eval(model.parameters())
     adapt_for_batches(model)
     layout = probe_layout(model)
-    hf_config = json.loads((directory / "config.json").read_text())
-    text_config = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else {}
+    hf_config = identity.config
+    text_config: dict[str, Any] = hf_config["text_config"] if isinstance(hf_config.get("text_config"), dict) else {}
     info = ModelInfo(
-        path=str(directory),
+        path=str(source),
         model_type=str(hf_config.get("model_type", "unknown")),
         vocab_size=_output_size(model),
         max_context=config.max_context or int(hf_config.get("max_position_embeddings") or text_config.get("max_position_embeddings") or DEFAULT_CONTEXT),
@@ -130,8 +165,8 @@ def _inspect(model: nn.Module, tokenizer: TokenizerWrapper, directory: Path, con
         eos_token_ids=sorted(tokenizer.eos_token_ids),
         num_parameters=sum(v.size for _, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters()))),
         load_s=time.perf_counter() - started,
-        model_id=model_digest(directory),
-        tokenizer_id=tokenizer_digest(directory),
+        model_id=identity.model_id,
+        tokenizer_id=identity.tokenizer_id,
         layers=layout,
         max_token_bytes=max_token_bytes(tokenizer),
         quantization=quantization.reason if quantization.quantized_modules else "",

@@ -4,23 +4,30 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 from pathlib import Path
 
 import mlx.core as mx
 
-from engine.builtin import BUILTIN_MODELS, builtin_name, parameter_count
+from engine.builtin import BUILTIN_MODELS, PACKAGED_MODELS, builtin_name, packaged_model_path, parameter_count
+from engine.gguf import is_gguf
+from engine.gguf.format import GGUFFile
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def estimate_weight_bytes(path: str) -> int:
     """Weight bytes as the model will be loaded, before it has been: float32 on the CPU
-    backend, from its parameter shapes where built in, else from its files (16-bit weights
-    doubled)."""
+    backend, from its parameter shapes where built in or in a GGUF header, else from its files
+    (16-bit weights doubled)."""
     name = builtin_name(path)
     if name is not None and name in BUILTIN_MODELS:
         return 4 * parameter_count(BUILTIN_MODELS[name])
-    directory = Path(path).expanduser()
+    source = packaged_model_path(name) if name in PACKAGED_MODELS else Path(path).expanduser()
+    if is_gguf(source):
+        with GGUFFile.open(source) as file:
+            return sum(4 * math.prod(t.shape) for t in file.tensors.values())
+    directory = source
     files = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
     try:
         dtype = json.loads((directory / "config.json").read_text()).get("torch_dtype", "float32")

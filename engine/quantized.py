@@ -60,20 +60,28 @@ def _physical_memory() -> int:
         return 0
 
 
+def keeps_quantized(policy: str, float_bytes: int) -> str | None:
+    """Why quantized weights whose float32 form takes `float_bytes` stay quantized under
+    `policy`, or None when they are dequantized."""
+    if mx.default_device() != mx.cpu:
+        return "kept: not the CPU backend"
+    if policy == "never":
+        return "kept: model.cpu_dequantize = never"
+    memory = _physical_memory()
+    if policy == "auto" and memory and float_bytes > AUTO_MEMORY_SHARE * memory:
+        return f"kept: float32 weights need {float_bytes / 2**30:.1f} GiB, over {AUTO_MEMORY_SHARE:.0%} of {memory / 2**30:.1f} GiB"
+    return None
+
+
 def apply_cpu_policy(model: nn.Module, policy: str, dtype: mx.Dtype = mx.float32) -> QuantizationReport:
     """Dequantize a quantized model's layers in place per `policy` ("auto", "always", "never")."""
     modules = _quantized(model)
     if not modules:
         return QuantizationReport(0, False, "not quantized")
     bits, group = modules[0][1].bits, modules[0][1].group_size
-    if mx.default_device() != mx.cpu:
-        return QuantizationReport(len(modules), False, "kept: not the CPU backend", bits, group)
-    if policy == "never":
-        return QuantizationReport(len(modules), False, "kept: model.cpu_dequantize = never", bits, group)
-    need, memory = _float_bytes(modules), _physical_memory()
-    if policy == "auto" and memory and need > AUTO_MEMORY_SHARE * memory:
-        reason = f"kept: float32 weights need {need / 2**30:.1f} GiB, over {AUTO_MEMORY_SHARE:.0%} of {memory / 2**30:.1f} GiB"
-        return QuantizationReport(len(modules), False, reason, bits, group)
+    need = _float_bytes(modules)
+    if (kept := keeps_quantized(policy, need)) is not None:
+        return QuantizationReport(len(modules), False, kept, bits, group)
     model.update_modules(tree_unflatten([(name, _dequantized(module, dtype)) for name, module in modules]))
     mx.eval(model.parameters())
     return QuantizationReport(len(modules), True, f"dequantized to float32 ({need / 2**20:.0f} MiB) for the CPU backend", bits, group)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from engine.builtin.fields import config_fields
 from engine.builtin.models import BUILTIN_PREFIX, BuiltinSpec, Progress, ensure_model
+from engine.builtin.packaged import PACKAGED_MODELS, packaged_model_path
 from engine.builtin.tokenizer import TokenizerSpec
 
 TINY_TOKENIZER = TokenizerSpec(vocab_size=1024, corpus_chars=400_000)
@@ -309,7 +310,7 @@ class UnknownBuiltinModelError(ValueError):
     """Raised for a name that is not a key of `BUILTIN_MODELS`."""
 
     def __init__(self, name: str) -> None:
-        known = ", ".join(sorted(BUILTIN_MODELS))
+        known = ", ".join(sorted([*BUILTIN_MODELS, *PACKAGED_MODELS]))
         super().__init__(f"unknown builtin model {name!r}; known models: {known}")
         self.name = name
 
@@ -322,8 +323,10 @@ def builtin_name(path: str) -> str | None:
 
 
 def ensure_builtin(name: str, *, root: Path | str, progress: Progress | None = None) -> Path:
-    """Return the directory of built-in model `name` under `root` (the runtime's
-    `MLXRT_HOME`), building it first if needed."""
+    """Return the model `builtin:<name>`: a packaged model's installed file, or the directory
+    of a random-weight built-in under `root` (the runtime's `MLXRT_HOME`), built first if needed."""
+    if name in PACKAGED_MODELS:
+        return packaged_model_path(name)
     spec = BUILTIN_MODELS.get(name)
     if spec is None:
         raise UnknownBuiltinModelError(name)
