@@ -105,7 +105,7 @@ def load_model(config: ModelConfig, builtin_root: Path, progress: Callable[[str]
     if world is not None:
         shard(model, identity.config.get("model_type", "?"), world)
     try:
-        return _inspect(model, tokenizer, source, identity, config, started)
+        return _inspect(model, tokenizer, source, identity, config, started, progress)
     except ModelLoadError:
         raise
     except Exception as exc:  # a model mlx-lm loads must never fail here untyped
@@ -142,13 +142,19 @@ def _load_gguf(path: Path, config: ModelConfig, cache_root: Path, progress: Call
     return loaded.model, loaded.tokenizer, _Identity(loaded.config, loaded.model_id, loaded.tokenizer_id)
 
 
-def _inspect(model: nn.Module, tokenizer: TokenizerWrapper, source: Path, identity: _Identity, config: ModelConfig, started: float) -> LoadedModel:
+def _inspect(
+    model: nn.Module, tokenizer: TokenizerWrapper, source: Path, identity: _Identity, config: ModelConfig, started: float, progress: Callable[[str], None] | None
+) -> LoadedModel:
     """Dtype and quantization policy applied, layers probed, facts gathered."""
     dtype = _target_dtype(config.dtype)
+    if progress:
+        progress(f"preparing the weights ({dtype_name(dtype) if dtype is not None else 'as stored'}, model.cpu_dequantize = {config.cpu_dequantize})")
     if dtype is not None:
         model.set_dtype(dtype)
     quantization = apply_cpu_policy(model, config.cpu_dequantize, dtype or mx.float32)
     mx.eval(model.parameters())
+    if progress:
+        progress("probing the layers")
     adapt_for_batches(model)
     layout = probe_layout(model)
     hf_config = identity.config
@@ -170,6 +176,7 @@ def _inspect(model: nn.Module, tokenizer: TokenizerWrapper, source: Path, identi
         layers=layout,
         max_token_bytes=max_token_bytes(tokenizer),
         quantization=quantization.reason if quantization.quantized_modules else "",
+        has_chat_template=bool(getattr(tokenizer, "has_chat_template", False)),
     )
     return LoadedModel(model=model, tokenizer=tokenizer, layout=layout, info=info)
 

@@ -133,6 +133,7 @@ class Server:
                 vocab_size=info.vocab_size,
                 max_context=info.max_context,
                 eos_token_ids=info.eos_token_ids,
+                has_chat_template=info.has_chat_template,
             ),
             limits=Limits(
                 max_frame_bytes=self.config.max_frame_bytes,

@@ -21,7 +21,7 @@ class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 
 class ModelConfig(Section, frozen=True):
-    # A local mlx-lm model directory, or "builtin:<name>" (see engine.builtin).
+    # A local mlx-lm model directory, a GGUF file, or "builtin:<name>" (see engine.builtin).
     path: Annotated[str, msgspec.Meta(min_length=1)]
     # "auto": float32 on the CPU backend (BLAS-backed), the model's own dtype elsewhere.
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
@@ -161,7 +161,7 @@ class TracingConfig(Section, frozen=True):
 
 
 class SpeculativeConfig(Section, frozen=True):
-    # A draft model (an mlx-lm directory or "builtin:<name>") sharing the model's tokenizer:
+    # A draft model (an mlx-lm directory, a GGUF file or "builtin:<name>") sharing the model's tokenizer:
     # requests then speculate by default, drafting with it. "" = none.
     draft: str = ""
     # Without a draft model: draft from n-grams of each request's own context (prompt lookup).

@@ -307,6 +307,8 @@ class ModelInfo(Record, frozen=True):
     quantization: str = ""
     # In a distributed world: how it is sharded, e.g. "tensor/2" (rank 0's shard is described).
     world: str = ""
+    # Whether the tokenizer renders `messages` (a chat template came with the model).
+    has_chat_template: bool = False
 
 
 class StepFailed(Record, frozen=True):

@@ -73,6 +73,8 @@ class ModelSummary(Record, frozen=True):
     vocab_size: int
     max_context: int
     eos_token_ids: list[int]
+    # Whether requests may send `messages` (the model has a chat template).
+    has_chat_template: bool = False
 
 
 class Limits(Record, frozen=True):

@@ -4,6 +4,8 @@ Importing this package first gives MLX a fast BLAS on Linux (see `runtime.blas`)
 must run before anything imports `mlx.core`, so it comes before the imports below.
 """
 
+from typing import TYPE_CHECKING
+
 from runtime import blas as _blas
 from runtime import env as _env
 
@@ -19,7 +21,20 @@ from runtime.errors import (  # noqa: E402
     RuntimeClosedError,
     ServerBusyError,
 )
-from runtime.runtime import Runtime, RuntimeStats  # noqa: E402
+
+if TYPE_CHECKING:
+    from runtime.runtime import Runtime, RuntimeStats
+
+
+def __getattr__(name: str):
+    # The runtime (and with it MLX, mlx-lm and transformers: seconds of imports) loads on first
+    # use, so a socket client or a config check starts in a blink.
+    if name in ("Runtime", "RuntimeStats"):
+        from runtime import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+
 
 __all__ = [
     "ConfigError",

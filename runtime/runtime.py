@@ -141,7 +141,7 @@ class Runtime:
             if config.checkpoints.every_tokens:
                 raise ConfigError(f"`checkpoints.every_tokens` is set but {problem}")
             log.warning("checkpoints_unavailable", reason=problem)
-        progress = Progress("model")
+        progress = Progress("model", summary=config.logging.level in ("debug", "info"))
         limits = config.limits
 
         def make_grammars(tokenizer, info: ModelInfo) -> GrammarCache:
@@ -161,7 +161,11 @@ class Runtime:
             adapters=config.adapters,
             distributed=config.distributed,
         )
-        ready: ModelReady = await tg.start(model.run)
+        try:
+            ready: ModelReady = await tg.start(model.run)
+        except BaseException:
+            progress.clear()
+            raise
         progress.done(f"{ready.info.model_type} {ready.info.num_parameters / 1e6:.1f}M params, {ready.info.dtype} on {ready.info.device}")
         adapters = AdapterRegistry(ready.adapters)
         ledger = KvLedger(

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
-import h11
 import msgspec
 
+from net.http.client import HttpConnection
 from protocols.api import GenerateRequest, SamplingParams, TokenDelta
 from runtime.config import RuntimeConfig
 
@@ -35,30 +35,6 @@ class HttpBenchOptions:
     prompt_tokens: int = 128
     new_tokens: int = 4
     seed: int = 0
-
-
-class _HttpConnection:
-    """A kept-alive HTTP/1.1 connection that posts a JSON body and streams back the answer."""
-
-    def __init__(self, stream):
-        self._stream = stream
-        self._conn = h11.Connection(h11.CLIENT)
-
-    async def post(self, target: str, body: bytes):
-        headers = [("Host", "bench"), ("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
-        request = self._conn.send(h11.Request(method="POST", target=target, headers=headers))
-        await self._stream.send(request + self._conn.send(h11.Data(data=body)) + self._conn.send(h11.EndOfMessage()))
-        while True:
-            event = self._conn.next_event()
-            if event is h11.NEED_DATA:
-                self._conn.receive_data(await self._stream.receive())
-            elif isinstance(event, h11.Response) and event.status_code != 200:
-                raise RuntimeError(f"HTTP {event.status_code}")
-            elif isinstance(event, h11.Data):
-                yield bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                self._conn.start_next_cycle()
-                return
 
 
 async def _ttft_in_process(rt, prompt: list[int], options: HttpBenchOptions) -> float:
@@ -81,7 +57,7 @@ async def _ttft_socket(client, prompt: list[int], options: HttpBenchOptions) -> 
     return first
 
 
-async def _ttft_http(connection: _HttpConnection, model: str, prompt: list[int], options: HttpBenchOptions) -> float:
+async def _ttft_http(connection: HttpConnection, model: str, prompt: list[int], options: HttpBenchOptions) -> float:
     body = msgspec.json.encode(
         {"model": model, "prompt": prompt, "max_tokens": options.new_tokens, "temperature": 0, "stream": True, "ignore_eos": True, "return_token_ids": True}
     )
@@ -118,9 +94,7 @@ async def run_http_bench(config: RuntimeConfig, options: HttpBenchOptions) -> di
             rng = random.Random(options.seed)
             vocab = rt.model_info.vocab_size
             prompts = [[rng.randrange(100, vocab) for _ in range(options.prompt_tokens)] for _ in range(options.requests + 2)]
-            host, port = url.removeprefix("http://").rsplit(":", 1)
-            async with Client.connect(path) as client, await anyio.connect_tcp(host, int(port)) as stream:
-                connection = _HttpConnection(stream)
+            async with Client.connect(path) as client, HttpConnection.connect(url) as connection:
                 faces = {
                     "in_process": lambda p: _ttft_in_process(rt, p, options),
                     "socket": lambda p: _ttft_socket(client, p, options),

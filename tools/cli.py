@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import sys
 
@@ -17,14 +18,16 @@ import msgspec
 
 import runtime  # noqa: F401  (fast BLAS before mlx loads)
 from net.socket_path import SocketPathError
-from protocols.api import Finished, GenerateRequest, PrefillProgress, SamplingParams, TokenDelta
+from protocols.api import Finished, GenerateRequest
 from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError, InvalidRequestError, MlxrtError, ServerBusyError
 from tools.launch import launch, launched_rank
+from tools.terminal import print_events, quiet, self_command, user_request
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_REJECTED = 0, 1, 2, 3
 DEFAULT_CONFIG = "configs/default.toml"
-DEMO_PROMPT = "Write a Python function that parses a config file."
+DEMO_PROMPT = "Explain in three sentences why the sky is blue."
+TRY_PROMPT = "What is the capital of France?"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +82,20 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--socket", default=None, help="use a running server instead of loading the model here")
     _request_args(gen)
     gen.set_defaults(func=_generate)
+
+    chat = sub.add_parser("chat", help="a conversation with the model on this terminal (in-process, or a server's --socket or --http)")
+    _config_arg(chat)
+    where = chat.add_mutually_exclusive_group()
+    where.add_argument("--socket", default=None, help="talk to the server on this socket instead of loading the model here")
+    where.add_argument("--http", default=None, metavar="URL", help="talk to this OpenAI-compatible server (e.g. http://127.0.0.1:8000)")
+    chat.add_argument("--api-key", default=None, help="bearer key for --http (default: MLXRT_SERVER_API_KEY)")
+    chat.add_argument("--model", default=None, help="in-process: serve this model instead of the config's")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    chat.add_argument("--max-tokens", type=int, default=None)
+    chat.add_argument("--temperature", type=float, default=0.2)
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--verbose", action="store_true", help="after each answer: prompt, cached and generated tokens, speed; and the runtime's info logs")
+    chat.set_defaults(func=_chat)
 
     bench = sub.add_parser("bench", help="mlxrt vs mlx-lm on the same workloads")
     _config_arg(bench, default="configs/bench.toml")
@@ -152,54 +169,25 @@ def _request_args(parser: argparse.ArgumentParser, *, required: bool = True) -> 
     parser.add_argument("--adapter", default=None, help="a LoRA adapter the server knows ([[adapters]] or loaded)")
     parser.add_argument("--model", dest="request_model", default=None, help="with several models ([[models]]): the one that serves the request")
     parser.add_argument("--json", action="store_true", help="print each event as one JSON object per line")
+    parser.add_argument("--raw", action="store_true", help="send --prompt as it is, not as a chat message rendered by the model's chat template")
 
 
-def _request_from(args) -> GenerateRequest:
-    ids = [int(x) for x in args.prompt_ids.split(",")] if args.prompt_ids else None
-    return GenerateRequest(
-        prompt=args.prompt,
-        prompt_ids=ids,
-        max_tokens=args.max_tokens,
-        sampling=SamplingParams(temperature=args.temperature, seed=args.seed),
-        report_progress=True,
-        request_id=args.request_id,
-        checkpoint_every=args.checkpoint_every,
-        speculative=None if args.speculative is None else args.speculative == "on",
-        adapter=args.adapter,
-        model=args.request_model,
-    )
-
-
-async def _print_events(events, as_json: bool) -> Finished | None:
-    from runtime.progress import Progress
-
-    finished, prefill = None, Progress("prefill")
-    async for event in events:
-        if as_json:
-            print(msgspec.json.encode(event).decode(), flush=True)
-        elif isinstance(event, PrefillProgress):
-            prefill.fraction(event.processed_tokens, event.total_tokens)
-        elif isinstance(event, TokenDelta):
-            print(event.text, end="", flush=True)
-        if isinstance(event, Finished):
-            finished = event
-    return finished
-
-
-async def _stream(config: RuntimeConfig, request: GenerateRequest, as_json: bool) -> Finished | None:
+async def _stream(config: RuntimeConfig, args) -> Finished | None:
     from runtime.runtime import Runtime
 
     async with Runtime.open(config) as rt:
-        return await _print_events(rt.generate(request), as_json)
+        request = user_request(args, chat=rt.model_info.has_chat_template)
+        return await print_events(rt.generate(request), args.json)
 
 
-async def _stream_socket(path: str, request: GenerateRequest | str, as_json: bool) -> Finished | None:
-    """Stream a new request, or resume the checkpointed request with this id."""
+async def _stream_socket(path: str, args) -> Finished | None:
+    """Stream a new request, or resume the checkpointed request `args.resume`."""
     from net.client import Client
 
     async with Client.connect(path) as client:
-        events = client.resume(request) if isinstance(request, str) else client.generate(request)
-        return await _print_events(events, as_json)
+        resume = getattr(args, "resume", None)
+        events = client.resume(resume) if resume else client.generate(user_request(args, chat=client.welcome.model.has_chat_template))
+        return await print_events(events, args.json)
 
 
 def _finish(finished: Finished | None, as_json: bool) -> int:
@@ -209,11 +197,10 @@ def _finish(finished: Finished | None, as_json: bool) -> int:
 
 
 def _generate(args) -> int:
-    request = _request_from(args)
     if args.socket:
-        return _finish(anyio.run(_stream_socket, args.socket, request, args.json), args.json)
-    config = RuntimeConfig.load(args.config)
-    return _finish(anyio.run(_stream, config, request, args.json), args.json)
+        return _finish(anyio.run(_stream_socket, args.socket, args), args.json)
+    config = quiet(RuntimeConfig.load(args.config))
+    return _finish(anyio.run(_stream, config, args), args.json)
 
 
 def _client(args) -> int:
@@ -221,8 +208,48 @@ def _client(args) -> int:
     if not args.resume and not (args.prompt or args.prompt_ids):
         print("mlxrt client: one of --prompt, --prompt-ids or --resume is required", file=sys.stderr)
         return EXIT_USAGE
-    request = args.resume or _request_from(args)
-    return _finish(anyio.run(_stream_socket, path, request, args.json), args.json)
+    return _finish(anyio.run(_stream_socket, path, args), args.json)
+
+
+def _chat(args) -> int:
+    from tools.chat import ChatOptions
+
+    options = ChatOptions(system=args.system, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, verbose=args.verbose)
+    if args.http:
+        from runtime import env
+
+        anyio.run(_chat_http, args.http, args.api_key or env.get("SERVER_API_KEY") or "", options)
+    elif args.socket:
+        anyio.run(_chat_socket, args.socket, options)
+    else:
+        config = quiet(_with_model(RuntimeConfig.load(args.config), args.model), args.verbose)
+        anyio.run(_chat_in_process, config, options)
+    return EXIT_OK
+
+
+async def _chat_in_process(config: RuntimeConfig, options) -> None:
+    from runtime.runtime import Runtime
+    from tools.chat import chat, event_backend
+
+    async with Runtime.open(config) as rt:
+        await chat(event_backend(rt.generate), options, title=config.model_name)
+
+
+async def _chat_socket(path: str, options) -> None:
+    from net.client import Client
+    from tools.chat import chat, event_backend
+
+    async with Client.connect(path) as client:
+        await chat(event_backend(client.generate), options, title=f"{client.welcome.model.model_type} on {path}")
+
+
+async def _chat_http(url: str, api_key: str, options) -> None:
+    from net.http.client import HttpConnection
+    from tools.chat import chat, http_backend
+
+    async with HttpConnection.connect(url, api_key=api_key) as connection:
+        model = (await connection.get_json("/v1/models"))["data"][0]["id"]
+        await chat(http_backend(connection, model), options, title=f"{model} at {url}")
 
 
 def _default_socket() -> str:
@@ -294,8 +321,10 @@ async def _serve_runtime(config: RuntimeConfig, path, http) -> None:
                     http.attach(rt)
                 with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                     # Announce readiness only once a signal will be handled gracefully.
-                    print(f"mlxrt: serving {rt.model_info.model_type} ({rt.model_info.path}) on {path}", flush=True)
-                    print(f"mlxrt: try  mlxrt client --socket {path} --prompt 'def main():' --max-tokens 32", flush=True)
+                    mlxrt, socket = self_command(), shlex.quote(str(path))
+                    print(f"mlxrt: serving {config.model_name} ({rt.model_info.model_type}, {rt.model_info.path}) on {path}", flush=True)
+                    print(f"mlxrt: try  {mlxrt} client --socket {socket} --prompt {shlex.quote(TRY_PROMPT)}", flush=True)
+                    print(f"mlxrt: chat {mlxrt} chat --socket {socket}", flush=True)
                     if http is not None:
                         _print_http(http.url, config)
                     async for signum in signals:
@@ -309,17 +338,17 @@ async def _serve_runtime(config: RuntimeConfig, path, http) -> None:
 
 
 def _print_http(url: str, config: RuntimeConfig) -> None:
-    body = json.dumps({"model": config.model_name, "messages": [{"role": "user", "content": "def main():"}], "max_tokens": 32})
+    body = json.dumps({"model": config.model_name, "messages": [{"role": "user", "content": TRY_PROMPT}], "max_tokens": 64})
     auth = ' -H "Authorization: Bearer $MLXRT_SERVER_API_KEY"' if config.server.api_key else ""
     print(f"mlxrt: OpenAI-compatible HTTP on {url}/v1 (metrics at {url}/metrics)", flush=True)
     print(f"mlxrt: try  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'", flush=True)
 
 
 def _demo(args) -> int:
-    config = RuntimeConfig.load(args.config)
+    config = quiet(RuntimeConfig.load(args.config))
     request = GenerateRequest(messages=[{"role": "user", "content": args.prompt}], max_tokens=args.max_tokens, report_progress=True)
-    print(f"prompt: {args.prompt}\n--- completion (random-weight built-in models produce gibberish) ---")
-    finished = anyio.run(_stream, config, request, False)
+    print(f"prompt: {args.prompt}\n--- answer ({config.model_name}) ---")
+    finished = anyio.run(_demo_stream, config, request)
     if finished is None:
         return EXIT_FAILURE
     t, u = finished.timings, finished.usage
@@ -328,6 +357,13 @@ def _demo(args) -> int:
         f"TTFT {t.ttft_s * 1000:.0f} ms, prefill {t.prefill_tokens_per_s:.0f} tok/s, decode {t.decode_tokens_per_s:.1f} tok/s"
     )
     return EXIT_OK if finished.finish_reason != "error" else EXIT_FAILURE
+
+
+async def _demo_stream(config: RuntimeConfig, request: GenerateRequest) -> Finished | None:
+    from runtime.runtime import Runtime
+
+    async with Runtime.open(config) as rt:
+        return await print_events(rt.generate(request), False)
 
 
 def _bench(args) -> int:

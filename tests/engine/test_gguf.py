@@ -3,6 +3,7 @@ tokenizer rebuilt from metadata, and refusals. Files are written by the tests (t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import struct
@@ -16,6 +17,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from mlx_lm.utils import load as mlx_lm_load
 
+from engine.builtin import BUILTIN_MODELS, config_fields, ensure_model
 from engine.gguf import load_gguf
 from engine.gguf.arch import architecture, check_shapes, expected_shapes, model_config, weight_name
 from engine.gguf.format import GGUFFile
@@ -23,6 +25,7 @@ from engine.gguf.tensors import read_affine, read_float, unpermute_rows
 from engine.gguf.tokenizer import tokenizer_digest
 from engine.quantized import apply_cpu_policy
 from protocols.errors import ModelLoadError
+from runtime import env
 from tests.conftest import builtin_dir
 from tests.support.gguf_files import permute, write_gguf
 
@@ -140,6 +143,20 @@ def test_loaded_model_computes_the_original_model_up_to_quantization(files, tiny
     assert (qtype == "F16") == (apply_cpu_policy(dequantized, "always").quantized_modules == 0)
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in dequantized.named_modules())
     np.testing.assert_allclose(_logits(dequantized), _logits(quantized), atol=1e-4)
+
+
+def test_llama3_frequency_factors_rotate_as_mlx_lm_llama3_rope(tmp_path):
+    """A file with `rope_freqs` (Llama 3.1+) computes what mlx-lm's Llama3RoPE computes from the
+    original config, over positions past every scaled wavelength."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    spec = dataclasses.replace(BUILTIN_MODELS["tiny"], name="tiny-llama3-rope", extra=config_fields(rope_scaling=scaling))
+    directory = ensure_model(spec, root=env.home())
+    path = write_gguf(directory, tmp_path / "llama3.gguf", qtype="F32")
+    ids = [np.random.default_rng(2).integers(0, 1000, 300).tolist()]
+    reference = _logits(mlx_lm_load(str(directory))[0], ids)
+    np.testing.assert_allclose(_logits(_load(path, tmp_path).model, ids), reference, atol=2e-4)
+    plain = write_gguf(directory, tmp_path / "plain.gguf", qtype="F32", without_rope_factors=True)
+    assert np.abs(_logits(_load(plain, tmp_path).model, ids) - reference).max() > 1e-2
 
 
 def test_k_quant_model_loads_dequantized_or_requantized_with_a_note(tmp_path):

@@ -10,6 +10,7 @@ stay F32, as llama.cpp keeps them), llama's Q and K rows permuted the way
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ def write_gguf(
     metadata: dict[str, Any] | None = None,
     tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
     drop: tuple[str, ...] = (),
+    without_rope_factors: bool = False,
 ) -> Path:
     """Write `model_dir` (an mlx-lm llama/qwen2/qwen3 directory) as a GGUF file at `path`.
     `metadata` adds or overrides keys (a value of None removes one), `tensors` adds raw ones,
@@ -101,6 +103,9 @@ def write_gguf(
         target = GGMLQuantizationType[qtype] if array.ndim == 2 else GGMLQuantizationType.F32
         data = quantize(array, target) if target not in (GGMLQuantizationType.F32,) else array
         writer.add_tensor(gguf_name(name), data, raw_dtype=target)
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "llama3" and not without_rope_factors:
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(scaling, float(config.get("rope_theta", 10000.0)), head_dim))
     for name, (data, kind) in (tensors or {}).items():
         writer.add_tensor(name, data, raw_dtype=kind)
     writer.write_header_to_file()
@@ -108,6 +113,24 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama3_rope_factors(scaling: dict[str, Any], base: float, dim: int) -> np.ndarray:
+    """Llama 3.1's long-context frequency factors as llama.cpp's converter stores them."""
+    factor = scaling.get("factor", 8.0)
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_context = scaling.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
 
 
 def _tokenizer_keys(model_dir: Path, pre: str) -> dict[str, Any]:
