@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml .ci/bootstrap.sh
 	@bash .ci/bootstrap.sh
 	@touch $@
 
-# Main job: serve the built-in default model on a Unix socket (Ctrl-C stops it).
+# Main job: serve the default model (SmolLM2-135M-Instruct) on a Unix socket (Ctrl-C stops it).
 serve: setup
 	$(PY) -m tools.cli serve --config configs/default.toml
 

@@ -18,6 +18,7 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import anyio
 
@@ -42,6 +43,8 @@ class BenchOptions:
     # Which workloads run: "concurrency" (the c1/c8/c16 table), "interference", "constrained",
     # "prefix".
     workloads: tuple[str, ...] = ("concurrency", "interference", "constrained", "prefix")
+    # Prompts cut from this text (tokenized by the model) instead of random token ids.
+    text_path: str | None = None
 
 
 @dataclass
@@ -81,19 +84,53 @@ def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
+class PromptSource:
+    """The workloads' prompts: random token ids, or windows of a text's tokens at random
+    offsets (a text shorter than a window is repeated)."""
+
+    def __init__(self, vocab: int, text_ids: list[int] | None = None):
+        self.vocab, self.text_ids = vocab, text_ids
+
+    def prompts(self, n: int, length: int, seed: int) -> list[list[int]]:
+        if not self.text_ids:
+            return _prompts(n, length, self.vocab, seed)
+        rng = random.Random(seed)
+        ids = self.text_ids * (1 + length // len(self.text_ids))
+        starts = [rng.randrange(0, len(ids) - length + 1) for _ in range(n)]
+        return [ids[start : start + length] for start in starts]
+
+
 # -- mlx-lm side (runs on its own MLX thread) ----------------------------------
+
+
+def load_mlx_lm_model(path: str):
+    """mlx-lm's own model for `path` (on the calling MLX thread), float32 on the CPU backend. A
+    GGUF file, which mlx-lm cannot read, is read by our loader into mlx-lm's own class and
+    dequantized as the runtime does by default on the CPU: the same weights the runtime serves."""
+    import mlx.core as mx
+
+    from engine.gguf import is_gguf, load_gguf
+    from engine.quantized import apply_cpu_policy, keeps_quantized
+    from runtime import env
+
+    if is_gguf(Path(path)):
+        model = load_gguf(Path(path), cache_root=env.home(), keeps_quantized=lambda need: keeps_quantized("auto", need)).model
+    else:
+        from mlx_lm.utils import load
+
+        model = load(path)[0]
+    if mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32)
+        if is_gguf(Path(path)):
+            apply_cpu_policy(model, "auto")
+    return model
 
 
 class Baseline:
     """mlx-lm driven directly; every method runs on the baseline MLX thread."""
 
     def load(self, path: str) -> None:
-        import mlx.core as mx
-        from mlx_lm.utils import load
-
-        self.model = load(path)[0]
-        if mx.default_device() == mx.cpu:
-            self.model.set_dtype(mx.float32)
+        self.model = load_mlx_lm_model(path)
 
     def single(self, prompt: list[int], new_tokens: int) -> Run:
         import mlx.core as mx
@@ -231,13 +268,16 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
                 "device": info.device,
                 "quantization": info.quantization,
             }
+            text_ids = rt.tokenizer.encode(Path(options.text_path).read_text(), add_special_tokens=False) if options.text_path else None
+            source = PromptSource(info.vocab_size, text_ids)
+            results["model"]["prompts"] = f"windows of {options.text_path} ({len(text_ids)} tokens)" if text_ids else "random token ids"
             progress.step("loading the mlx-lm baseline")
             await thread.run(baseline.load, info.path)
             await _warm_up(rt, thread, baseline, info.vocab_size)
             if "concurrency" in options.workloads:
-                await _concurrency(rt, thread, baseline, options, info.vocab_size, results, progress)
+                await _concurrency(rt, thread, baseline, options, source, results, progress)
             if "interference" in options.workloads:
-                long_prompt, short_prompt = _prompts(2, options.long_prompt_tokens, info.vocab_size, options.seed + 99)
+                long_prompt, short_prompt = source.prompts(2, options.long_prompt_tokens, options.seed + 99)
                 short_prompt = short_prompt[: options.short_prompt_tokens]
                 progress.step("long-prefill interference: mlxrt")
                 interference = await _mlxrt_interference(rt, long_prompt, short_prompt)
@@ -248,7 +288,7 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
             if "constrained" in options.workloads:
                 constrained, free = [], []
                 for rep in range(options.repeats):
-                    prompts = _prompts(8, options.prompt_tokens, info.vocab_size, options.seed + 500 + rep)
+                    prompts = source.prompts(8, options.prompt_tokens, options.seed + 500 + rep)
                     progress.step(f"constrained decoding ({rep + 1}/{options.repeats}): mlxrt, schema vs none")
                     constrained.append((await _mlxrt_run(rt, prompts, options.new_tokens, CONSTRAINED_FORMAT)).summary())
                     free.append((await _mlxrt_run(rt, [p[::-1] for p in prompts], options.new_tokens)).summary())
@@ -256,7 +296,7 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
                 results["mlxrt"]["unconstrained_c8"] = _median(free)
             if "prefix" in options.workloads:
                 progress.step("prefix reuse: mlxrt")
-                prefix, *suffixes = _prompts(3, options.prefix_tokens, info.vocab_size, options.seed + 7)
+                prefix, *suffixes = source.prompts(3, options.prefix_tokens, options.seed + 7)
                 results["mlxrt"]["prefix_reuse"] = await _mlxrt_prefix_reuse(rt, prefix, [x[:32] for x in suffixes])
     finally:
         await thread.stop()
@@ -265,13 +305,13 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
     return results
 
 
-async def _concurrency(rt, thread: MlxThread, baseline: Baseline, options: BenchOptions, vocab: int, results: dict, progress: Progress) -> None:
+async def _concurrency(rt, thread: MlxThread, baseline: Baseline, options: BenchOptions, source: PromptSource, results: dict, progress: Progress) -> None:
     """Each concurrency level, alternating mlx-lm and mlxrt on fresh prompts."""
     for n in options.concurrency:
         refs, ours = [], []
         for rep in range(options.repeats):
             # Fresh prompts each run: mlxrt's prefix cache must not serve repeats.
-            prompts = _prompts(n, options.prompt_tokens, vocab, options.seed + 1000 * rep + n)
+            prompts = source.prompts(n, options.prompt_tokens, options.seed + 1000 * rep + n)
             progress.step(f"concurrency {n} ({rep + 1}/{options.repeats}): mlx-lm")
             method = baseline.single if n == 1 else baseline.batch
             refs.append((await thread.run(method, prompts if n > 1 else prompts[0], options.new_tokens)).summary())

@@ -27,7 +27,7 @@ from policies.ledger import KvLedger
 from protocols.api import GenerateRequest, TokenDelta
 from runtime.config import KvConfig, RuntimeConfig, SchedulerConfig
 from runtime.progress import Progress
-from tools.bench import Run, _median, _mlxrt_run, _prompts
+from tools.bench import Run, _median, _mlxrt_run, _prompts, load_mlx_lm_model
 
 AGREEMENT_MODEL = "builtin:bench-spec"
 WORKLOADS = ("throughput", "fidelity", "agreement", "admission", "sharing")
@@ -121,14 +121,9 @@ class _MlxLmSide:
     """mlx-lm's model and quantized KV, on a thread of its own."""
 
     def load(self, path: str) -> None:
-        import mlx.core as mx
-        from mlx_lm.utils import load
-
         from engine.layout import probe_layout
 
-        self.model = load(path)[0]
-        if mx.default_device() == mx.cpu:
-            self.model.set_dtype(mx.float32)
+        self.model = load_mlx_lm_model(path)
         self.layout = probe_layout(self.model)
 
     def single(self, prompt: list[int], new_tokens: int, bits: int, group_size: int) -> Run:

@@ -31,6 +31,7 @@ from actors.mlx_thread import MlxThread
 from protocols.api import Finished, GenerateRequest, SamplingParams, TokenDelta
 from runtime.config import RuntimeConfig, SpeculativeConfig
 from runtime.progress import Progress
+from tools.bench import load_mlx_lm_model
 
 TARGET, DRAFT, COPY = "builtin:bench-spec", "builtin:bench-spec-draft", "builtin:bench-copy"
 WORKLOADS = ("single", "lookup", "concurrency", "verify")
@@ -86,14 +87,8 @@ class _Baseline:
     """mlx-lm on its own MLX thread: plain and speculative single streams, forward costs."""
 
     def load(self, target: str, draft: str) -> None:
-        import mlx.core as mx
-        from mlx_lm.utils import load
-
-        self.target = load(target)[0]
-        self.draft = load(draft)[0]
-        if mx.default_device() == mx.cpu:
-            self.target.set_dtype(mx.float32)
-            self.draft.set_dtype(mx.float32)
+        self.target = load_mlx_lm_model(target)
+        self.draft = load_mlx_lm_model(draft)
 
     def single(self, prompt: list[int], new_tokens: int, speculative: bool, num_draft: int) -> float:
         import mlx.core as mx

@@ -108,6 +108,13 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=None, help="serve this model instead of the config's (a directory or builtin:<name>)")
     bench.add_argument("--workloads", default="concurrency,interference,constrained,prefix", help="comma-separated subset")
     bench.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    bench.add_argument("--text", default=None, help="cut prompts from this text file (tokenized by the model) instead of random token ids")
+    bench.add_argument(
+        "--real",
+        action="store_true",
+        help="the real default model (or --model) on real text against mlx-lm: throughput, prompt-lookup on copy-heavy chats, KV-quant perplexity, JSON schema",
+    )
+    bench.add_argument("--real-workloads", default="throughput,lookup,perplexity,structured", help="with --real: comma-separated subset")
     bench.add_argument(
         "--speculative",
         action="store_true",
@@ -370,6 +377,8 @@ def _bench(args) -> int:
     from tools.bench import BenchOptions, dump, format_table, run_bench
 
     config = RuntimeConfig.load(args.config)
+    if args.real:
+        return _bench_real(args, config)
     if args.speculative:
         return _bench_speculative(args, config)
     if args.adapters:
@@ -394,10 +403,26 @@ def _bench(args) -> int:
         long_prompt_tokens=args.long_prompt_tokens,
         prefix_tokens=args.prefix_tokens,
         repeats=args.repeats,
+        text_path=args.text,
     )
     results = anyio.run(run_bench, config, options)
     print(format_table(results))
     print(json.dumps(results["ratios"], indent=2))
+    dump(results, args.json_path)
+    return EXIT_OK
+
+
+def _bench_real(args, config: RuntimeConfig) -> int:
+    from tools.bench import dump
+    from tools.bench_real import MODEL, WORKLOADS, RealBenchOptions, format_real_table, run_real_bench
+
+    workloads = tuple(w for w in args.real_workloads.split(",") if w)
+    if set(workloads) - set(WORKLOADS):
+        print(f"mlxrt bench --real: unknown workloads {sorted(set(workloads) - set(WORKLOADS))}; known: {', '.join(WORKLOADS)}", file=sys.stderr)
+        return EXIT_USAGE
+    options = RealBenchOptions(workloads=workloads, repeats=args.repeats, new_tokens=args.new_tokens)
+    results = anyio.run(run_real_bench, _with_model(config, args.model or MODEL), options)
+    print(format_real_table(results))
     dump(results, args.json_path)
     return EXIT_OK
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
@@ -30,17 +31,11 @@ def is_supported(qtype: Q) -> bool:
     package dequantizes (integer tensors and formats it has no dequantizer for cannot)."""
     if qtype in FLOAT_TYPES or qtype in _AFFINE:
         return True
-    try:
-        dequantize(np.zeros((1, _block_bytes(qtype)), np.uint8), qtype)
+    try:  # one block of zeros: the package raises for types it cannot dequantize
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
     except (NotImplementedError, KeyError, ValueError):
         return False
     return True
-
-
-def _block_bytes(qtype: Q) -> int:
-    from gguf.constants import GGML_QUANT_SIZES
-
-    return GGML_QUANT_SIZES[qtype][1]
 
 
 def read_float(file: GGUFFile, info: TensorInfo) -> mx.array:

@@ -26,6 +26,8 @@ from engine.loader import resolve_model_path
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
 from protocols.errors import ModelLoadError
 from runtime import Runtime, env
+from runtime.config import CheckpointConfig, PoolModelConfig, SpeculativeConfig
+from runtime.pool import ModelPool
 from tests.conftest import CHUNK, builtin_dir, make_config
 from tests.support import hf_reference
 from tests.support.families import build
@@ -180,7 +182,9 @@ async def test_smollm2_answers_through_the_chat_template():
     prompt); the answer streams as text and ends at <|im_end|>."""
     async with Runtime.open(make_config(SMOLLM2)) as rt:
         text, finished = "", None
-        request = GenerateRequest(messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=32, sampling=SamplingParams(temperature=0.0))
+        request = GenerateRequest(
+            messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=32, sampling=SamplingParams(temperature=0.0)
+        )
         async for event in rt.generate(request):
             if isinstance(event, TokenDelta):
                 text += event.text
@@ -198,3 +202,47 @@ def test_missing_packaged_model_or_file_is_a_typed_error(monkeypatch):
         resolve_model_path(SMOLLM2, env.home())
     with pytest.raises(ModelLoadError, match="no such GGUF file"):
         resolve_model_path("/nonexistent/model.gguf", env.home())
+
+
+async def _streams(rt, requests: list[GenerateRequest]) -> list[list[int]]:
+    outputs: list[list[int]] = [[] for _ in requests]
+
+    async def one(i: int) -> None:
+        async for event in rt.generate(requests[i]):
+            if isinstance(event, TokenDelta):
+                outputs[i] += event.token_ids
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(requests)):
+            tg.start_soon(one, i)
+    return outputs
+
+
+async def test_a_gguf_draft_model_speculates_exactly(gguf_dir):
+    """`speculative.draft` may be a GGUF file: it shares the target's tokenizer (rebuilt from its
+    metadata) and the speculating streams equal those without speculation."""
+    draft = write_gguf(builtin_dir("tiny-spec-draft"), gguf_dir / "tiny-spec-draft.gguf", qtype="F32")
+    requests = [GenerateRequest(prompt_ids=[(11 * i + 3 * j) % 900 + 5 for j in range(12 + 5 * i)], max_tokens=32, ignore_eos=True) for i in range(4)]
+    async with Runtime.open(make_config("builtin:tiny-spec")) as plain:
+        expected = await _streams(plain, requests)
+    config = make_config("builtin:tiny-spec")
+    config = msgspec.structs.replace(config, speculative=SpeculativeConfig(draft=str(draft), max_batch=16))
+    async with Runtime.open(config) as rt:
+        assert await _streams(rt, requests) == expected
+
+
+async def test_a_gguf_model_in_a_pool_answers_as_alone(gguf_dir, tmp_path):
+    """A `[[models]]` entry naming a GGUF file serves requests that name it, as a runtime of that
+    file alone does."""
+    path = gguf_dir / "pool-qwen2-Q8_0.gguf"
+    write_gguf(builtin_dir("tiny-qwen2"), path, qtype="Q8_0")
+    requests = [GenerateRequest(prompt_ids=[(7 * i + j) % 900 + 5 for j in range(10 + i)], max_tokens=16, ignore_eos=True, model="qwen") for i in range(3)]
+    async with Runtime.open(make_config(str(path))) as alone:
+        expected = await _streams(alone, [msgspec.structs.replace(r, model=None) for r in requests])
+    config = msgspec.structs.replace(
+        make_config("builtin:tiny"),
+        models=[PoolModelConfig(name="qwen", path=str(path))],
+        checkpoints=CheckpointConfig(dir=str(tmp_path / "checkpoints")),
+    )
+    async with ModelPool.open(config) as pool:
+        assert await _streams(pool, requests) == expected
