@@ -143,7 +143,13 @@ def _load_gguf(path: Path, config: ModelConfig, cache_root: Path, progress: Call
 
 
 def _inspect(
-    model: nn.Module, tokenizer: TokenizerWrapper, source: Path, identity: _Identity, config: ModelConfig, started: float, progress: Callable[[str], None] | None
+    model: nn.Module,
+    tokenizer: TokenizerWrapper,
+    source: Path,
+    identity: _Identity,
+    config: ModelConfig,
+    started: float,
+    progress: Callable[[str], None] | None,
 ) -> LoadedModel:
     """Dtype and quantization policy applied, layers probed, facts gathered."""
     dtype = _target_dtype(config.dtype)

@@ -236,7 +236,10 @@ async def _structured(config: RuntimeConfig) -> dict:
     async with Runtime.open(config) as rt:
         for country in ("France", "Japan", "Brazil", "Canada"):
             request = GenerateRequest(
-                messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Give the capital, continent and main languages of {country} as JSON."}],
+                messages=[
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": f"Give the capital, continent and main languages of {country} as JSON."},
+                ],
                 max_tokens=128,
                 response_format={"type": "json_schema", "json_schema": {"name": "country", "schema": SCHEMA}},
             )
