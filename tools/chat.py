@@ -19,7 +19,9 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
+from net.http.client import HttpError
 from protocols.api import Finished, GenerateRequest, SamplingParams, TokenDelta
+from protocols.errors import MlxrtError
 
 HELP = "/reset forgets the conversation, /exit (or Ctrl-D) leaves, Ctrl-C stops an answer"
 
@@ -175,7 +177,12 @@ async def chat(answer: Answer, options: ChatOptions, *, title: str, out=None, er
                 err.write(f"unknown command {text.split()[0]}; {HELP}\n")
                 continue
             conversation.messages.append({"role": "user", "content": line})
-            reply = await _stream_answer(answer, conversation, options, interrupts, out, err)
+            try:
+                reply = await _stream_answer(answer, conversation, options, interrupts, out, err)
+            except (MlxrtError, HttpError, RuntimeError) as exc:  # this turn failed; the chat goes on
+                conversation.messages.pop()
+                err.write(f"\nmlxrt: {type(exc).__name__}: {exc}\n")
+                continue
             conversation.messages.append({"role": "assistant", "content": reply})
         tg.cancel_scope.cancel()
 

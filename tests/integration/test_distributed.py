@@ -26,9 +26,10 @@ from protocols.api import GenerateRequest, SamplingParams, TokenDelta
 from protocols.errors import ForeignCheckpointError, WorldUnavailableError
 from runtime.config import RuntimeConfig
 from runtime.runtime import Runtime
-from tests.conftest import CHUNK
+from tests.conftest import CHUNK, builtin_dir, make_config
 from tests.integration.reference import greedy_tokens, load_reference
 from tests.integration.server_helpers import ServerProcess, collect, wait_idle, write_config
+from tests.support.gguf_files import write_gguf
 
 WORLD_READY_S = 120.0
 MAX_TOKENS = 24
@@ -42,12 +43,12 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 @contextlib.contextmanager
-def world(directory: Path, mode: str, environ: dict[str, str] | None = None, **sections) -> Iterator[ServerProcess]:
+def world(directory: Path, mode: str, environ: dict[str, str] | None = None, model: str | None = None, **sections) -> Iterator[ServerProcess]:
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)
     config = write_config(
         directory,
-        model={"path": MODELS[mode]},
+        model={"path": model or MODELS[mode]},
         distributed={"backend": "ring", "mode": mode, "step_timeout_s": STEP_TIMEOUT_S},
         logging={"level": "info", "format": "json"},
         **sections,
@@ -134,6 +135,18 @@ async def test_grammar_prefix_hits_and_seeded_sampling_in_a_world_equal_one_proc
     assert [g.tokens for g in got] == [e.tokens for e in expected]
     assert isinstance(json.loads("".join(ev.text for ev in got[0].events if isinstance(ev, TokenDelta)))["ok"], bool)
     assert got[2].last.usage.cached_tokens > 0  # the repeat was seeded from the prefix cache
+
+
+async def test_a_gguf_file_in_a_world_equals_one_process(tmp_path):
+    """Each rank reads the GGUF file whole, then keeps its shard: the tokens of one process."""
+    path = write_gguf(builtin_dir("tiny"), tmp_path / "tiny.gguf", qtype="F32")
+    async with Runtime.open(make_config(str(path))) as rt:
+        expected = [(await collect(rt.generate(GenerateRequest(prompt_ids=p, max_tokens=MAX_TOKENS)))).tokens for p in prompts(4, 23)]
+    with world(tmp_path / "world", "tensor", model=str(path)) as process:
+        async with Client.connect(process.socket) as client:
+            got = [(await collect(client.generate(GenerateRequest(prompt_ids=p, max_tokens=MAX_TOKENS)))).tokens for p in prompts(4, 23)]
+            assert (await client.stats()).world.size == 2
+    assert got == expected
 
 
 async def test_a_cancelled_request_frees_kv_on_both_ranks(tmp_path):

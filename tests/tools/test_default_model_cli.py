@@ -5,7 +5,6 @@ conversation in-process, over the socket and over HTTP, reusing the conversation
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -82,11 +81,14 @@ def test_chat_in_process_answers():
     assert "Paris" in result.stdout and "{" not in result.stderr
 
 
-def test_generate_renders_the_chat_template_unless_raw_and_prints_only_the_answer():
+def test_generate_renders_the_chat_template_and_prints_only_the_answer():
     chat = _run(["generate", "--config", CONFIG, "--prompt", QUESTION])
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout.strip().startswith("The capital of France is Paris") and chat.stderr == ""
-    raw = _run(["generate", "--config", CONFIG, "--prompt", "The capital of France is", "--raw", "--max-tokens", "3", "--json"])
-    events = [json.loads(line) for line in raw.stdout.splitlines()]
-    assert events[-1]["usage"]["prompt_tokens"] == 5  # the text alone, no template around it
-    assert "Paris" in "".join(e.get("text", "") for e in events[:-1])
+
+
+def test_a_refused_turn_is_reported_and_the_chat_goes_on(server):
+    url = re.search(r"OpenAI-compatible HTTP on (\S+)/v1", server.wait_for_output("OpenAI-compatible HTTP")).group(1)
+    result = _run(["chat", "--http", url, "--temperature", "-1"], stdin=f"{QUESTION}\n{QUESTION}\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("HttpError: HTTP 400") == 2 and "temperature" in result.stderr
