@@ -373,3 +373,35 @@ def _q5_0(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     raw = rng.integers(0, 256, (rows, cols // 32, 22), dtype=np.uint8)
     raw[..., :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     return raw.reshape(rows, cols // 32 * 22)
+
+
+def test_a_sentencepiece_vocabulary_goes_through_transformers_and_encodes_like_sentencepiece(tiny_dir, tmp_path):
+    """`tokenizer.ggml.model = "llama"` (Llama 2, Mistral): a BPE sentencepiece model with byte
+    fallback, written as llama.cpp's converter writes it, encodes ordinary text as sentencepiece does."""
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(p for p in Path(json.__file__).parent.joinpath("decoder.py").read_text().split("\n") if p.strip()) * 3)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=600, model_type="bpe", byte_fallback=True, character_coverage=1.0, minloglevel=2
+    )
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    kinds = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 5 if sp.is_unused(i) else 1 for i in range(sp.vocab_size())]
+    metadata = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(sp.vocab_size())],
+        "tokenizer.ggml.scores": [float(sp.get_score(i)) for i in range(sp.vocab_size())],
+        "tokenizer.ggml.token_type": kinds,
+        "tokenizer.ggml.merges": None,
+        "tokenizer.ggml.bos_token_id": sp.bos_id(),
+        "tokenizer.ggml.eos_token_id": sp.eos_id(),
+        "tokenizer.ggml.unknown_token_id": sp.unk_id(),
+        "tokenizer.ggml.padding_token_id": None,
+        "tokenizer.ggml.add_bos_token": True,
+    }
+    path = write_gguf(tiny_dir, tmp_path / "spm.gguf", qtype="F32", metadata=metadata)
+    tokenizer = _load(path, tmp_path).tokenizer
+    for text in ("def decode(self, s):", "Return the Python representation of a JSON string.", "raise ValueError(errmsg)"):
+        assert tokenizer.encode(text) == [sp.bos_id(), *sp.encode(text)], text
+        assert tokenizer.decode(sp.encode(text)) == text
