@@ -201,6 +201,10 @@ class Outcome:
         assert self.events[-1] is self.finished[0], "Finished must be the last event"
         return self.finished[0]
 
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events if isinstance(e, TokenDelta))
+
 
 async def collect(events) -> Outcome:
     """Every event of a stream, tokens concatenated."""
@@ -214,6 +218,20 @@ async def collect(events) -> Outcome:
         else:
             assert isinstance(event, PrefillProgress), event
     return outcome
+
+
+async def collect_all(generate, requests: list) -> list[Outcome]:
+    """The streams of `requests` submitted together through `generate` (a runtime's, a pool's or
+    a client's), in request order."""
+    outcomes: list[Outcome] = [Outcome() for _ in requests]
+
+    async def one(i: int) -> None:
+        outcomes[i] = await collect(generate(requests[i]))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(requests)):
+            tg.start_soon(one, i)
+    return outcomes
 
 
 def is_idle(stats) -> bool:

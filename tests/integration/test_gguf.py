@@ -13,7 +13,6 @@ import dataclasses
 import random
 from pathlib import Path
 
-import anyio
 import mlx.core as mx
 import msgspec
 import numpy as np
@@ -23,12 +22,13 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from engine.builtin import BUILTIN_MODELS, PACKAGED_MODELS, ensure_model, packaged_model_path
 from engine.gguf import load_gguf
 from engine.loader import resolve_model_path
-from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
+from protocols import GenerateRequest, SamplingParams
 from protocols.errors import ModelLoadError
 from runtime import Runtime, env
 from runtime.config import CheckpointConfig, PoolModelConfig, SpeculativeConfig
 from runtime.pool import ModelPool
 from tests.conftest import CHUNK, builtin_dir, make_config
+from tests.integration.server_helpers import collect_all
 from tests.support import hf_reference
 from tests.support.families import build
 from tests.support.gguf_files import write_gguf
@@ -105,23 +105,8 @@ def _k_blocks(rng: np.random.Generator, kind: GGMLQuantizationType, rows: int, c
     return raw.reshape(rows, cols // 256 * size), kind
 
 
-async def _greedy_all(rt: Runtime, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], Finished]]:
-    results: list = [None] * len(prompts)
-
-    async def one(i: int) -> None:
-        tokens, finished = [], None
-        request = GenerateRequest(prompt_ids=prompts[i], max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
-        async for event in rt.generate(request):
-            if isinstance(event, TokenDelta):
-                tokens += event.token_ids
-            elif isinstance(event, Finished):
-                finished = event
-        results[i] = (tokens, finished)
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(prompts)):
-            tg.start_soon(one, i)
-    return results
+def _greedy(prompts: list[list[int]], max_tokens: int) -> list[GenerateRequest]:
+    return [GenerateRequest(prompt_ids=p, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0)) for p in prompts]
 
 
 def _with_model(config, **model):
@@ -141,11 +126,11 @@ async def test_tiny_gguf_served_greedy_equals_transformers(gguf_dir, max_batch_s
     config = _with_model(make_config(str(path), max_batch_size=max_batch_size), cpu_dequantize="never")
     async with Runtime.open(config) as rt:
         assert rt.model_info.model_type == "llama" and rt.model_info.path == str(path)
-        results = await _greedy_all(rt, prompts, 24)
-    excused = [hf_reference.assert_same_greedy(tokens, reference, f"prompt {i}") for i, ((tokens, _), reference) in enumerate(zip(results, references))]
+        results = await collect_all(rt.generate, _greedy(prompts, 24))
+    excused = [hf_reference.assert_same_greedy(r.tokens, reference, f"prompt {i}") for i, (r, reference) in enumerate(zip(results, references))]
     assert excused.count(True) <= 1
-    assert [finished.usage.prompt_tokens for _, finished in results] == [len(p) for p in prompts]
-    assert len({tuple(t) for t, _ in results}) == len(prompts)
+    assert [r.last.usage.prompt_tokens for r in results] == [len(p) for p in prompts]
+    assert len({tuple(r.tokens) for r in results}) == len(prompts)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +142,7 @@ def smollm2_case():
     tokenizer = loaded.tokenizer
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True) for c in CHATS]
     references = hf_reference.greedy(path, prompts, MAX_SMOLLM2_TOKENS, eos=sorted(tokenizer.eos_token_ids))
-    return prompts, references, tokenizer
+    return prompts, references
 
 
 MAX_SMOLLM2_TOKENS = 24
@@ -166,17 +151,17 @@ MAX_SMOLLM2_TOKENS = 24
 # Quantized rows decode ~6x slower on this backend (MLX's CPU quantized matmul): fewer tokens.
 @pytest.mark.parametrize("cpu_dequantize,max_tokens", [("auto", MAX_SMOLLM2_TOKENS), ("never", 12)], ids=["dequantized", "quantized"])
 async def test_smollm2_concurrent_chats_equal_transformers(smollm2_case, cpu_dequantize, max_tokens):
-    prompts, references, tokenizer = smollm2_case
+    prompts, references = smollm2_case
     references = [hf_reference.Continuation(r.tokens[:max_tokens], r.margins[:max_tokens]) for r in references]
     config = _with_model(make_config(SMOLLM2), cpu_dequantize=cpu_dequantize)
     async with Runtime.open(config) as rt:
         info = rt.model_info
-        results = await _greedy_all(rt, prompts, max_tokens)
+        results = await collect_all(rt.generate, _greedy(prompts, max_tokens))
     assert (info.quantization.startswith("dequantized")) == (cpu_dequantize == "auto")
     assert info.num_layers == 30 and info.vocab_size == 49152 and info.max_context == 8192
-    excused = [hf_reference.assert_same_greedy(tokens, ref, CHATS[i]) for i, ((tokens, _), ref) in enumerate(zip(results, references))]
+    excused = [hf_reference.assert_same_greedy(r.tokens, ref, CHATS[i]) for i, (r, ref) in enumerate(zip(results, references))]
     assert excused.count(True) <= 1, "near-ties are rare on a trained model"
-    assert "Paris" in tokenizer.decode(results[0][0])
+    assert "Paris" in results[0].text
 
 
 async def test_smollm2_answers_through_the_chat_template_and_continues_raw_text():
@@ -187,21 +172,10 @@ async def test_smollm2_answers_through_the_chat_template_and_continues_raw_text(
     raw = GenerateRequest(prompt="The capital of France is", max_tokens=4, sampling=greedy)
     async with Runtime.open(make_config(SMOLLM2)) as rt:
         assert rt.model_info.has_chat_template
-        (text, finished), (raw_text, raw_finished) = [await _text(rt, r) for r in (chat, raw)]
-    assert "Paris" in text and "<|im_end|>" not in text
-    assert finished.finish_reason == "stop" and finished.usage.prompt_tokens > 30  # the template's system prompt came along
-    assert "Paris" in raw_text and raw_finished.usage.prompt_tokens == 5
-
-
-async def _text(rt, request: GenerateRequest) -> tuple[str, Finished]:
-    text, finished = "", None
-    async for event in rt.generate(request):
-        if isinstance(event, TokenDelta):
-            text += event.text
-        elif isinstance(event, Finished):
-            finished = event
-    assert finished is not None
-    return text, finished
+        answer, continued = await collect_all(rt.generate, [chat, raw])
+    assert "Paris" in answer.text and "<|im_end|>" not in answer.text
+    assert answer.last.finish_reason == "stop" and answer.last.usage.prompt_tokens > 30  # the template's system prompt came along
+    assert "Paris" in continued.text and continued.last.usage.prompt_tokens == 5
 
 
 def test_missing_packaged_model_or_file_is_a_typed_error(monkeypatch):
@@ -213,18 +187,8 @@ def test_missing_packaged_model_or_file_is_a_typed_error(monkeypatch):
         resolve_model_path("/nonexistent/model.gguf", env.home())
 
 
-async def _streams(rt, requests: list[GenerateRequest]) -> list[list[int]]:
-    outputs: list[list[int]] = [[] for _ in requests]
-
-    async def one(i: int) -> None:
-        async for event in rt.generate(requests[i]):
-            if isinstance(event, TokenDelta):
-                outputs[i] += event.token_ids
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(requests)):
-            tg.start_soon(one, i)
-    return outputs
+async def _streams(generate, requests: list[GenerateRequest]) -> list[list[int]]:
+    return [r.tokens for r in await collect_all(generate, requests)]
 
 
 async def test_a_gguf_draft_model_speculates_exactly(gguf_dir):
@@ -233,11 +197,11 @@ async def test_a_gguf_draft_model_speculates_exactly(gguf_dir):
     draft = write_gguf(builtin_dir("tiny-spec-draft"), gguf_dir / "tiny-spec-draft.gguf", qtype="F32")
     requests = [GenerateRequest(prompt_ids=[(11 * i + 3 * j) % 900 + 5 for j in range(12 + 5 * i)], max_tokens=32, ignore_eos=True) for i in range(4)]
     async with Runtime.open(make_config("builtin:tiny-spec")) as plain:
-        expected = await _streams(plain, requests)
+        expected = await _streams(plain.generate, requests)
     config = make_config("builtin:tiny-spec")
     config = msgspec.structs.replace(config, speculative=SpeculativeConfig(draft=str(draft), max_batch=16))
     async with Runtime.open(config) as rt:
-        assert await _streams(rt, requests) == expected
+        assert await _streams(rt.generate, requests) == expected
 
 
 async def test_a_gguf_model_in_a_pool_answers_as_alone(gguf_dir, tmp_path):
@@ -247,11 +211,11 @@ async def test_a_gguf_model_in_a_pool_answers_as_alone(gguf_dir, tmp_path):
     write_gguf(builtin_dir("tiny-qwen2"), path, qtype="Q8_0")
     requests = [GenerateRequest(prompt_ids=[(7 * i + j) % 900 + 5 for j in range(10 + i)], max_tokens=16, ignore_eos=True, model="qwen") for i in range(3)]
     async with Runtime.open(make_config(str(path))) as alone:
-        expected = await _streams(alone, [msgspec.structs.replace(r, model=None) for r in requests])
+        expected = await _streams(alone.generate, [msgspec.structs.replace(r, model=None) for r in requests])
     config = msgspec.structs.replace(
         make_config("builtin:tiny"),
         models=[PoolModelConfig(name="qwen", path=str(path))],
         checkpoints=CheckpointConfig(dir=str(tmp_path / "checkpoints")),
     )
     async with ModelPool.open(config) as pool:
-        assert await _streams(pool, requests) == expected
+        assert await _streams(pool.generate, requests) == expected
