@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,6 +25,16 @@ MAX_PENALTY_CONTEXT = 4096
 MAX_MESSAGE_DEPTH = 32
 MAX_SEED = (1 << 64) - 1
 MAX_ADAPTER_NAME = 200
+# Request ids: safe in an HTTP header, a log line and a checkpoint file name, on every front.
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:@-]{1,200}")
+
+
+def check_request_id(request_id: object) -> None:
+    """Raises `InvalidRequestError` (field `request_id`) unless the id is 1-200 letters, digits
+    or `. _ : @ -`: it travels in headers (no CR/LF, ASCII) and names checkpoint files."""
+    if not isinstance(request_id, str) or not REQUEST_ID.fullmatch(request_id):
+        shown = repr(request_id)[:80]
+        raise InvalidRequestError(f"request_id {shown} must be 1-200 letters, digits or . _ : @ -", field="request_id")
 
 
 def validate(request: GenerateRequest, info: ModelInfo, limits: LimitsConfig = LimitsConfig()) -> None:

@@ -121,6 +121,9 @@ class Admission:
         if request.model is not None and request.model != config.model_name:
             raise ModelNotFoundError(f"no model named {request.model!r}; this runtime serves {config.model_name!r}", field="model")
         checkpoint_every = self.checkpoint_every(request)
+        if checkpoint_every and await anyio.to_thread.run_sync(self._names_foreign_checkpoint, request_id, request):
+            # That file is another request's (a crashed one, to be resumed): never overwritten or deleted.
+            raise InvalidRequestError(f"a checkpoint of another request {request_id!r} exists: resume it, or choose another request_id", field="request_id")
         grammar = grammar_spec(request, self._tool_markers)
         fill_mode = fill.resolve_mode(request, config.generation.fill)
         render = functools.partial(requests.render_prompt, request, self._tokenizer, self._max_prompt_bytes)
@@ -195,7 +198,7 @@ class Admission:
             return 0
         if request.request_id is None:
             raise InvalidRequestError("checkpoints need a request_id to resume by", field="request_id")
-        checkpoints.check_request_id(request.request_id)
+        requests.check_request_id(request.request_id)
         if self._checkpoints_unavailable is not None:
             raise InvalidRequestError(f"checkpoints are unavailable: {self._checkpoints_unavailable}", field="checkpoint_every")
         return every
@@ -203,7 +206,7 @@ class Admission:
     async def _prepare_resume(self, request_id: str) -> Prepared:
         """A checkpointed request with everything it had: its grammar and fast-forwarding are
         rebuilt from the request, and the engine replays its output through both."""
-        checkpoints.check_request_id(request_id)
+        requests.check_request_id(request_id)
         header, tensors = await anyio.to_thread.run_sync(self._read_checkpoint, request_id)
         request = header.request
         try:
@@ -248,6 +251,18 @@ class Admission:
             now = "is not loaded" if digest is None else f"is now {digest or 'none'}"
             raise ForeignCheckpointError(f"checkpoint of {request_id!r} was written with {what}, which {now}")
         return header.adapter_digest
+
+    def _names_foreign_checkpoint(self, request_id: str, request: GenerateRequest) -> bool:
+        """Whether a checkpoint file of `request_id` exists that is not this same request's
+        (a pool generating a preempted request again writes over its own; blocking)."""
+        return checkpoints.path_for(self._checkpoint_dir, request_id).exists() and self.checkpointed_request(request_id) != request
+
+    def checkpointed_request(self, request_id: str) -> GenerateRequest | None:
+        """The request a readable checkpoint of `request_id` holds, or None (blocking)."""
+        try:
+            return self._read_checkpoint(request_id)[0].request
+        except MlxrtError:
+            return None
 
     def _read_checkpoint(self, request_id: str):
         """A checkpoint this model can resume, its tensors checked against the model (blocking)."""

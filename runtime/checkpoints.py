@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import re
 import stat
 import struct
 import time
@@ -30,6 +29,7 @@ import msgspec
 import safetensors.numpy
 
 from policies.layout import tensor_shapes
+from policies.validation import check_request_id
 from protocols.api import GenerateRequest
 from protocols.base import Record
 from protocols.errors import (
@@ -49,7 +49,6 @@ _LENGTH = struct.Struct(">I")
 _DIGEST = 32
 _PREFIX = len(MAGIC) + _LENGTH.size + _DIGEST
 _SUFFIX = ".ckpt"
-_SAFE_ID = re.compile(r"^[A-Za-z0-9._:@-]{1,200}$")
 # Header bytes beyond the token lists: the request as submitted (messages, tools, ...).
 HEADER_BYTES = 16 * 1024 * 1024
 
@@ -73,12 +72,6 @@ class CheckpointHeader(Record, frozen=True):
 
 class CheckpointDirError(CheckpointError):
     """The checkpoint directory is unusable (not ours, open to others, not writable)."""
-
-
-def check_request_id(request_id: str) -> None:
-    """Raises `InvalidRequestError` for an id that cannot name a checkpoint file."""
-    if not isinstance(request_id, str) or not _SAFE_ID.match(request_id):
-        raise InvalidRequestError(f"request_id {request_id!r} cannot name a checkpoint file (1-200 letters, digits, . _ : @ -)", field="request_id")
 
 
 def path_for(directory: Path, request_id: str) -> Path:

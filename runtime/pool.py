@@ -31,17 +31,31 @@ import structlog
 
 from actors.mlx_thread import MlxThread
 from engine.memory import DTYPE_BYTES, estimate_weight_bytes, release_memory
+from policies.validation import check_request_id
 from protocols.api import AdapterInfo, Event, Finished, GenerateRequest, ModelStatus, TokenDelta, ToolCall, new_request_id
 from protocols.model import ModelInfo
 from runtime.admission import checkpoint_directory_problem
-from runtime.checkpoints import check_request_id, path_for
+from runtime.checkpoints import path_for
 from runtime.config import RuntimeConfig
-from runtime.errors import ConfigError, DuplicateRequestError, InternalError, InvalidRequestError, ModelNotFoundError, RuntimeClosedError, single_errors
+from runtime.errors import (
+    ConfigError,
+    DuplicateRequestError,
+    InternalError,
+    InvalidRequestError,
+    ModelLoadError,
+    ModelNotFoundError,
+    RuntimeClosedError,
+    single_errors,
+)
 from runtime.metrics import RuntimeMetrics
 from runtime.replay import Delivered, Replay, cancelled
 from runtime.runtime import Runtime, RuntimeStats
 
 log = structlog.get_logger(actor="pool")
+
+# A model whose requests made no progress since it was loaded (a long prefill, a paused caller)
+# may be swapped out after this long all the same, so a stuck caller cannot hold it for good.
+PROGRESS_GRACE_S = 30.0
 
 
 @dataclass(eq=False)
@@ -62,6 +76,9 @@ class _Model:
     replaying: int = 0
     loads: int = 0
     preempted: int = 0
+    # New tokens (or ends) its requests delivered since it was loaded: it is not swapped out
+    # before its users made some, so every swap buys progress (no livelock at any residence).
+    progress: int = 0
     # Bumped at each swap-out: a request whose stream ends under an older epoch was preempted.
     epoch: int = 0
     stop: anyio.Event = field(default_factory=anyio.Event)
@@ -84,6 +101,7 @@ class ModelPool:
         self._live: set[str] = set()
         self._default_info: ModelInfo | None = None
         self._default_metrics: RuntimeMetrics | None = None
+        self._last_stats: RuntimeStats | None = None
         self._closed = False
         # The most weight bytes ever resident at once (checked against the cap by tests).
         self.peak_weight_bytes = 0
@@ -114,7 +132,7 @@ class ModelPool:
                 async with anyio.create_task_group() as tg:
                     pool = cls(config, thread, tg)
                     for model in pool._models.values():
-                        model.weight_bytes = await thread.run(estimate_weight_bytes, model.config.model.path)
+                        model.weight_bytes = await anyio.to_thread.run_sync(estimate_weight_bytes, model.config.model.path)
                     pool._check_fits()
                     problem = await anyio.to_thread.run_sync(checkpoint_directory_problem, config.checkpoint_directory())
                     if problem is not None:
@@ -146,6 +164,7 @@ class ModelPool:
             raise RuntimeClosedError("the pool is shutting down")
         model = self._model(request.model)
         rid = request.request_id or new_request_id()
+        check_request_id(rid)
         if rid in self._live:
             raise DuplicateRequestError(f"request {rid!r} is already live", field="request_id")
         self._live.add(rid)
@@ -161,16 +180,22 @@ class ModelPool:
         return self._default_info
 
     async def stats(self) -> RuntimeStats:
-        """A resident model's runtime stats (the default model's when it is resident; loading
-        none for this), with every model's state."""
-        resident = sorted((m for m in self._models.values() if m.runtime is not None), key=lambda m: m.name != self.default_model)
-        model = resident[0] if resident else self._models[self.default_model]
-        rt = await self._acquire(model)
-        assert rt is not None
-        try:
-            stats = await rt.stats()
-        finally:
-            self._release(model)
+        """A resident model's runtime stats (the default model's when it is resident), with
+        every model's state. Never loads a model: with none resident (all swapped out between
+        loads), the last figures with nothing running and this pool's waiting requests."""
+        resident = sorted((m for m in self._models.values() if m.runtime is not None and not m.loading), key=lambda m: m.name != self.default_model)
+        runtime = resident[0].runtime if resident else None
+        if runtime is not None:  # (not counted as a use: polling stats must not keep a model resident)
+            try:
+                self._last_stats = await runtime.stats()
+            except RuntimeClosedError:
+                pass  # swapped out meanwhile: the last figures below
+        assert self._last_stats is not None  # the default model was loaded at start
+        stats = self._last_stats
+        if not resident:
+            idle_kv = msgspec.structs.replace(stats.kv, live_requests=0, live_tokens=0, live_bytes=0, reserved_tokens=0, reserved_bytes=0, physical_bytes=0)
+            idle = msgspec.structs.replace(stats.scheduler, waiting=len(self._live), prefilling=0, decoding=0, paused=0)
+            stats = dataclasses.replace(stats, scheduler=idle, kv=idle_kv, live_requests=len(self._live))
         return dataclasses.replace(stats, models=self.models())
 
     def known_models(self) -> list[str]:
@@ -212,7 +237,11 @@ class ModelPool:
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
         # The pool's cadence (none for an id that cannot name a checkpoint file: such a request is
         # generated again after a swap); a request's own `checkpoint_every` is checked as usual.
-        every = request.checkpoint_every if request.checkpoint_every is not None else self._checkpoint_every if _checkpointable(rid) else 0
+        every = request.checkpoint_every if request.checkpoint_every is not None else self._checkpoint_every
+        if request.checkpoint_every is None and every and await anyio.to_thread.run_sync(path_for(model.config.checkpoint_directory(), rid).exists):
+            # The id names another request's checkpoint (a crashed one): leave it alone, and
+            # generate this request again after a swap instead of checkpointing it.
+            every = 0
         request = msgspec.structs.replace(
             request, model=None, request_id=rid, sampling=msgspec.structs.replace(request.sampling, seed=seed), checkpoint_every=every
         )
@@ -227,7 +256,8 @@ class ModelPool:
                 epoch = model.epoch
                 self._running[rid] = model
                 try:
-                    resume = not first and every > 0 and await anyio.to_thread.run_sync(path_for(rt.config.checkpoint_directory(), rid).exists)
+                    # Only a checkpoint this request wrote (its own request in the header) resumes it.
+                    resume = not first and every > 0 and await rt.checkpointed_request(rid) == request
                     first = False
                     replay, held = Replay(delivered), None
                     catching_up = bool(delivered.token_ids)
@@ -242,6 +272,7 @@ class ModelPool:
                                 if catching_up:
                                     catching_up, model.replaying = False, model.replaying - 1
                                 replay.record(part)
+                                self._progressed(model)
                                 yield part
                             continue
                         if isinstance(event, Finished) and event.finish_reason == "cancelled" and model.epoch != epoch and rid not in self._cancelled:
@@ -251,6 +282,7 @@ class ModelPool:
                             yield held
                             held = None
                         if isinstance(event, Finished):
+                            self._progressed(model)
                             yield event
                             return
                         if isinstance(event, ToolCall):
@@ -271,16 +303,27 @@ class ModelPool:
                     self._release(model)
                 log.info("request_preempted", request_id=rid, model=model.name, delivered=len(delivered.token_ids))
         finally:
-            self._cancelled.discard(rid)
-            self._live.discard(rid)
+            self._forget(rid)
 
     async def cancel(self, request_id: str) -> None:
         """End a request; one waiting for its model ends as soon as it is noticed."""
+        if request_id not in self._live:
+            return  # not (or no longer) a request of this pool: nothing to remember
         self._cancelled.add(request_id)
         model = self._running.get(request_id)
         if model is not None and model.runtime is not None:
             await model.runtime.cancel(request_id)
         self._notify()
+
+    def _progressed(self, model: _Model) -> None:
+        model.progress += 1
+        if model.progress == 1:
+            self._notify()  # a swap waiting for this model's first progress may go ahead
+
+    def _forget(self, request_id: str) -> None:
+        """The request has ended (or never started): its id is free again."""
+        self._cancelled.discard(request_id)
+        self._live.discard(request_id)
 
     def models(self) -> list[ModelStatus]:
         return [
@@ -327,6 +370,9 @@ class ModelPool:
                     raise RuntimeClosedError("the pool is shutting down")
                 if model.runtime is not None:
                     return self._use(model, model.runtime)
+                if not model.loads:  # its files may have changed since start: estimate again
+                    model.weight_bytes = await anyio.to_thread.run_sync(estimate_weight_bytes, model.config.model.path)
+                    self._check_can_fit(model)
                 wait_s = await self._make_room(model)
                 if wait_s is None:
                     await self._load(model)
@@ -354,10 +400,11 @@ class ModelPool:
         now, floor = time.monotonic(), self.config.model_pool.min_resident_s
         while self._resident_bytes() + model.weight_bytes > cap:
             candidates = [m for m in self._models.values() if m.runtime is not None and not m.pinned and m is not model]
-            candidates = [m for m in candidates if not m.replaying]
+            candidates = [m for m in candidates if not m.replaying and (m.users == 0 or m.progress > 0 or now - m.loaded_at >= PROGRESS_GRACE_S)]
             ready = [m for m in candidates if now - m.loaded_at >= floor]
             if not ready:
-                return max(0.01, min((floor - (now - m.loaded_at) for m in candidates), default=floor))
+                # Too fresh: wait out its residence; waiting for progress: woken by `_progressed`.
+                return max(0.01, min((floor - (now - m.loaded_at) for m in candidates), default=max(floor, 0.05)))
             # Idle models first, then the least recently used.
             victim = min(ready, key=lambda m: (m.users > 0, m.last_used))
             await self._unload(victim)
@@ -373,14 +420,39 @@ class ModelPool:
         finally:
             model.loading = False
         model.loads += 1
-        model.loaded_at = time.monotonic()
+        model.loaded_at, model.progress = time.monotonic(), 0
         info = model.runtime.model_info
         model.tokenizer = model.runtime.tokenizer
         if model.name == self.default_model:
             self._default_info, self._default_metrics = info, model.runtime.metrics
         model.weight_bytes = info.num_parameters * DTYPE_BYTES.get(info.dtype, 4)
+        if not await self._kept_within_cap(model):
+            return
+        if self._last_stats is None:
+            self._last_stats = await model.runtime.stats()
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._resident_bytes())
         log.info("model_resident", model=model.name, weight_bytes=model.weight_bytes, resident_bytes=self._resident_bytes())
+
+    async def _kept_within_cap(self, model: _Model) -> bool:
+        """The cap holds for what was loaded, not only for what was estimated (a model's files
+        may have been replaced since): over it, the model goes out again (False), and comes back
+        once room is made for its real size (`_acquire` loops), or is refused if it never fits."""
+        cap = self.config.model_pool.memory_bytes
+        if not cap or self._resident_bytes() <= cap:
+            return True
+        log.warning("model_over_cap", model=model.name, weight_bytes=model.weight_bytes, resident_bytes=self._resident_bytes(), cap=cap)
+        await self._unload(model)
+        self._check_can_fit(model)
+        return False
+
+    def _check_can_fit(self, model: _Model) -> None:
+        """Refuse a model that cannot fit the cap beside the pinned ones, however many are swapped out."""
+        cap = self.config.model_pool.memory_bytes
+        pinned = sum(m.weight_bytes for m in self._models.values() if m.pinned and m is not model)
+        if cap and model.weight_bytes + pinned > cap:
+            raise ModelLoadError(
+                f"model {model.name!r} needs {model.weight_bytes} bytes of weights: with the pinned models, over model_pool.memory_bytes = {cap}"
+            )
 
     async def _host(self, model: _Model, *, task_status) -> None:
         try:
@@ -442,18 +514,10 @@ class PoolStream:
             if not self._finished:
                 await self._pool.cancel(self.request_id)
             await self._events.aclose()  # type: ignore[attr-defined]
-            self._pool._live.discard(self.request_id)
+            self._pool._forget(self.request_id)
 
     async def __aenter__(self) -> PoolStream:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
-
-
-def _checkpointable(request_id: str) -> bool:
-    try:
-        check_request_id(request_id)
-    except InvalidRequestError:
-        return False
-    return True

@@ -29,6 +29,7 @@ from policies.layout import checkpoint_format
 from policies.ledger import KvLedger
 from policies.output_parser import OutputParser
 from policies.scheduling import SchedulePolicy
+from policies.validation import check_request_id
 from protocols.api import AdapterInfo, Event, GenerateRequest, ModelStatus, new_request_id
 from protocols.kv import DrainFiles, GetKvStats, KvStats
 from protocols.metrics import MetricsSnapshot
@@ -160,6 +161,7 @@ class Runtime:
             lora=config.lora,
             adapters=config.adapters,
             distributed=config.distributed,
+            world_secret=env.world_secret(),
         )
         try:
             ready: ModelReady = await tg.start(model.run)
@@ -216,12 +218,14 @@ class Runtime:
         """
         self._check_open()
         request_id = request.request_id or new_request_id()
+        check_request_id(request_id)
         claim = self._requests.claim(request_id)
         return RequestStream(self._requests, claim, lambda: self._admission.prepare(request, request_id))
 
     def submit_resume(self, request_id: str) -> RequestStream:
         """As `submit`, for a checkpointed request (`resume`)."""
         self._check_open()
+        check_request_id(request_id)
         claim = self._requests.claim(request_id)
         return RequestStream(self._requests, claim, lambda: self._admission.prepare_resume(request_id))
 
@@ -234,6 +238,11 @@ class Runtime:
         async with self.submit(request) as stream:
             async for event in stream:
                 yield event
+
+    async def checkpointed_request(self, request_id: str) -> GenerateRequest | None:
+        """The request a usable checkpoint of `request_id` holds (None when there is none):
+        whose the file is, before resuming it."""
+        return await anyio.to_thread.run_sync(self._admission.checkpointed_request, request_id)
 
     async def resume(self, request_id: str) -> AsyncIterator[Event]:
         """Continue a checkpointed request: one `TokenDelta` re-delivering what it generated

@@ -11,7 +11,7 @@ from engine.builtin import BUILTIN_MODELS, parameter_count
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
 from runtime import Runtime
 from runtime.config import CheckpointConfig, ModelPoolConfig, PoolModelConfig
-from runtime.errors import ConfigError, ModelLoadError, ModelNotFoundError
+from runtime.errors import ConfigError, InvalidRequestError, ModelLoadError, ModelNotFoundError
 from runtime.pool import ModelPool
 from tests.conftest import make_config
 
@@ -186,9 +186,12 @@ async def test_a_model_that_cannot_load_fails_its_requests_alone(tmp_path):
         with pytest.raises(ModelLoadError):
             async for _ in pool.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=2, model="broken")):
                 pass
-        # Any request id works (one that cannot name a checkpoint file is regenerated after a swap).
-        tokens, _, finished = await _collect(pool.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=3, request_id="a/b c")))
+        tokens, _, finished = await _collect(pool.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=3, request_id="ok-1")))
         assert finished is not None and finished.finish_reason == "length" and len(tokens) == 3
+        # Ids are checked as on every front: safe in a header, a log line and a file name.
+        with pytest.raises(InvalidRequestError) as refused:
+            pool.submit(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=3, request_id="a/b c"))
+        assert refused.value.field == "request_id"
         assert {m.name: m.state for m in pool.models()}["broken"] == "unloaded"
 
 
