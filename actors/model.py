@@ -5,6 +5,10 @@ config names, builds the engine there, then executes `RunStep` plans one at a ti
 answering each with a `StepOutcome` (or `StepFailed`, after which the engine holds no
 requests), and `AdapterCall`s (load, unload, list adapters) between steps.
 
+Adapter files are read in worker threads, never on the MLX thread: a load reads its files
+while steps go on, then installs them there; a step that admits requests for evicted adapters
+first has their files read, and hands them to the bank for that step (`AdapterBank.staged`).
+
 In a distributed world (`[distributed]`) this is rank 0's: its engine broadcasts every plan to
 the other ranks (`engine.world.Leader`), and a step that does not finish on every rank within
 `distributed.step_timeout_s`, or fails, ends its requests with an `unavailable` error and
@@ -28,11 +32,11 @@ from actors.mailbox import Mailbox, answer
 from actors.mlx_thread import MlxThread
 from engine.engine import Engine, Grammars
 from engine.loader import load_model, load_speculator, with_kv_format
-from engine.lora import AdapterBank
+from engine.lora import AdapterBank, AdapterFiles, read_adapter_files, read_staged
 from engine.world import Leader, World
 from protocols.api import AdapterInfo
 from protocols.config import AdapterConfig, DistributedConfig, KvConfig, LoraConfig, ModelConfig, SpeculativeConfig
-from protocols.errors import AdapterLoadError, InternalError, MlxrtError
+from protocols.errors import AdapterLoadError, InternalError, MlxrtError, RuntimeClosedError
 from protocols.model import AdapterCall, DropPrefixes, ModelInbox, ModelInfo, RunStep, StepFailed, StepOutcome, StepPlan, WorldStats
 
 # A clean shutdown tells the followers to stop; a world that does not take the message in
@@ -88,6 +92,7 @@ class ModelActor:
         adapters: list[AdapterConfig] | None = None,
         kv: KvConfig | None = None,
         distributed: DistributedConfig | None = None,
+        world_secret: str = "",
     ):
         self._config = config
         self._kv = kv or KvConfig()
@@ -99,19 +104,21 @@ class ModelActor:
         self._thread = thread
         self._progress = progress
         self._distributed = distributed or DistributedConfig()
+        self._world_secret = world_secret
         self.world: WorldState | None = None
         self.inbox: Mailbox[ModelInbox] = Mailbox(16)
 
     async def run(self, *, task_status) -> None:
         with self.inbox:  # closed however this ends, a failed load included
-            world = await self._thread.run(World.join, self._distributed) if self._distributed.backend else None
+            world = await self._thread.run(World.join, self._distributed, self._world_secret) if self._distributed.backend else None
             loaded = await self._thread.run(load_model, self._config, self._builtin_root, self._progress, world)
             loaded = with_kv_format(loaded, self._kv)
             grammars = await anyio.to_thread.run_sync(self._make_grammars, loaded.tokenizer, loaded.info)
             speculator = await self._thread.run(load_speculator, loaded, self._speculative, self._config, self._builtin_root, self._progress)
             bank = await self._thread.run(AdapterBank, loaded.model, self._lora.max_resident, self._lora.max_rank)
             for adapter in self._adapters:
-                await self._thread.run(lambda a=adapter: bank.register(a.name, a.path, pinned=a.pinned))
+                files = await anyio.to_thread.run_sync(read_adapter_files, adapter.name, adapter.path, bank.max_file_bytes)
+                await self._thread.run(lambda a=adapter, f=files: bank.register(f, pinned=a.pinned))
             pool_bytes = self._kv.budget_bytes
             engine: Engine | Leader = await self._thread.run(
                 lambda: Engine(loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator, bank, pool_bytes, compiled=world is None)
@@ -134,28 +141,49 @@ class ModelActor:
                             log.warning("world_stop_failed", error=f"{type(exc).__name__}: {exc}")
 
     async def _serve(self, engine: Engine | Leader, bank: AdapterBank) -> None:
-        while True:
-            message = await self.inbox.receive()
-            match message:
-                case RunStep(plan=plan, reply=reply):
-                    answer(reply, await self._step(engine, plan))
-                case DropPrefixes(entry_ids=entry_ids):
-                    if self.world is None:
-                        await self._thread.run(engine.drop_prefixes, entry_ids)
-                    elif self.world.error is None:
-                        await self._on_world(engine.drop_prefixes, entry_ids)
-                case AdapterCall(reply=reply):
-                    answer(reply, await self._adapter_call(bank, message))
-                case _:
-                    assert_never(message)
+        # One load's files in memory at a time (each up to `bank.max_file_bytes`).
+        reading = anyio.Lock()
+        async with anyio.create_task_group() as tg:
+            while True:
+                message = await self.inbox.receive()
+                match message:
+                    case RunStep(plan=plan, reply=reply):
+                        answer(reply, await self._step(engine, bank, plan))
+                    case DropPrefixes(entry_ids=entry_ids):
+                        if self.world is None:
+                            await self._thread.run(engine.drop_prefixes, entry_ids)
+                        elif self.world.error is None:
+                            await self._on_world(engine.drop_prefixes, entry_ids)
+                    case AdapterCall(op="load") if self.world is None:
+                        tg.start_soon(self._load_adapter, bank, message, reading)
+                    case AdapterCall(reply=reply):
+                        answer(reply, await self._adapter_call(bank, message))
+                    case _:
+                        assert_never(message)
 
-    async def _adapter_call(self, bank: AdapterBank, call: AdapterCall) -> list[AdapterInfo] | Exception:
+    async def _load_adapter(self, bank: AdapterBank, call: AdapterCall, reading: anyio.Lock) -> None:
+        """Read an adapter's files in a worker thread while steps go on, then install them."""
+        result: list[AdapterInfo] | Exception = RuntimeClosedError("the runtime closed during the adapter load")
+        try:
+            async with reading:
+                files = await anyio.to_thread.run_sync(read_adapter_files, call.name, call.path, bank.max_file_bytes)
+            result = await self._adapter_call(bank, call, files)
+        except MlxrtError as exc:
+            result = exc
+        except Exception:
+            log.exception("adapter_read_failed", name=call.name)
+            result = InternalError(f"the adapter call failed (load {call.name!r}); the server log has the details")
+        finally:
+            answer(call.reply, result)
+
+    async def _adapter_call(self, bank: AdapterBank, call: AdapterCall, files: AdapterFiles | None = None) -> list[AdapterInfo] | Exception:
         if self.world is not None and call.op != "list":
             return AdapterLoadError("a distributed world serves no LoRA adapters (adapters are not sharded)")
 
         def run() -> list[AdapterInfo]:
             if call.op == "load":
-                bank.register(call.name, call.path, pinned=call.pinned)
+                assert files is not None
+                bank.register(files, pinned=call.pinned)
             elif call.op == "unload":
                 bank.unregister(call.name)
             return bank.infos()
@@ -168,7 +196,7 @@ class ModelActor:
             log.exception("adapter_call_failed", op=call.op, name=call.name)
             return InternalError(f"the adapter call failed ({call.op} {call.name!r}); the server log has the details")
 
-    async def _step(self, engine: Engine | Leader, plan: StepPlan) -> StepOutcome | StepFailed:
+    async def _step(self, engine: Engine | Leader, bank: AdapterBank, plan: StepPlan) -> StepOutcome | StepFailed:
         if self.world is not None:
             if self.world.error is None:
                 outcome = await self._on_world(engine.step, plan)
@@ -176,11 +204,28 @@ class ModelActor:
                     return outcome
             return StepFailed(error=f"the distributed world is unavailable: {self.world.error}", code="unavailable")
         try:
-            return await self._thread.run(engine.step, plan)
+            files = await self._read_for_step(bank, plan)
+
+            def run() -> StepOutcome:
+                with bank.staged(files):
+                    return engine.step(plan)
+
+            return await self._thread.run(run)
         except Exception as exc:
             log.exception("step_failed")
             await self._thread.run(engine.reset)
             return StepFailed(error=f"{type(exc).__name__}: {exc}")
+
+    async def _read_for_step(self, bank: AdapterBank, plan: StepPlan) -> dict[str, AdapterFiles | AdapterLoadError]:
+        """The files of the evicted adapters this step's admissions need, read in a worker
+        thread (a cheap call on the MLX thread says which)."""
+        names = {admit.adapter for admit in plan.admit if admit.adapter is not None}
+        if not names:
+            return {}
+        wanted = await self._thread.run(bank.reserve, names)
+        if not wanted:
+            return {}
+        return await anyio.to_thread.run_sync(read_staged, wanted, bank.max_file_bytes)
 
     async def _on_world(self, call: Callable[..., Any], *args: Any) -> Any:
         """A call every rank makes, within the step timeout; None (and the world unavailable

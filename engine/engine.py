@@ -41,6 +41,7 @@ from policies.fill_session import FillSession
 from policies.layout import is_trimmable, paged_block_bytes
 from protocols.api import FillStats, TokenLogprob
 from protocols.config import LoraConfig
+from protocols.errors import MlxrtError, error_code
 from protocols.model import (
     AdmitRequest,
     CheckpointData,
@@ -176,7 +177,7 @@ class Engine:
     def reset(self) -> None:
         """Drop every request (after a failed step); prefix entries stay."""
         for seq in self._sequences.values():
-            self._blocks.release(seq)
+            self._free(seq)
         self._sequences.clear()
         self.adapters.release_all()
         self._batch = DecodeBatch(self._layout, self._pool)
@@ -212,21 +213,29 @@ class Engine:
     # -- admission, parking, release ---------------------------------------------------------
 
     def _admit(self, admit: AdmitRequest) -> RowOutput | None:
-        """Track a new request; a request that cannot start on its own account fails alone."""
+        """Track a new request; a request that cannot start on its own account fails alone.
+        Whatever its start took before it failed is given back (`_free`)."""
         if admit.request_id in self._sequences:
             raise EngineInvariantError(f"request {admit.request_id!r} admitted twice")
+        seq = Sequence(admit=admit, stop_ids=frozenset(admit.stop_token_ids))
         try:
-            seq = self._new_sequence(admit)
-        except EngineInvariantError:
-            raise
+            self._start(seq)
         except Exception as exc:
-            log.exception("request_failed_at_admission", request_id=admit.request_id)
-            return RowOutput(request_id=admit.request_id, token_ids=[], finish_reason="error", error=f"{type(exc).__name__}: {exc}")
+            self._free(seq)
+            if isinstance(exc, EngineInvariantError):
+                raise
+            code = error_code(exc) if isinstance(exc, MlxrtError) else None
+            if code is None:
+                log.exception("request_failed_at_admission", request_id=admit.request_id)
+            return RowOutput(request_id=admit.request_id, token_ids=[], finish_reason="error", error=f"{type(exc).__name__}: {exc}", error_code=code)
         self._sequences[admit.request_id] = seq
         return None
 
-    def _new_sequence(self, admit: AdmitRequest) -> Sequence:
-        seq = Sequence(admit=admit, stop_ids=frozenset(admit.stop_token_ids))
+    def _start(self, seq: Sequence) -> None:
+        """A new request's state: grammar, fill session, its KV (from a checkpoint or a prefix
+        entry), speculation, its adapter slot. Each thing taken is recorded on `seq` as it is
+        taken, so `_free` gives back exactly what was, wherever this stops."""
+        admit = seq.admit
         if admit.grammar is not None:
             if self._grammars is None:
                 raise EngineInvariantError("a grammar request reached an engine without grammars")
@@ -253,9 +262,8 @@ class Engine:
             seq.num_prefilled = n
         if admit.spec is not None:
             self._speculator.start(seq)
-        if admit.adapter is not None:  # last: nothing after it can fail and leave it held
+        if admit.adapter is not None:
             seq.adapter_slot = self.adapters.acquire(admit.adapter, admit.adapter_digest)
-        return seq
 
     def _park(self, request_id: str) -> None:
         """Take a row out of the batch, keeping its KV; it rejoins once unparked."""
@@ -280,12 +288,19 @@ class Engine:
             self._keep_kv(seq)
         if seq.in_batch:
             self._remove_row(request_id)
-        self._blocks.release(seq)
-        self._speculator.release(request_id)
-        if seq.admit.adapter is not None:
-            self.adapters.release(seq.admit.adapter)
+        self._free(seq)
         del self._sequences[request_id]
         return True
+
+    def _free(self, seq: Sequence) -> None:
+        """Give back what a request holds: its blocks (the prefix entry's shared ones among
+        them), its draft model state, its adapter slot. The one place for this, at a request's
+        end and after a failed admission alike (a grammar matcher holds nothing of the engine's)."""
+        self._blocks.release(seq)
+        self._speculator.release(seq.request_id)
+        if seq.adapter_slot and seq.admit.adapter is not None:
+            self.adapters.release(seq.admit.adapter)
+            seq.adapter_slot = 0
 
     def _keep_kv(self, seq: Sequence) -> None:
         """Offer a leaving request's KV (prompt and everything fed) to the prefix cache."""

@@ -17,6 +17,13 @@ columns (exact zeros added), and the scale multiplies the same way, so a row com
 Slots are few (`lora.max_resident`): a request's adapter is loaded into one when it is
 admitted (`acquire`), held while the request lives (its KV depends on it), and an adapter
 no live request holds is evicted least recently used first, unless pinned.
+
+Files are never read on the MLX thread (a read freezes every stream): `read_adapter_files`
+reads, hashes and parses an adapter directory in a worker thread into plain numpy data,
+refusing a weights file larger than any adapter of rank `lora.max_rank` for this model can be
+(`max_adapter_bytes`, checked on its size before reading). The bank only turns that data into
+arrays: `register` takes it directly; an evicted adapter a step's admission reloads takes what
+the model actor read and `staged` for that step.
 """
 
 from __future__ import annotations
@@ -25,25 +32,46 @@ import contextlib
 import json
 import math
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_unflatten
 
-from policies.adapters import CONFIG_FILE, WEIGHTS_FILE, adapter_digest
+from policies.adapters import CONFIG_FILE, WEIGHTS_FILE, digest_of
 from protocols.api import AdapterInfo
 from protocols.errors import AdapterLoadError, AdapterNotFoundError, InvalidRequestError
 
 # Base layers a delta can be added to (a quantized one is kept quantized on GPU backends).
 _LINEAR = (nn.Linear, nn.QuantizedLinear)
+# What a valid adapter's weights file holds past its tensors (the safetensors header);
+# `adapter_config.json` holds a few parameters.
+HEADER_ALLOWANCE = 1 << 20
+MAX_CONFIG_BYTES = 1 << 20
+# Tensor types a LoRA adapter is stored in (as numpy reads them: BF16 as raw 16-bit words).
+_DTYPES: dict[object, np.dtype] = {"F32": np.dtype(np.float32), "F16": np.dtype(np.float16), "BF16": np.dtype(np.uint16)}
+_MAX_ITEMSIZE = 4  # float32, the widest type accepted
+
+
+@dataclass
+class AdapterFiles:
+    """An adapter directory as read off the MLX thread (plain data: no `mx`): its LoRA
+    parameters, its tensors as float32 numpy arrays, and its files' digest."""
+
+    name: str
+    path: str
+    rank: int
+    scale: float
+    tensors: dict[str, np.ndarray]
+    digest: str
 
 
 @dataclass
 class AdapterWeights:
-    """One adapter as read from its directory: per targeted module, A `[in, r]` and B `[r, out]`."""
+    """One adapter checked against the model: per targeted module, A `[in, r]` and B `[r, out]`."""
 
     name: str
     path: str
@@ -56,21 +84,62 @@ class AdapterWeights:
     num_bytes: int = 0
 
 
-def read_adapter(name: str, path: str | Path, model: nn.Module) -> AdapterWeights:
-    """An adapter directory in mlx-lm's format (`adapter_config.json`, `adapters.safetensors`,
-    as `mlx_lm.lora` writes them), checked against `model`. Raises `AdapterLoadError` for
-    anything this runtime cannot apply exactly (DoRA, full fine-tunes, embeddings, experts,
-    shapes that do not fit the model)."""
+# -- files (a worker thread: plain I/O and numpy, never `mx`) --------------------------------
+
+
+def max_adapter_bytes(model: nn.Module, max_rank: int) -> int:
+    """The largest `adapters.safetensors` a valid adapter for `model` can be: float32 A and B
+    of rank `max_rank` on every linear layer, plus the header (MLX thread: reads shapes)."""
+    dims = sum(sum(_dims(module)) for _, module in model.named_modules() if isinstance(module, _LINEAR))
+    return max_rank * dims * _MAX_ITEMSIZE + HEADER_ALLOWANCE
+
+
+def read_adapter_files(name: str, path: str | Path, max_bytes: int) -> AdapterFiles:
+    """Read, hash and parse an adapter directory in mlx-lm's format (`adapter_config.json`,
+    `adapters.safetensors`, as `mlx_lm.lora` writes them); blocking, off the MLX thread and the
+    event loop. A weights file over `max_bytes` is refused before any of it is read."""
     directory = Path(path).expanduser()
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not config_path.is_file() or not weights_path.is_file():
         raise AdapterLoadError(f"adapter {name!r}: {directory} needs {CONFIG_FILE} and {WEIGHTS_FILE}")
     try:
-        config = json.loads(config_path.read_text())
-        digest = adapter_digest(directory)
-        weights = mx.load(str(weights_path))
-    except (OSError, ValueError, RuntimeError) as exc:
+        config_bytes = _read_bounded(name, config_path, MAX_CONFIG_BYTES)
+        weights_bytes = _read_bounded(name, weights_path, max_bytes)
+        config = json.loads(config_bytes)
+    except (OSError, ValueError) as exc:
         raise AdapterLoadError(f"adapter {name!r}: cannot read {directory}: {exc}") from None
+    rank, scale = _lora_parameters(name, config)
+    tensors = _parse_safetensors(name, weights_bytes)
+    for key, value in tensors.items():
+        if not np.isfinite(value).all():
+            raise AdapterLoadError(f"adapter {name!r}: {key.rpartition('.')[0]} holds values that are not finite")
+    return AdapterFiles(name, str(path), rank, scale, tensors, digest_of(config_bytes, weights_bytes))
+
+
+def read_staged(wanted: Iterable[tuple[str, str]], max_bytes: int) -> dict[str, AdapterFiles | AdapterLoadError]:
+    """`read_adapter_files` for each (name, path); an adapter that cannot be read is its error
+    (it fails only the requests that need it)."""
+    staged: dict[str, AdapterFiles | AdapterLoadError] = {}
+    for name, path in wanted:
+        try:
+            staged[name] = read_adapter_files(name, path, max_bytes)
+        except AdapterLoadError as exc:
+            staged[name] = exc
+    return staged
+
+
+def _read_bounded(name: str, path: Path, max_bytes: int) -> bytes:
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise AdapterLoadError(f"adapter {name!r}: {path} is {size:,} bytes, over the {max_bytes:,} an adapter of this model can take (lora.max_rank)")
+    with open(path, "rb") as f:
+        data = f.read(max_bytes + 1)  # a file grown since its stat is refused too
+    if len(data) > max_bytes:
+        raise AdapterLoadError(f"adapter {name!r}: {path} is over the {max_bytes:,} bytes an adapter of this model can take (lora.max_rank)")
+    return data
+
+
+def _lora_parameters(name: str, config: object) -> tuple[int, float]:
     if not isinstance(config, dict):
         raise AdapterLoadError(f"adapter {name!r}: {CONFIG_FILE} is not a JSON object")
     kind = config.get("fine_tune_type", "lora")
@@ -83,16 +152,63 @@ def read_adapter(name: str, path: str | Path, model: nn.Module) -> AdapterWeight
         raise AdapterLoadError(f"adapter {name!r}: lora_parameters needs a numeric 'rank' and 'scale'") from None
     if not math.isfinite(scale):
         raise AdapterLoadError(f"adapter {name!r}: scale {scale} is not finite")
-    if not isinstance(weights, dict):
-        raise AdapterLoadError(f"adapter {name!r}: {WEIGHTS_FILE} holds no named tensors")
+    return rank, scale
+
+
+def _parse_safetensors(name: str, data: bytes) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file (an 8-byte header length, a JSON header of dtype,
+    shape and data offsets, the data), as float32 (exactly: F16 and BF16 widen losslessly)."""
+
+    def bad(why: str) -> AdapterLoadError:
+        return AdapterLoadError(f"adapter {name!r}: {WEIGHTS_FILE} is not a safetensors file of named tensors ({why})")
+
+    length = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if not 0 <= length <= len(data) - 8:
+        raise bad("no header")
+    try:
+        header = json.loads(data[8 : 8 + length])
+    except ValueError:
+        raise bad("the header is not JSON") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    base, tensors = 8 + length, {}
+    for key, spec in header.items():
+        if key == "__metadata__":
+            continue
+        dtype, shape, offsets = (spec.get(k) for k in ("dtype", "shape", "data_offsets")) if isinstance(spec, dict) else (None, None, None)
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and isinstance(offsets, list) and len(offsets) == 2):
+            raise bad(f"{key} has no shape and data offsets")
+        stored = _DTYPES.get(dtype)
+        if stored is None:
+            raise AdapterLoadError(f"adapter {name!r}: {key} is {dtype}; LoRA weights are F32, F16 or BF16")
+        start, end = offsets
+        count = math.prod(shape)
+        if not (type(start) is int and type(end) is int and 0 <= start <= end <= len(data) - base and end - start == count * stored.itemsize):
+            raise bad(f"{key}'s data offsets do not fit its shape")
+        raw = np.frombuffer(data, dtype=stored, count=count, offset=base + start).reshape(shape)
+        tensors[key] = (raw.astype(np.uint32) << 16).view(np.float32) if dtype == "BF16" else raw.astype(np.float32)
+    if not tensors:
+        raise AdapterLoadError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    return tensors
+
+
+# -- weights (the MLX thread) -------------------------------------------------------------
+
+
+def adapter_weights(files: AdapterFiles, model: nn.Module) -> AdapterWeights:
+    """An adapter's read tensors checked against `model` and made arrays. Raises
+    `AdapterLoadError` for anything this runtime cannot apply exactly (DoRA, full fine-tunes,
+    embeddings, experts, shapes that do not fit the model)."""
+    name = files.name
     modules_by_name = dict(model.named_modules())
-    paired: dict[str, dict[str, mx.array]] = {}
-    for key, value in weights.items():
+    paired: dict[str, dict[str, np.ndarray]] = {}
+    for key, value in files.tensors.items():
         module, _, leaf = key.rpartition(".")
         if leaf not in ("lora_a", "lora_b"):
             raise AdapterLoadError(f"adapter {name!r}: {key} is not a LoRA weight (lora_a, lora_b)")
         paired.setdefault(module, {})[leaf] = value
     modules: dict[str, tuple[mx.array, mx.array]] = {}
+    rank = files.rank
     for module, pair in sorted(paired.items()):
         base = modules_by_name.get(module)
         if isinstance(base, RoutedLoRA):
@@ -108,14 +224,9 @@ def read_adapter(name: str, path: str | Path, model: nn.Module) -> AdapterWeight
             raise AdapterLoadError(f"adapter {name!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, the layer maps {in_dims} -> {out_dims}")
         rank = max(rank, a.shape[1])
         # Float32 stacks: an adapter's weights as stored, promoted like mlx-lm's matmul does.
-        a, b = a.astype(mx.float32), b.astype(mx.float32)
-        if not (mx.isfinite(a).all() and mx.isfinite(b).all()).item():
-            raise AdapterLoadError(f"adapter {name!r}: {module} holds values that are not finite")
-        modules[module] = (a, b)
-    if not modules:
-        raise AdapterLoadError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+        modules[module] = (mx.array(a), mx.array(b))
     num_bytes = sum(a.nbytes + b.nbytes for a, b in modules.values())
-    return AdapterWeights(name, str(directory), rank, scale, modules, digest, num_modules=len(modules), num_bytes=num_bytes)
+    return AdapterWeights(name, files.path, rank, files.scale, modules, files.digest, num_modules=len(modules), num_bytes=num_bytes)
 
 
 def _dims(linear: nn.Module) -> tuple[int, int]:
@@ -178,26 +289,35 @@ class AdapterBank:
     known: dict[str, _Known] = field(default_factory=dict)
     stacks: dict[str, tuple[mx.array, mx.array]] = field(default_factory=dict)
     route: Route | None = None
+    # The largest weights file a valid adapter can be (`max_adapter_bytes`); plain data, read
+    # by the event loop side before it reads an adapter's files.
+    max_file_bytes: int = 0
     _resident: OrderedDict[str, _Resident] = field(default_factory=OrderedDict)
     _scales: list[float] = field(default_factory=list)
     _rank: int = 0
+    # For the step being run: the files of adapters it may load (read before it, off this
+    # thread), and the adapters its admissions name (never evicted meanwhile).
+    _staged: dict[str, AdapterFiles | AdapterLoadError] = field(default_factory=dict)
+    _wanted: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._scales = [0.0] * (self.max_resident + 1)
+        self.max_file_bytes = max_adapter_bytes(self.model, self.max_rank)
         self.model.mlxrt_adapters = self
 
     # -- what is known and resident --------------------------------------------------------
 
-    def register(self, name: str, path: str, *, pinned: bool = False) -> AdapterInfo:
-        """Know an adapter by name and load it now (checked, into a slot: evicting the least
-        recently used idle one if the slots are full)."""
+    def register(self, files: AdapterFiles, *, pinned: bool = False) -> AdapterInfo:
+        """Know an adapter by name and load it now from its files, as read (checked, into a
+        slot: evicting the least recently used idle one if the slots are full)."""
+        name, path = files.name, files.path
         known = self.known.get(name)
-        if known is not None and known.path != str(path):
+        if known is not None and known.path != path:
             raise InvalidRequestError(f"adapter {name!r} is already loaded from {known.path}; unload it first", field="name")
-        self.known[name] = _Known(str(path), pinned)
+        self.known[name] = _Known(path, pinned)
         try:
             if name not in self._resident:
-                self._load(name)
+                self._load(name, files)
         except Exception:
             if known is None:
                 del self.known[name]
@@ -226,10 +346,34 @@ class AdapterBank:
             raise AdapterNotFoundError(f"no adapter named {name!r} (unloaded since the request was admitted)", field="adapter")
         if digest != known.digest:
             raise AdapterLoadError(f"adapter {name!r} was replaced since the request was admitted")
-        resident = self._resident.get(name) or self._load(name)
+        resident = self._resident.get(name) or self._load(name, self._staged_files(name))
         resident.users += 1
         self._resident.move_to_end(name)
         return resident.slot
+
+    def reserve(self, names: Iterable[str]) -> list[tuple[str, str]]:
+        """Before a step whose admissions name these adapters: none of them is evicted until
+        it ends, and the (name, path) of those not resident, whose files are to be read (off
+        this thread) and handed to `staged` for the step."""
+        self._wanted = set(names)
+        return [(name, self.known[name].path) for name in sorted(self._wanted) if name in self.known and name not in self._resident]
+
+    @contextlib.contextmanager
+    def staged(self, files: dict[str, AdapterFiles | AdapterLoadError]) -> Iterator[None]:
+        """Within (a step): `acquire` loads evicted adapters from these files, never from disk."""
+        self._staged = dict(files)
+        try:
+            yield
+        finally:
+            self._staged, self._wanted = {}, set()
+
+    def _staged_files(self, name: str) -> AdapterFiles:
+        staged = self._staged.get(name)
+        if isinstance(staged, AdapterLoadError):
+            raise AdapterLoadError(str(staged))
+        if staged is None or staged.path != self.known[name].path:
+            raise AdapterLoadError(f"adapter {name!r}: its files were not read before the step that loads it (an engine bug)")
+        return staged
 
     def release(self, name: str) -> None:
         resident = self._resident.get(name)
@@ -284,11 +428,11 @@ class AdapterBank:
 
     # -- slots -------------------------------------------------------------------------------
 
-    def _load(self, name: str) -> _Resident:
+    def _load(self, name: str, files: AdapterFiles) -> _Resident:
         known = self.known[name]
-        weights = read_adapter(name, known.path, self.model)
-        if known.digest and weights.digest != known.digest:
+        if known.digest and files.digest != known.digest:
             raise AdapterLoadError(f"adapter {name!r}: the files in {known.path} changed since it was loaded; load it again")
+        weights = adapter_weights(files, self.model)
         if weights.rank > self.max_rank:
             raise AdapterLoadError(f"adapter {name!r} has rank {weights.rank}, over lora.max_rank = {self.max_rank}")
         slot = self._free_slot(name)
@@ -317,7 +461,7 @@ class AdapterBank:
             if slot not in used:
                 return slot
         for victim, resident in self._resident.items():  # least recently used first
-            if not resident.users and not self.known[victim].pinned:
+            if not resident.users and not self.known[victim].pinned and victim not in self._wanted:
                 slot = resident.slot
                 self._evict(victim)
                 return slot

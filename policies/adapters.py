@@ -1,7 +1,8 @@
 """LoRA adapter decisions (pure): identity, the prefix cache's namespaces, slot admission.
 
 - `adapter_digest`: what ties KV and checkpoints to an adapter's exact weights (its config
-  and weights files, hashed): an adapter reloaded from changed files is another adapter.
+  and weights files, hashed; `digest_of` the bytes already read): an adapter reloaded from
+  changed files is another adapter.
 - `prefix_namespace`: KV computed under an adapter seeds only requests of that adapter.
 - `AdapterSlots`: a request whose adapter is not held by a live request starts only while a
   slot is left for it (`lora.max_resident`): the others wait, like requests waiting for KV.
@@ -27,6 +28,15 @@ def adapter_digest(directory: str | Path) -> str:
         with open(Path(directory) / name, "rb") as f:
             while chunk := f.read(_READ):
                 digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def digest_of(config: bytes, weights: bytes) -> str:
+    """`adapter_digest` of files already read (the digest of the very bytes that are parsed)."""
+    digest = hashlib.sha256()
+    for data in (config, weights):
+        digest.update(data)
         digest.update(b"\0")
     return digest.hexdigest()[:16]
 

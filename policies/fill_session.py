@@ -55,7 +55,7 @@ def parse_strict_call(text: str, tools: list[dict], markers: tuple[str, str]) ->
         return None
     try:
         call = json.loads(text[len(start) : len(text) - len(end)])
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(call, dict) or set(call) != {"name", "arguments"} or not isinstance(call["arguments"], dict):
         return None

@@ -362,7 +362,8 @@ class SchedulePolicy:
                 tracked.timeline["last_token"] = now
             if row.finish_reason is not None:
                 del self._active[row.request_id]
-                ended.append(Ended(tracked, tracked.release_reason or row.finish_reason, row.stop_token_id, row.error, "internal" if row.error else None))
+                code = row.error_code or ("internal" if row.error else None)
+                ended.append(Ended(tracked, tracked.release_reason or row.finish_reason, row.stop_token_id, row.error, code))
         self.num_finished += len(ended)
         return ended
 

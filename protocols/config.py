@@ -119,7 +119,8 @@ class ServerConfig(Section, frozen=True):
     max_connections: Positive = 64
     # Seconds a new connection has to send Hello.
     handshake_timeout_s: Seconds = 10.0
-    # Seconds a client may leave a frame unread before the server drops the connection.
+    # Seconds a client may leave a frame (HTTP: a response) unread before the server drops
+    # the connection.
     client_stall_timeout_s: Seconds = 60.0
     # A connection with no live request that sends no complete frame for this long is closed.
     idle_timeout_s: Seconds = 300.0
@@ -143,10 +144,20 @@ class ServerConfig(Section, frozen=True):
     # component (or "builtin:<name>").
     served_model_name: str = ""
     # HTTP API requests in flight at once; beyond this, 503 with Retry-After (/health and
-    # /metrics are always answered; connections beyond twice this get uvicorn's plain 503).
+    # /metrics are always answered).
     http_max_connections: Positive = 256
+    # Open HTTP connections, idle ones included; a connection beyond this evicts the idle one
+    # that waited longest (lowered to what the process's descriptor limit leaves).
+    http_max_open_connections: Positive = 512
+    # A connection that opens, or has sent its last response, must deliver a complete request
+    # head within this many seconds (bytes trickling in do not extend it).
+    http_header_timeout_s: Seconds = 10.0
     # Seconds an idle keep-alive HTTP connection stays open.
     http_keepalive_s: Seconds = 5.0
+    # Host names the HTTP API answers (the Host header, port ignored): [] = the loopback names
+    # (localhost, 127.0.0.1, ::1) when bound to loopback, any otherwise; ["*"] = any. A page
+    # that rebinds its own DNS name to 127.0.0.1 is refused.
+    http_allowed_hosts: list[str] = msgspec.field(default_factory=list)
     # vLLM's runtime LoRA routes, POST /v1/load_lora_adapter {"lora_name", "lora_path"} and
     # /v1/unload_lora_adapter {"lora_name"}: off by default (they read a path on this machine;
     # set `api_key` too when the port is reachable by others).
@@ -184,6 +195,11 @@ class SpeculativeConfig(Section, frozen=True):
     max_batch: NonNegative = 0
 
 
+# The variable every rank of a world with `distributed.control` reads its shared secret from
+# (`runtime.env.world_secret`): kept out of the config tree, so no file or `mlxrt config show` holds it.
+WORLD_SECRET_VARIABLE = "MLXRT_DISTRIBUTED_SECRET"
+
+
 class DistributedConfig(Section, frozen=True):
     # The mlx.distributed backend the world was launched with (`mlxrt launch` or `mlx.launch`);
     # "" = one process. Rank 0 serves; every other rank follows its steps on its shard.
@@ -196,7 +212,8 @@ class DistributedConfig(Section, frozen=True):
     # "host:port" rank 0 listens on (every rank must reach it) for a wake-up before each
     # plan: MLX's ring backend spins a core while a rank waits in a collective, so an idle
     # follower sleeps on this socket instead. `mlxrt launch` on one machine sets it; "" =
-    # followers wait in the collective.
+    # followers wait in the collective. Each connection must prove the world's secret
+    # (`WORLD_SECRET_VARIABLE`, never a key here) before rank 0 counts it as a rank.
     control: str = ""
     # A step every rank has not finished within this ends the requests in it with an
     # `unavailable` error, and the runtime refuses requests until relaunched.

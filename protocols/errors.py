@@ -34,6 +34,8 @@ ErrorCode = Literal[
     "method_not_allowed",  # the route exists for other methods
     "body_too_large",  # the request body exceeds server.max_body_bytes (refused before it is read)
     "body_timeout",  # the request body did not arrive within server.body_timeout_s
+    "host_not_allowed",  # the Host header names a host this server does not answer (DNS rebinding)
+    "unsupported_media_type",  # a POST without a JSON body and without an API key (a browser form)
 ]
 
 
@@ -69,6 +71,8 @@ ERROR_KINDS: dict[str, ErrorKind] = {
     "method_not_allowed": ErrorKind(405, "invalid_request_error"),
     "body_too_large": ErrorKind(413, "invalid_request_error"),
     "body_timeout": ErrorKind(408, "invalid_request_error"),
+    "host_not_allowed": ErrorKind(421, "invalid_request_error"),
+    "unsupported_media_type": ErrorKind(415, "invalid_request_error"),
 }
 
 

@@ -187,6 +187,9 @@ class RowOutput(Record, frozen=True):
     # Its speculative decoding figures so far, for rows that speculate.
     spec: SpecStats | None = None
     error: str | None = None
+    # The error's code when the request itself is at fault (`protocols.errors`: an adapter
+    # unloaded while it waited is `adapter_not_found`); None: the server's own failure.
+    error_code: str | None = None
 
 
 class PrefillReport(Record, frozen=True):

@@ -1,7 +1,8 @@
 """The one place the runtime reads its environment: variables named `MLXRT_*`.
 
 Known names: MLXRT_BLAS (path to a BLAS library, or "off"), MLXRT_HOME (where
-built-in models are cached), and config overrides `MLXRT_<SECTION>_<KEY>`
+built-in models are cached), MLXRT_DISTRIBUTED_SECRET (a distributed world's shared secret,
+never a config key), and config overrides `MLXRT_<SECTION>_<KEY>`
 (e.g. MLXRT_SERVER_SOCKET, MLXRT_SCHEDULER_MAX_BATCH_SIZE; see runtime.config).
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from protocols.config import WORLD_SECRET_VARIABLE
 
 PREFIX = "MLXRT_"
 
@@ -18,8 +21,14 @@ def get(name: str) -> str | None:
 
 
 def environment() -> dict[str, str]:
-    """Every MLXRT_* variable (config overrides are `MLXRT_<SECTION>_<KEY>`, see runtime.config)."""
-    return {k: v for k, v in os.environ.items() if k.startswith(PREFIX)}
+    """Every MLXRT_* variable that may override config (`MLXRT_<SECTION>_<KEY>`, see
+    runtime.config): all but the world's secret, which never enters the config tree."""
+    return {k: v for k, v in os.environ.items() if k.startswith(PREFIX) and k != WORLD_SECRET_VARIABLE}
+
+
+def world_secret() -> str:
+    """$MLXRT_DISTRIBUTED_SECRET: the secret a world's control connections prove ("" = unset)."""
+    return os.environ.get(WORLD_SECRET_VARIABLE, "")
 
 
 def runtime_dir() -> str | None:

@@ -120,7 +120,7 @@ class ShardCheckpoints:
 def run_follower(config: RuntimeConfig) -> None:
     configure_logging(config.logging)
     config.check_distributed()
-    world = World.join(config.distributed)
+    world = World.join(config.distributed, env.world_secret())
     if world.rank == 0:
         raise ConfigError("rank 0 serves (`mlxrt serve`); only the other ranks follow")
     progress = Progress(f"rank {world.rank}")

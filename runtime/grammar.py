@@ -286,11 +286,14 @@ class GrammarCache:
 
     def _build_checked(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         try:
-            return self._build(spec)
+            compiled = self._build(spec)
         except InvalidRequestError:
             raise
         except Exception as exc:  # xgrammar reports bad grammars with several exception types
             raise InvalidRequestError(f"invalid {spec.kind} grammar: {_clean(exc)}", field=spec_field(spec)) from None
+        if not _admits_a_first_token(compiled, self.vocab_size):  # e.g. `root ::= root`
+            raise InvalidRequestError(f"the {spec.kind} grammar admits no text at all", field=spec_field(spec))
+        return compiled
 
     def _build(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         compiler = self._compiler
@@ -309,6 +312,13 @@ class GrammarCache:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _admits_a_first_token(compiled: xgr.CompiledGrammar, vocab_size: int) -> bool:
+    """Whether a fresh matcher allows any token (the end of sequence included)."""
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any().item())
 
 
 def _wake(call_soon, callback) -> None:

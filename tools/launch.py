@@ -7,7 +7,8 @@ polls its ranks' pipes without sleeping, which costs a core per rank on a small 
 With hosts (`--hostfile`, or `distributed.hostfile`) or another backend it runs mlx.launch:
 `mlx.launch --backend <backend> --hostfile <hosts> -- <python> -m tools.cli serve ...`.
 Either way rank 0 serves the socket (and HTTP), every other rank follows it, and the world
-ends when any rank fails.
+ends when any rank fails. Every rank gets the world's control secret (`MLXRT_DISTRIBUTED_SECRET`:
+the caller's, else a fresh random one per launch), which rank 0's control connections check.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -23,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from protocols.config import WORLD_SECRET_VARIABLE
 from runtime import env
 from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError
@@ -64,7 +67,7 @@ def launch(config: RuntimeConfig, config_path: str, ranks: int, hostfile: str | 
     backend = config.distributed.backend
     if not backend:
         raise ConfigError(f"{config_path}: `mlxrt launch` needs `[distributed] backend` (ring on one machine or over TCP, mpi, jaccl, nccl)")
-    environ = {**os.environ, env.PREFIX + "HOME": str(env.home())}
+    environ = launch_environ()
     if backend == "ring" and not (hostfile or config.distributed.hostfile):
         return LocalWorld(ranks, serve_command(config_path, serve_args), environ).run()
     command = mlx_launch_command(config, config_path, ranks, hostfile, serve_args)
@@ -76,6 +79,16 @@ def launch(config: RuntimeConfig, config_path: str, ranks: int, hostfile: str | 
         except KeyboardInterrupt:
             world.terminate()
             return world.wait()
+
+
+def launch_environ() -> dict[str, str]:
+    """The ranks' environment: this one, with MLXRT_HOME, and the world's control secret: the
+    caller's (set the same on every host of a hostfile), else a fresh one for this launch."""
+    environ = {**os.environ, env.PREFIX + "HOME": str(env.home())}
+    if not env.world_secret():
+        # (Local ranks inherit it; mlx.launch's `--env` would show it in every process list.)
+        environ[WORLD_SECRET_VARIABLE] = secrets.token_hex(32)
+    return environ
 
 
 def free_ports(n: int) -> list[int]:

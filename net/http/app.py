@@ -12,7 +12,6 @@ mid-stream, cancels its request. Errors use OpenAI's JSON shape, their status ta
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -29,7 +28,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from net.http import openai_types as oa
 from net.http.mapping import (
@@ -44,6 +43,8 @@ from net.http.mapping import (
     ending_error,
     error_of,
 )
+from net.http.middleware import Authorization, BrowserGuard, RequestLimit, ResponseCounter
+from net.http.responses import error_response, json_response
 from protocols.api import Event, Finished, GenerateRequest
 from protocols.config import ServerConfig
 from protocols.errors import ERROR_KINDS, MlxrtError
@@ -52,19 +53,19 @@ from runtime.metrics import CONTENT_TYPE, PREFIX
 log = structlog.get_logger(actor="http")
 
 T = TypeVar("T")
-JSON = "application/json"
 # nginx's "client closed request": logged and counted, never received.
 CLIENT_LEFT = 499
-PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 Output = ChatOutput | CompletionOutput
 
 
 class Api:
     """The endpoints, and what they serve: the runtime once attached, the server's settings."""
 
-    def __init__(self, config: ServerConfig, model_name: str):
+    def __init__(self, config: ServerConfig, model_name: str, allowed_hosts: frozenset[str] | None = None):
         self.config = config
         self.model_name = model_name
+        # Host names requests may address (None: any; see `middleware.BrowserGuard`).
+        self.allowed_hosts = allowed_hosts
         self.runtime: Any = None
         self.draining = False
         self._token_texts: dict[str | None, TokenTexts] = {}
@@ -91,7 +92,7 @@ class Api:
 
     async def health(self, request: Request) -> Response:
         status = "draining" if self.draining else "loading" if self.runtime is None else "unavailable" if getattr(self.runtime, "world_error", None) else "ok"
-        return _json({"status": status, "model": self.model_name}, 200 if status == "ok" else 503)
+        return json_response({"status": status, "model": self.model_name}, 200 if status == "ok" else 503)
 
     async def metrics(self, request: Request) -> Response:
         runtime = self._ready()
@@ -101,12 +102,12 @@ class Api:
     async def models(self, request: Request) -> Response:
         runtime = self._ready()
         models = [self._card(name) for name in runtime.known_models()]
-        return _json(oa.ModelList(data=[*models, *(self._card(name, adapter=True) for name in runtime.known_adapters())]))
+        return json_response(oa.ModelList(data=[*models, *(self._card(name, adapter=True) for name in runtime.known_adapters())]))
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
         _, adapter = self._check_model(name)
-        return _json(self._card(name, adapter=adapter is not None))
+        return json_response(self._card(name, adapter=adapter is not None))
 
     async def chat_completions(self, request: Request) -> Response:
         runtime = self._ready()
@@ -133,12 +134,12 @@ class Api:
     async def load_lora_adapter(self, request: Request) -> Response:
         body = decode_body(await self._read_body(request), oa.LoadLoraAdapterRequest)
         info = await self._adapter_updates().load_adapter(body.lora_name, body.lora_path)
-        return _json({"status": "ok", "adapter": info})
+        return json_response({"status": "ok", "adapter": info})
 
     async def unload_lora_adapter(self, request: Request) -> Response:
         body = decode_body(await self._read_body(request), oa.UnloadLoraAdapterRequest)
         await self._adapter_updates().unload_adapter(body.lora_name)
-        return _json({"status": "ok"})
+        return json_response({"status": "ok"})
 
     def _adapter_updates(self):
         runtime = self._ready()
@@ -174,7 +175,7 @@ class Api:
         error = ending_error(output.finished)
         if error is not None:
             return error_response(error)
-        return _json(output.response(), headers=headers)
+        return json_response(output.response(), headers=headers)
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused by its Content-Length before reading, or as soon as it passes the limit."""
@@ -226,24 +227,6 @@ class Api:
 
 
 # -- responses ---------------------------------------------------------------------
-
-
-def _json(value: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(msgspec.json.encode(value), status_code=status, headers=headers, media_type=JSON)
-
-
-def error_response(error: HttpError) -> Response:
-    """OpenAI's error JSON with the code's status; 429/503 say when to retry."""
-    kind = ERROR_KINDS[error.code]
-    headers = {}
-    if kind.http_status in (429, 503):
-        headers["Retry-After"] = "1"
-    if error.code == "unauthorized":
-        headers["WWW-Authenticate"] = "Bearer"
-    if error.code in ("body_too_large", "body_timeout"):
-        headers["Connection"] = "close"  # the rest of the body is never read
-    body = oa.ErrorResponse(oa.ErrorBody(message=str(error), type=kind.openai_type, param=error.param, code=error.code))
-    return _json(body, kind.http_status, headers)
 
 
 def _sse(value: Any) -> bytes:
@@ -361,77 +344,6 @@ def _endpoint(api: Api, handler: Callable[[Request], Awaitable[Response]], endpo
     return run
 
 
-class Authorization:
-    """Bearer-key check (constant time) for every path but the open ones."""
-
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/health",)):
-        self.app = app
-        self._key = api_key.encode()
-        self._open = open_paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self._open:
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-                response = error_response(HttpError("unauthorized", "a valid API key is required (Authorization: Bearer <key>)"))
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class ResponseCounter:
-    """Counts responses by route and status (`mlxrt:http_responses_total`; status "none" when
-    the client left before one was sent)."""
-
-    def __init__(self, app: ASGIApp, api: Api):
-        self.app = app
-        self._api = api
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        route = scope["path"] if scope["path"] in PATHS else "/v1/models/{model}" if scope["path"].startswith("/v1/models/") else "other"
-        status = "none"
-
-        async def counting_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = str(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        finally:
-            self._api.responses.labels(self._api.model_name, route, status).inc()
-
-
-class RequestLimit:
-    """At most `limit` API requests in flight (`server.http_max_connections`): past it, OpenAI's
-    503 JSON with Retry-After (uvicorn's own limit, kept above this one as a backstop, answers
-    in plain text). /health and /metrics are always answered."""
-
-    def __init__(self, app: ASGIApp, limit: int):
-        self.app = app
-        self._limit = limit
-        self._in_flight = 0
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in ("/health", "/metrics"):
-            await self.app(scope, receive, send)
-            return
-        if self._in_flight >= self._limit:
-            busy = HttpError("busy", f"{self._limit} HTTP requests are in flight (server.http_max_connections); retry later")
-            await error_response(busy)(scope, receive, send)
-            return
-        self._in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self._in_flight -= 1
-
-
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
@@ -450,9 +362,13 @@ def build_app(api: Api) -> Starlette:
         Route("/metrics", _endpoint(api, api.metrics, "metrics"), methods=["GET"]),
     ]
     config = api.config
-    # Outermost first: count every response, refuse past the request limit, answer CORS
-    # preflights, then check the key.
-    middleware = [Middleware(ResponseCounter, api=api), Middleware(RequestLimit, limit=config.http_max_connections)]
+    # Outermost first: count every response, refuse what a browser page must not send, refuse
+    # past the request limit, answer CORS preflights, then check the key.
+    middleware = [
+        Middleware(ResponseCounter, counter=api.responses, model_name=api.model_name),
+        Middleware(BrowserGuard, allowed_hosts=api.allowed_hosts, json_only=not config.api_key),
+        Middleware(RequestLimit, limit=config.http_max_connections),
+    ]
     if config.cors_origins:
         middleware.append(
             Middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])

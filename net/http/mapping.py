@@ -21,7 +21,7 @@ import msgspec
 
 from net.http import openai_types as oa
 from protocols.api import Event, Finished, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, ToolCall, new_request_id
-from protocols.errors import ErrorCode, MlxrtError, error_code
+from protocols.errors import ERROR_KINDS, ErrorCode, MlxrtError, error_code
 
 T = TypeVar("T")
 
@@ -148,7 +148,7 @@ def _tool_call(call: oa.ToolCallIn, where: str) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # (50,000 `[` is too deep for any decoder)
             raise HttpError("invalid_request", "tool call arguments must be a JSON object", f"{where}.function.arguments") from None
     if not isinstance(arguments, dict):
         raise HttpError("invalid_request", "tool call arguments must be a JSON object", f"{where}.function.arguments")
@@ -214,7 +214,8 @@ def usage_of(finished: Finished) -> oa.UsageInfo:
 def ending_error(finished: Finished) -> HttpError | None:
     """The error a request that did not complete ends with (None for stop and length)."""
     if finished.finish_reason == "error":
-        return HttpError("internal", f"generation failed: {finished.error or 'see the server log'}")
+        code = finished.error_code if finished.error_code in ERROR_KINDS else "internal"
+        return HttpError(code, f"generation failed: {finished.error or 'see the server log'}")  # type: ignore[arg-type]
     if finished.finish_reason == "cancelled":
         return HttpError("shutting_down", finished.error or "the request was cancelled before it finished (the server is shutting down)")
     return None

@@ -17,13 +17,11 @@ import anyio
 import uvicorn
 
 from net.http.app import Api, build_app
+from net.http.connections import ConnectionGuard, guarded_protocol, open_connections_cap
 from protocols.errors import ConfigError
 from runtime.config import RuntimeConfig
 
 SHUTDOWN_GRACE_S = 5.0
-# uvicorn's own limit (connections, idle keep-alive ones included, or tasks) sits this far
-# above twice the request limit, so the app's JSON 503 answers first.
-BACKSTOP_HEADROOM = 16
 LOOPBACK = "127.0.0.1"
 
 
@@ -36,6 +34,16 @@ def parse_address(text: str) -> tuple[str, int]:
     if not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ConfigError(f"`server.http` must be host:port or a port, got {text!r}")
     return host, int(port)
+
+
+def allowed_hosts(configured: list[str], bound: str) -> frozenset[str] | None:
+    """Host names requests may address (None: any): the configured ones, else the loopback
+    names when bound to loopback (a DNS-rebinding page sends its own name)."""
+    if "*" in configured:
+        return None
+    if configured:
+        return frozenset(h.lower().strip("[]") for h in configured)
+    return frozenset({"localhost", "127.0.0.1", "::1"}) if is_loopback(bound) else None
 
 
 def is_loopback(host: str) -> bool:
@@ -53,21 +61,22 @@ class _Uvicorn(uvicorn.Server):
 class HttpServer:
     def __init__(self, config: RuntimeConfig):
         self.host, self.port = parse_address(config.server.http)
-        self.api = Api(config.server, config.model_name)
-        self.app = build_app(self.api)
         server = config.server
+        self.api = Api(config.server, config.model_name, allowed_hosts=allowed_hosts(server.http_allowed_hosts, self.host))
+        self.app = build_app(self.api)
+        # Connections are guarded here (deadlines, a cap with idle eviction); requests by the
+        # app (`RequestLimit`): uvicorn's own limit counted idle sockets and answered 503 to all.
+        self.guard = ConnectionGuard(open_connections_cap(server.http_max_open_connections), server.http_header_timeout_s, server.client_stall_timeout_s)
         self._uvicorn = _Uvicorn(
             uvicorn.Config(
                 self.app,
-                http="h11",
+                http=guarded_protocol(self.guard),
                 lifespan="off",
                 log_config=None,
                 log_level="warning",
                 access_log=False,
                 proxy_headers=False,
                 server_header=False,
-                # A backstop: `RequestLimit` answers past http_max_connections requests.
-                limit_concurrency=2 * server.http_max_connections + BACKSTOP_HEADROOM,
                 timeout_keep_alive=int(max(1, server.http_keepalive_s)),
                 timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
             )
@@ -101,7 +110,10 @@ class HttpServer:
         sock = self.bind()
         try:
             task_status.started(self.url)
-            await self._uvicorn.serve(sockets=[sock])
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self.guard.run)
+                await self._uvicorn.serve(sockets=[sock])
+                tg.cancel_scope.cancel()
         finally:
             sock.close()
             self._stopped.set()

@@ -389,3 +389,31 @@ def test_rows_appending_different_counts_equal_appending_one_at_a_time(name):
     last = [spans[0][-1], prompts[1][-1], spans[2][-1]]
     a, b = _step(model, together, last), _step(model, alone, last)
     assert mx.allclose(a, b, atol=1e-4).item()
+
+
+@pytest.mark.parametrize("failure", ["adapter", "draft"])
+def test_a_request_failing_at_admission_gives_back_everything_it_took(failure):
+    """A request seeded from a prefix entry (the entry's full blocks shared, its partial one
+    copied) that fails later in its admission (an adapter unloaded since it was admitted; a
+    draft model that is not loaded) ends with `error` and holds no block, no reference."""
+    import msgspec
+
+    from protocols.model import SpecPlan
+
+    model, _ = load_reference("builtin:tiny")
+    engine = Engine(model, with_kv_blocks(probe_layout(model), 16))
+    prompt = _prompts([40])[0]
+    driver = Driver(engine)
+    driver.admit(_admit("a", prompt, max_tokens=4))
+    driver.run()
+    (entry,) = driver.saved
+    before = engine.pool_stats()
+    cause = {"adapter": {"adapter": "gone", "adapter_digest": "x"}, "draft": {"spec": SpecPlan(method="draft")}}[failure]
+    for i in range(4):
+        admit = msgspec.structs.replace(_admit(f"b{i}", [*prompt, 7]), prefix_entry=entry.entry_id, prefix_tokens=len(prompt) - 1, **cause)
+        (output,) = engine.step(StepPlan(admit=[admit])).outputs
+        assert output.finish_reason == "error"
+    assert engine.pool_stats() == before
+    assert engine.kv_tokens() == {} and all(a.users == 0 for a in engine.adapters.infos())
+    engine.drop_prefixes([entry.entry_id])
+    assert engine.pool_stats().used == 0

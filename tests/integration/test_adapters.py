@@ -16,7 +16,7 @@ from runtime import Runtime
 from runtime.config import AdapterConfig, KvConfig, LoraConfig
 from runtime.errors import AdapterLoadError, AdapterNotFoundError, ForeignCheckpointError, InvalidRequestError
 from tests.conftest import builtin_dir, make_config
-from tests.integration.reference import greedy_tokens
+from tests.integration.reference import greedy_tokens, load_reference
 from tools.lora_adapters import make_lora_adapter
 
 MAX_TOKENS = 16
@@ -310,7 +310,7 @@ async def test_vllm_runtime_lora_routes_load_and_unload_over_http(adapters):
 
     async def post(url: str, path: str, body: dict) -> tuple[int, dict]:
         data = json.dumps(body).encode()
-        head = f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n".encode()
+        head = f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n".encode()
         status, _, answer = await raw_request(url, head, data)
         return status, json.loads(answer)
 
@@ -331,3 +331,135 @@ async def test_vllm_runtime_lora_routes_load_and_unload_over_http(adapters):
         client = served.client()
         assert [m.id for m in (await client.models.list()).data] == [served.model]
         await client.close()
+
+
+def _paged(adapters: dict, names, **lora):
+    config = _config(adapters, names=names, **lora)
+    return msgspec.structs.replace(config, kv=KvConfig(block_size=16, prefix_cache_bytes=1 << 26))
+
+
+async def _finish(rt: Runtime, request: GenerateRequest) -> Finished:
+    async for event in rt.generate(request):
+        if isinstance(event, Finished):
+            return event
+    raise AssertionError("no Finished event")
+
+
+async def _pool_after_probe(rt: Runtime):
+    """The pool's figures, fresh: a request that starts and ends makes the engine report them
+    (the same prompt every time: its entry replaces the one it left before)."""
+    await _run(rt, [GenerateRequest(prompt_ids=_prompt(9), max_tokens=4)])
+    pool = (await rt.stats()).kv.pool
+    assert pool is not None
+    return (pool.used, pool.shared, pool.unused_positions)
+
+
+async def test_a_failed_adapter_admission_gives_back_its_kv_blocks(adapters, tmp_path):
+    """A request seeded from a prefix entry (shared blocks, a copied partial block) whose
+    adapter cannot be reloaded at admission ends with `error` and holds nothing afterwards."""
+    own = dict(adapters, A=shutil.copytree(adapters["A"], tmp_path / "A"))
+    system = _prompt(6)  # 47 tokens: two full blocks and a partial one
+    async with Runtime.open(_paged(own, ("A", "B"), max_resident=1)) as rt:
+        await _run(rt, [GenerateRequest(prompt_ids=system, max_tokens=4, adapter="A")])
+        await _run(rt, [GenerateRequest(prompt_ids=_prompt(1), max_tokens=4, adapter="B")])  # A is evicted
+        await _pool_after_probe(rt)
+        baseline = await _pool_after_probe(rt)
+        # A's files change while it is evicted: its reload at admission is refused.
+        config = json.loads((own["A"] / "adapter_config.json").read_text())
+        config["lora_parameters"]["scale"] = 3.0
+        (own["A"] / "adapter_config.json").write_text(json.dumps(config))
+        for i in range(8):
+            finished = await _finish(rt, GenerateRequest(prompt_ids=[*system, 5 + i, 7], max_tokens=4, adapter="A"))
+            assert finished.finish_reason == "error" and "changed" in (finished.error or ""), finished
+            assert finished.usage.cached_tokens == len(system), "the request was seeded from the prefix entry"
+        assert await _pool_after_probe(rt) == baseline
+
+
+async def test_an_adapter_unloaded_while_its_request_waits_leaves_no_blocks_held(adapters):
+    system = _prompt(6)
+    config = msgspec.structs.replace(_paged(adapters, ("A",)), scheduler=msgspec.structs.replace(make_config().scheduler, max_batch_size=1))
+    waiting: list[Finished] = []
+
+    async def wait_for_a(i: int) -> None:
+        waiting.append(await _finish(rt, GenerateRequest(prompt_ids=[*system, 9, i], max_tokens=4, adapter="A")))
+
+    long = GenerateRequest(prompt_ids=_prompt(2), max_tokens=800, ignore_eos=True)
+    async with Runtime.open(config) as rt:
+        await _run(rt, [GenerateRequest(prompt_ids=system, max_tokens=4, adapter="A")])
+        await _finish(rt, long)  # its entry is in the baseline (the run below leaves the same)
+        await _pool_after_probe(rt)
+        baseline = await _pool_after_probe(rt)
+        async with anyio.create_task_group() as tg:
+            # The one batch row is taken (its stream read, so it is never parked) while the
+            # requests for A queue; A is unloaded before they start.
+            tg.start_soon(_finish, rt, long)
+            await anyio.sleep(0.1)
+            for i in range(4):
+                tg.start_soon(wait_for_a, i)
+            await anyio.sleep(0.2)
+            await rt.unload_adapter("A")
+        assert [f.finish_reason for f in waiting] == ["error"] * 4 and all("unloaded" in (f.error or "") for f in waiting), waiting
+        assert all(f.usage.cached_tokens == len(system) for f in waiting)
+        assert await _pool_after_probe(rt) == baseline
+
+
+async def test_an_oversized_adapter_is_refused_at_once_while_a_stream_goes_on(adapters, tmp_path):
+    """A weights file bigger than any adapter of `lora.max_rank` for this model can be (here a
+    3 GB sparse file) is refused on its size, unread; a running stream is not held up."""
+    import time
+
+    huge = shutil.copytree(adapters["A"], tmp_path / "huge")
+    with open(huge / "adapters.safetensors", "r+b") as f:
+        f.truncate(3 * 2**30)
+    prompt = _prompt(3)
+    stream: list[int] = []
+    finished: list[Finished] = []
+    async with Runtime.open(_config(adapters, names=("A",))) as rt:
+        started = anyio.Event()
+
+        async def run() -> None:
+            async for event in rt.generate(GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS * 4)):
+                if isinstance(event, TokenDelta):
+                    stream.extend(event.token_ids)
+                    started.set()
+                elif isinstance(event, Finished):
+                    finished.append(event)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await started.wait()
+            began = time.monotonic()
+            with pytest.raises(AdapterLoadError, match=r"adapters\.safetensors is 3,221,225,472 bytes, over the [\d,]+"):
+                await rt.load_adapter("huge", huge)
+            refused_s = time.monotonic() - began
+        assert [a.name for a in await rt.adapters()] == ["A"]
+    assert refused_s < 1.0, refused_s
+    assert len(finished) == 1 and finished[0].error is None, finished
+    assert stream == greedy_tokens(*load_reference("builtin:tiny"), prompt, MAX_TOKENS * 4)
+
+
+async def test_evicted_adapters_reload_from_files_read_off_the_mlx_thread(adapters, monkeypatch):
+    """Every adapter file is read in a worker thread: at start, at a load, and when a step
+    reloads an evicted adapter (its files read before the step, handed to the bank)."""
+    import threading
+
+    import engine.lora
+
+    reads: list[tuple[str, str]] = []
+    read_bounded = engine.lora._read_bounded
+
+    def recorded(name, path, max_bytes):
+        reads.append((path.name, threading.current_thread().name))
+        return read_bounded(name, path, max_bytes)
+
+    monkeypatch.setattr(engine.lora, "_read_bounded", recorded)
+    prompts = {n: _prompt(i + 1) for i, n in enumerate("AB")}
+    async with Runtime.open(_config(adapters, names=("A", "B"), max_resident=1)) as rt:
+        names = ["A", "B", "A", "B"]
+        for name in names:  # one at a time: each request evicts the other adapter
+            assert await _run(rt, [GenerateRequest(prompt_ids=prompts[name], max_tokens=MAX_TOKENS, adapter=name)]) == [
+                _reference(adapters[name], prompts[name])
+            ]
+    weights_reads = [thread for file, thread in reads if file == "adapters.safetensors"]
+    assert len(weights_reads) == 2 + len(names), reads  # two at start (B evicts A), then a reload per request
+    assert "mlx" not in weights_reads, reads

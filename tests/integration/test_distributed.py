@@ -13,7 +13,10 @@ import json
 import os
 import random
 import re
+import secrets
 import signal
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +33,7 @@ from tests.conftest import CHUNK, builtin_dir, make_config
 from tests.integration.reference import greedy_tokens, load_reference
 from tests.integration.server_helpers import ServerProcess, collect, wait_idle, write_config
 from tests.support.gguf_files import write_gguf
+from tools.launch import free_ports
 
 WORLD_READY_S = 120.0
 MAX_TOKENS = 24
@@ -265,3 +269,66 @@ async def test_a_killed_rank_ends_in_flight_requests_with_unavailable_and_the_wo
         code = process.wait_exit(30)
         assert code is not None and code != 0, "the world did not exit after rank 1 died"
         assert "rank 1 exited with -9" in process.log_text()
+
+
+class Intruder:
+    """A local process on the control port: it connects as soon as rank 0 listens (before the
+    followers, which retry less often) and again and again, staying silent (held open), sending
+    garbage, or a well-sized answer without the secret."""
+
+    PAYLOADS = (b"", b"GET / HTTP/1.1\r\n\r\n" * 8, bytes(68))
+    HELD_MAX = 200
+
+    def __init__(self, port: int):
+        self.port = port
+        self.connections = 0
+        self._held: list[socket.socket] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="intruder", daemon=True)
+
+    def __enter__(self) -> Intruder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for conn in self._held:
+            conn.close()
+
+    def _run(self) -> None:
+        # No pause while the port is closed: the first connection rank 0 accepts is this one's.
+        while not self._stop.is_set():
+            conn = socket.socket()
+            if conn.connect_ex(("127.0.0.1", self.port)) != 0:
+                conn.close()
+                time.sleep(0.05 if self.connections else 0)  # (once the gate has closed, no hurry)
+                continue
+            payload = self.PAYLOADS[self.connections % len(self.PAYLOADS)]
+            self.connections += 1
+            with contextlib.suppress(OSError):
+                conn.sendall(payload)
+            self._held.append(conn)  # held open: a silent one must time out or be closed by rank 0
+            time.sleep(0.001 if len(self._held) < self.HELD_MAX else 0.1)
+
+
+async def test_a_local_intruder_on_the_control_port_takes_no_rank_and_the_world_serves_exactly(tmp_path, references):
+    (port,) = free_ports(1)
+    address = f"127.0.0.1:{port}"
+    secret = secrets.token_hex(32)  # the caller's own, which `mlxrt launch` passes on as it is
+    prompt = prompts(1, 16)[0]
+    environ = {"MLXRT_DISTRIBUTED_CONTROL": address, "MLXRT_DISTRIBUTED_SECRET": secret}
+    with Intruder(port) as intruder, world(tmp_path / "intruder", "tensor", environ) as process:
+        async with Client.connect(process.socket) as client:
+            with anyio.fail_after(60):
+                outcome = await collect(client.generate(GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS)))
+            assert outcome.last.finish_reason in ("length", "stop"), outcome.last
+            assert outcome.tokens == references["tensor"][tuple(prompt)]
+        log = process.log_text()
+        joined = log_events(process, "world_joined")
+        refused = log_events(process, "control_refused")
+    assert intruder.connections >= 1
+    assert len(joined) == 2 and all(j["control"] == address for j in joined), joined
+    # Rank 0 refused the stranger's connections, by name, without the secret in its log.
+    assert refused and all(r["peer"].startswith("127.0.0.1:") for r in refused), refused
+    assert secret not in log

@@ -28,8 +28,8 @@ async def test_serve_answers_over_http_and_the_socket_from_one_runtime(tmp_path)
         async with Client.connect(server.socket) as native:
             outcome = await collect(native.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=7, sampling=SamplingParams(temperature=0.0))))
             stats = await native.stats()
-        health, _, health_body = await raw_request(url, b"GET /health HTTP/1.1\r\nHost: t\r\n")
-        _, _, page_body = await raw_request(url, b"GET /metrics HTTP/1.1\r\nHost: t\r\n")
+        health, _, health_body = await raw_request(url, b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
+        _, _, page_body = await raw_request(url, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n")
         page = page_body.decode()
         assert server.stop() == 0
     assert f"{url}/v1/chat/completions" in curl and "Content-Type: application/json" in curl

@@ -17,7 +17,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def _post(path: str, body: bytes, *extra: str) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", "Host: test", "Content-Type: application/json", f"Content-Length: {len(body)}", *extra]
+    lines = [f"POST {path} HTTP/1.1", "Host: localhost", "Content-Type: application/json", f"Content-Length: {len(body)}", *extra]
     return ("\r\n".join(lines) + "\r\n").encode()
 
 
@@ -62,8 +62,8 @@ async def test_unknown_models_routes_and_methods():
         client = served.client()
         unknown = await _status_error(client.chat.completions.create(model="gpt-4o", messages=MESSAGES))
         card = await _status_error(client.models.retrieve("gpt-4o"))
-        route, _, route_body = await raw_request(served.url, b"GET /v1/nothing HTTP/1.1\r\nHost: t\r\n")
-        method, _, _ = await raw_request(served.url, b"GET /v1/chat/completions HTTP/1.1\r\nHost: t\r\n")
+        route, _, route_body = await raw_request(served.url, b"GET /v1/nothing HTTP/1.1\r\nHost: localhost\r\n")
+        method, _, _ = await raw_request(served.url, b"GET /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
         await client.close()
     assert unknown.status_code == 404 and unknown.body["param"] == "model" and unknown.body["code"] == "model_not_found"
     assert card.status_code == 404
@@ -77,9 +77,9 @@ async def test_an_api_key_is_required_when_set_and_compared_exactly():
             wrong = await _status_error(client.chat.completions.create(model=served.model, messages=MESSAGES))
         async with served.client("s3cre") as client:
             prefix = await _status_error(client.models.list())
-        missing, headers, _ = await raw_request(served.url, b"GET /v1/models HTTP/1.1\r\nHost: t\r\n")
-        metrics, _, _ = await raw_request(served.url, b"GET /metrics HTTP/1.1\r\nHost: t\r\n")
-        health, _, _ = await raw_request(served.url, b"GET /health HTTP/1.1\r\nHost: t\r\n")
+        missing, headers, _ = await raw_request(served.url, b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n")
+        metrics, _, _ = await raw_request(served.url, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n")
+        health, _, _ = await raw_request(served.url, b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
         client = served.client("s3cret")
         ok = await client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=2)
         await client.close()
@@ -100,7 +100,7 @@ async def test_a_10_mb_body_is_refused_without_being_read():
         host, port = served.url.removeprefix("http://").rsplit(":", 1)
         sent = 0
         async with await anyio.connect_tcp(host, int(port)) as stream:
-            await stream.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n")
+            await stream.send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
             chunk = b"x" * 65536
             answer = b""
             with anyio.fail_after(20):
@@ -167,7 +167,7 @@ async def test_requests_past_the_http_limit_get_503_json_with_retry_after():
         for stream in streams:
             await stream.__anext__()  # both are in flight
         refused = await _status_error(client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=4))
-        health, _, _ = await raw_request(served.url, b"GET /health HTTP/1.1\r\nHost: t\r\n")
+        health, _, _ = await raw_request(served.url, b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
         await streams[0].close()
         with anyio.fail_after(30):
             while True:  # the server sees the first stream end when its next write fails
@@ -189,7 +189,7 @@ async def test_health_is_503_until_the_runtime_is_attached():
     http = HttpServer(http_config())
     async with anyio.create_task_group() as tg:
         url = await tg.start(http.serve)
-        health, _, body = await raw_request(url, b"GET /health HTTP/1.1\r\nHost: t\r\n")
+        health, _, body = await raw_request(url, b"GET /health HTTP/1.1\r\nHost: localhost\r\n")
         payload = b'{"model": "builtin:tiny", "messages": [{"role": "user", "content": "x"}]}'
         chat, chat_headers, _ = await raw_request(url, _post("/v1/chat/completions", payload), payload)
         http.stop()
@@ -198,8 +198,8 @@ async def test_health_is_503_until_the_runtime_is_attached():
 
 
 async def test_cors_is_off_unless_configured():
-    preflight = b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: t\r\nOrigin: http://app.example\r\nAccess-Control-Request-Method: POST\r\n"
-    get = b"GET /health HTTP/1.1\r\nHost: t\r\nOrigin: http://app.example\r\n"
+    preflight = b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nOrigin: http://app.example\r\nAccess-Control-Request-Method: POST\r\n"
+    get = b"GET /health HTTP/1.1\r\nHost: localhost\r\nOrigin: http://app.example\r\n"
     async with serving() as served:
         _, off_headers, _ = await raw_request(served.url, get)
         off_preflight, _, _ = await raw_request(served.url, preflight)

@@ -22,7 +22,7 @@ def value(page: dict, name: str, **labels: str) -> float:
 
 
 async def _scrape(url: str) -> tuple[str, dict]:
-    status, headers, body = await raw_request(url, b"GET /metrics HTTP/1.1\r\nHost: t\r\n")
+    status, headers, body = await raw_request(url, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n")
     assert status == 200 and headers["content-type"].startswith("text/plain")
     return body.decode(), samples(body.decode())
 

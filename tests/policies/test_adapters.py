@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies.adapters import AdapterRegistry, AdapterSlots, adapter_digest, prefix_namespace
+from policies.adapters import AdapterRegistry, AdapterSlots, adapter_digest, digest_of, prefix_namespace
 from policies.ledger import KvLedger
 from policies.prefix_index import PrefixIndex
 from protocols.api import AdapterInfo
@@ -62,3 +62,10 @@ def test_the_digest_follows_the_files(tmp_path):
     first = adapter_digest(tmp_path)
     (tmp_path / "adapters.safetensors").write_bytes(b"y" * 10)
     assert adapter_digest(tmp_path) != first
+
+
+def test_the_digest_of_bytes_read_is_the_files_digest(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapters.safetensors").write_bytes(b"x" * 10)
+    assert digest_of(b"{}", b"x" * 10) == adapter_digest(tmp_path)
+    assert digest_of(b"{}x", b"x" * 9) != adapter_digest(tmp_path)

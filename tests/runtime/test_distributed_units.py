@@ -1,25 +1,33 @@
 """The distributed pieces that need no world: config refusals, the launcher, rank shards of
-checkpoints, the typed error (the 2-rank worlds are in tests/integration/test_distributed.py)."""
+checkpoints, the typed error, the control connections' handshake (the 2-rank worlds are in
+tests/integration/test_distributed.py)."""
 
 from __future__ import annotations
 
+import secrets
+import socket
 import sys
+import threading
+import time
 from types import SimpleNamespace
 
 import msgspec
 import numpy as np
 import pytest
 import safetensors.numpy
+import structlog
 
-from engine.world import shard
+from engine.world import HandshakeError, World, _Gate, answer_challenge, check_answer, check_secret, shard
 from policies.layout import checkpoint_format, tensor_shapes
 from protocols.api import SamplingParams
 from protocols.config import DistributedConfig
 from protocols.errors import ERROR_KINDS, CheckpointError, ConfigError, ModelLoadError, WorldUnavailableError, error_for
-from protocols.model import AdmitRequest, CheckpointData, LayerLayout, ModelInfo, ResumeState, StepOutcome, StepPlan, WorldCommand, WorldStep
+from protocols.model import AdmitRequest, CheckpointData, LayerLayout, ModelInfo, ResumeState, StepOutcome, StepPlan, WorldCommand, WorldStep, WorldStop
+from runtime import env
 from runtime.config import RuntimeConfig
 from runtime.follower import ShardCheckpoints
-from tools.launch import LocalWorld, launched_rank, mlx_launch_command
+from tools.cli import main
+from tools.launch import LocalWorld, free_ports, launch_environ, launched_rank, mlx_launch_command
 
 LAYERS = [LayerLayout(kind="full", heads=1, key_dim=4, value_dim=4, dtype="float32") for _ in range(2)]
 INFO = ModelInfo(
@@ -164,3 +172,164 @@ def test_a_model_is_sharded_only_where_the_world_splits_it_evenly():
         shard(odd, "llama", _world("pipeline"))  # type: ignore[arg-type]
     with pytest.raises(ModelLoadError, match="no tensor-parallel"):
         shard(SimpleNamespace(layers=[]), "mamba", _world("tensor"))  # type: ignore[arg-type]
+
+
+# The control connections' handshake (engine.world): a localhost listener and real sockets.
+SECRET = b"s" * 32
+
+
+class _Rank0:
+    """Rank 0's gate on a localhost port, run in a thread: `joined` by rank, or `error`."""
+
+    def __init__(self, ranks: set[int], handshake_s: float = 5.0, within_s: float = 10.0):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.gate = _Gate(self.server, SECRET, ranks, handshake_s)
+        self.joined: dict[int, socket.socket] | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(time.monotonic() + within_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, deadline: float) -> None:
+        try:
+            self.joined = self.gate.run(deadline)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.server.close()
+
+    def follower(self, rank: int, secret: bytes = SECRET) -> socket.socket:
+        conn = socket.create_connection(("127.0.0.1", self.port), timeout=5)
+        try:
+            answer_challenge(conn, secret, rank)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def wait(self) -> dict[int, socket.socket]:
+        self._thread.join(15)
+        assert self.error is None and self.joined is not None, self.error
+        return self.joined
+
+    def __enter__(self) -> _Rank0:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._thread.join(15)
+        for conn in (self.joined or {}).values():
+            conn.close()
+
+
+def test_the_right_secret_joins_a_rank_and_its_connection_carries_frames():
+    with structlog.testing.capture_logs() as logs, _Rank0({1}) as rank0, rank0.follower(1) as follower:
+        joined = rank0.wait()
+        assert list(joined) == [1]
+        joined[1].sendall(b"plan")
+        assert follower.recv(4) == b"plan"
+    assert rank0.gate.refused == 0 and not logs
+
+
+def test_a_wrong_secret_is_refused_and_rank_0_keeps_waiting_for_the_real_rank():
+    with structlog.testing.capture_logs() as logs, _Rank0({1}) as rank0:
+        with pytest.raises(HandshakeError, match="closed by the peer"):
+            rank0.follower(1, secret=b"w" * 32)
+        with rank0.follower(1):
+            assert list(rank0.wait()) == [1]
+    assert rank0.gate.refused == 1
+    assert [(e["event"], e["log_level"], e["reason"]) for e in logs] == [("control_refused", "warning", "wrong proof of the world's secret")]
+    assert all(SECRET.decode() not in str(e) for e in logs)
+
+
+def test_a_rank_out_of_range_or_already_connected_is_refused_and_ranks_come_ordered():
+    with _Rank0({1, 2}) as rank0, rank0.follower(2):
+        with pytest.raises(HandshakeError):
+            rank0.follower(2)  # the right secret, but rank 2 is already in
+        with pytest.raises(HandshakeError):
+            rank0.follower(7)  # not a rank of this world
+        with rank0.follower(1):
+            assert list(rank0.wait()) == [1, 2] and rank0.gate.refused == 2
+
+
+def test_a_silent_or_garbage_connection_is_closed_while_the_real_rank_joins_beside_it():
+    with _Rank0({1}, handshake_s=0.5) as rank0:
+        with socket.create_connection(("127.0.0.1", rank0.port)) as silent, socket.create_connection(("127.0.0.1", rank0.port)) as garbage:
+            garbage.sendall(b"\xff" * 200)
+            assert len(silent.recv(64)) == 32  # the challenge: a nonce
+            started = time.monotonic()
+            silent.settimeout(5)
+            assert silent.recv(64) == b""  # closed once its handshake time ran out
+            assert 0.2 < time.monotonic() - started < 3
+            with rank0.follower(1):
+                assert list(rank0.wait()) == [1]
+        assert rank0.gate.refused == 2
+
+
+def test_rank_0_gives_up_at_its_deadline_and_a_follower_refuses_a_stranger_posing_as_rank_0():
+    rank0 = _Rank0({1}, within_s=0.3)
+    rank0._thread.join(5)
+    assert isinstance(rank0.error, TimeoutError)
+    # A stranger listening first: it challenges, but cannot prove the secret back.
+    with socket.create_server(("127.0.0.1", 0)) as stranger:
+
+        def pose() -> None:
+            conn, _ = stranger.accept()
+            with conn:
+                conn.sendall(secrets.token_bytes(32))
+                conn.recv(68)
+                conn.sendall(secrets.token_bytes(32))
+
+        threading.Thread(target=pose, daemon=True).start()
+        with socket.create_connection(stranger.getsockname(), timeout=5) as conn, pytest.raises(HandshakeError, match="not rank 0"):
+            answer_challenge(conn, SECRET, 1)
+
+
+def test_an_answer_is_checked_for_its_length_its_proof_and_its_rank():
+    nonce = secrets.token_bytes(32)
+    with pytest.raises(HandshakeError, match="bytes"):
+        check_answer(SECRET, nonce, b"short", {1})
+    with pytest.raises(HandshakeError, match="wrong proof"):
+        check_answer(SECRET, nonce, bytes(68), {1})
+
+
+def test_two_worlds_ranks_join_over_the_control_port_and_exchange_plans():
+    (port,) = free_ports(1)
+    config = DistributedConfig(backend="ring", control=f"127.0.0.1:{port}")
+    rank0, rank1 = (World(SimpleNamespace(rank=lambda r=r: r, size=lambda: 2), config) for r in (0, 1))
+    secret = "x" * 40
+    leader = threading.Thread(target=rank0._connect_control, args=(config.control, secret))
+    leader.start()
+    rank1._connect_control(config.control, secret)
+    leader.join(10)
+    rank0.send(WorldStop())
+    assert rank1.receive() == WorldStop()
+    for conn in (*rank0._control, *rank1._control):
+        conn.close()
+
+
+def test_a_world_with_a_control_address_and_no_secret_refuses_to_start():
+    config = DistributedConfig(backend="ring", control="127.0.0.1:9")
+    with pytest.raises(ConfigError, match=r"no MLXRT_DISTRIBUTED_SECRET.*`mlxrt launch` sets one"):
+        World.join(config, "")  # before joining any collective
+    with pytest.raises(ConfigError, match="a 5-character MLXRT_DISTRIBUTED_SECRET"):
+        World.join(config, "short")
+    check_secret(config.control, "z" * 16)
+
+
+def test_the_secret_is_read_from_the_environment_and_never_a_config_key(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("MLXRT_DISTRIBUTED_SECRET", "do-not-print-" + "q" * 20)
+    assert env.world_secret().startswith("do-not-print-")
+    assert "MLXRT_DISTRIBUTED_SECRET" not in env.environment()
+    path = tmp_path / "c.toml"
+    path.write_text('[model]\npath = "builtin:tiny"\n[distributed]\nbackend = "ring"\n')
+    assert RuntimeConfig.load(path).distributed == DistributedConfig(backend="ring")
+    assert main(["config", "show", "--config", str(path)]) == 0
+    assert "do-not-print" not in capsys.readouterr().out
+
+
+def test_each_launch_makes_a_fresh_secret_unless_the_caller_set_one(monkeypatch):
+    monkeypatch.delenv("MLXRT_DISTRIBUTED_SECRET", raising=False)
+    first, second = launch_environ()["MLXRT_DISTRIBUTED_SECRET"], launch_environ()["MLXRT_DISTRIBUTED_SECRET"]
+    assert len(first) == 64 and int(first, 16) >= 0 and first != second
+    monkeypatch.setenv("MLXRT_DISTRIBUTED_SECRET", "mine-" + "m" * 20)
+    assert launch_environ()["MLXRT_DISTRIBUTED_SECRET"] == "mine-" + "m" * 20

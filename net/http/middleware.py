@@ -1,0 +1,124 @@
+"""The HTTP front's middleware, outermost first in `build_app`: responses counted by route
+and status; the Host header checked against the names the server answers and POST bodies
+required to be JSON unless a key is set (browsers: DNS rebinding, cross-site forms); API
+requests in flight capped; CORS; the bearer key."""
+
+from __future__ import annotations
+
+import hmac
+
+from prometheus_client import Counter
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from net.http.mapping import HttpError
+from net.http.responses import error_response
+
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+class Authorization:
+    """Bearer-key check (constant time) for every path but the open ones."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/health",)):
+        self.app = app
+        self._key = api_key.encode()
+        self._open = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self._open:
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+                response = error_response(HttpError("unauthorized", "a valid API key is required (Authorization: Bearer <key>)"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class ResponseCounter:
+    """Counts responses by route and status (`mlxrt:http_responses_total`; status "none" when
+    the client left before one was sent)."""
+
+    def __init__(self, app: ASGIApp, counter: Counter, model_name: str):
+        self.app = app
+        self._counter = counter
+        self._model_name = model_name
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in PATHS else "/v1/models/{model}" if scope["path"].startswith("/v1/models/") else "other"
+        status = "none"
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self._counter.labels(self._model_name, route, status).inc()
+
+
+class RequestLimit:
+    """At most `limit` API requests in flight (`server.http_max_connections`): past it, OpenAI's
+    503 JSON with Retry-After. /health and /metrics are always answered (connections are
+    guarded below the app: `net.http.connections`)."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app = app
+        self._limit = limit
+        self._in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in ("/health", "/metrics"):
+            await self.app(scope, receive, send)
+            return
+        if self._in_flight >= self._limit:
+            busy = HttpError("busy", f"{self._limit} HTTP requests are in flight (server.http_max_connections); retry later")
+            await error_response(busy)(scope, receive, send)
+            return
+        self._in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self._in_flight -= 1
+
+
+class BrowserGuard:
+    """What a web page in the user's browser must not do to a local server: address it under
+    another name (a DNS-rebinding page resolves its own name to 127.0.0.1: the Host header names
+    it), or POST to it without a CORS preflight (forms and `text/plain` need none; a JSON body
+    does). `allowed_hosts` None = any host; `json_only` is off when an API key guards the API."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: frozenset[str] | None, json_only: bool):
+        self.app = app
+        self._hosts = allowed_hosts
+        self._json_only = json_only
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            error = self._refusal(scope["method"], headers.get(b"host", b""), headers.get(b"content-type", b""))
+            if error is not None:
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, method: str, host: bytes, content_type: bytes) -> HttpError | None:
+        if self._hosts is not None and host_name(host) not in self._hosts:
+            return HttpError("host_not_allowed", "this server does not answer to that Host (server.http_allowed_hosts)")
+        if self._json_only and method == "POST" and content_type.split(b";")[0].strip().lower() != b"application/json":
+            return HttpError("unsupported_media_type", "POST bodies must be JSON (Content-Type: application/json)")
+        return None
+
+
+def host_name(header: bytes) -> str:
+    """The host of a Host header, lower-case, without its port or IPv6 brackets."""
+    text = header.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:].split("]", 1)[0]
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
