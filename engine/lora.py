@@ -148,7 +148,7 @@ def _lora_parameters(name: str, config: object) -> tuple[int, float]:
     params = config.get("lora_parameters") or {}
     try:
         rank, scale = int(params["rank"]), float(params["scale"])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # (OverflowError: `rank: Infinity`)
         raise AdapterLoadError(f"adapter {name!r}: lora_parameters needs a numeric 'rank' and 'scale'") from None
     if not math.isfinite(scale):
         raise AdapterLoadError(f"adapter {name!r}: scale {scale} is not finite")

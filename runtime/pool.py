@@ -50,6 +50,7 @@ from runtime.errors import (
 from runtime.metrics import RuntimeMetrics
 from runtime.replay import Delivered, Replay, cancelled
 from runtime.runtime import Runtime, RuntimeStats
+from runtime.streams import PoolStream
 
 log = structlog.get_logger(actor="pool")
 
@@ -303,7 +304,7 @@ class ModelPool:
                     self._release(model)
                 log.info("request_preempted", request_id=rid, model=model.name, delivered=len(delivered.token_ids))
         finally:
-            self._forget(rid)
+            self.forget(rid)
 
     async def cancel(self, request_id: str) -> None:
         """End a request; one waiting for its model ends as soon as it is noticed."""
@@ -320,7 +321,7 @@ class ModelPool:
         if model.progress == 1:
             self._notify()  # a swap waiting for this model's first progress may go ahead
 
-    def _forget(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
         """The request has ended (or never started): its id is free again."""
         self._cancelled.discard(request_id)
         self._live.discard(request_id)
@@ -490,34 +491,3 @@ class ModelPool:
                 model.stop.set()
                 await model.stopped.wait()
         self._notify()
-
-
-class PoolStream:
-    """A pool request's events (as `runtime.streams.RequestStream`): leaving early cancels it."""
-
-    def __init__(self, request_id: str, events: AsyncIterator[Event], pool: ModelPool):
-        self.request_id = request_id
-        self._events = events
-        self._pool = pool
-        self._finished = False
-
-    def __aiter__(self) -> AsyncIterator[Event]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Event]:
-        async for event in self._events:
-            self._finished = isinstance(event, Finished)
-            yield event
-
-    async def aclose(self) -> None:
-        with anyio.CancelScope(shield=True):
-            if not self._finished:
-                await self._pool.cancel(self.request_id)
-            await self._events.aclose()  # type: ignore[attr-defined]
-            self._pool._forget(self.request_id)
-
-    async def __aenter__(self) -> PoolStream:
-        return self
-
-    async def __aexit__(self, *exc_info) -> None:
-        await self.aclose()

@@ -4,7 +4,8 @@
 `claim` is synchronous, so a cancel that arrives while a request is still being prepared
 just marks its claim, and applies the moment the request starts. `start` hands a prepared
 request to the scheduler and runs its session actor; `RequestStream` yields the session's
-events and cancels the request if its caller leaves before `Finished`.
+events and cancels the request if its caller leaves before `Finished`; `PoolStream` is the
+same for a `ModelPool`'s request (which may live through several runtimes).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import structlog
@@ -189,3 +191,34 @@ class RequestStream:
             if not finished:
                 with anyio.CancelScope(shield=True):
                     await self._requests.cancel_claim(self._claim)
+
+
+class PoolStream:
+    """A pool request's events (as `runtime.streams.RequestStream`): leaving early cancels it."""
+
+    def __init__(self, request_id: str, events: AsyncIterator[Event], pool: Any):
+        self.request_id = request_id
+        self._events = events
+        self._pool = pool
+        self._finished = False
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Event]:
+        async for event in self._events:
+            self._finished = isinstance(event, Finished)
+            yield event
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            if not self._finished:
+                await self._pool.cancel(self.request_id)
+            await self._events.aclose()  # type: ignore[attr-defined]
+            self._pool.forget(self.request_id)
+
+    async def __aenter__(self) -> PoolStream:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()

@@ -399,6 +399,8 @@ async def test_an_adapter_unloaded_while_its_request_waits_leaves_no_blocks_held
             await anyio.sleep(0.2)
             await rt.unload_adapter("A")
         assert [f.finish_reason for f in waiting] == ["error"] * 4 and all("unloaded" in (f.error or "") for f in waiting), waiting
+        # The request is at fault (it named an adapter that went away), not the server: 404 over HTTP.
+        assert {f.error_code for f in waiting} == {"adapter_not_found"}, waiting
         assert all(f.usage.cached_tokens == len(system) for f in waiting)
         assert await _pool_after_probe(rt) == baseline
 

@@ -17,7 +17,8 @@ import pytest
 import safetensors.numpy
 import structlog
 
-from engine.world import HandshakeError, World, _Gate, answer_challenge, check_answer, check_secret, shard
+from engine.control import Gate, HandshakeError, answer_challenge, check_answer, check_secret
+from engine.world import World, shard
 from policies.layout import checkpoint_format, tensor_shapes
 from protocols.api import SamplingParams
 from protocols.config import DistributedConfig
@@ -184,7 +185,7 @@ class _Rank0:
     def __init__(self, ranks: set[int], handshake_s: float = 5.0, within_s: float = 10.0):
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
-        self.gate = _Gate(self.server, SECRET, ranks, handshake_s)
+        self.gate = Gate(self.server, SECRET, ranks, handshake_s)
         self.joined: dict[int, socket.socket] | None = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(time.monotonic() + within_s,), daemon=True)
