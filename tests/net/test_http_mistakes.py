@@ -39,7 +39,11 @@ async def test_client_mistakes_are_4xx_naming_the_field(case, status, param):
                 {
                     "model": model,
                     "messages": [
-                        {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 50_000}}]},
+                        {
+                            "role": "assistant",
+                            "content": "",
+                            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 50_000}}],
+                        },
                         {"role": "user", "content": "hi"},
                     ],
                 }
