@@ -21,11 +21,13 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
-# ruff (lint and format) and mypy over the source packages.
+# ruff (lint and format), mypy, and the layering contract (pyproject's [tool.importlinter]:
+# each package imports only those below it; protocols and policies never import mlx or anyio).
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: setup
 	$(PY) -m tools.cli bench --config configs/bench.toml

@@ -226,18 +226,19 @@ async def test_a_stalled_rank_ends_requests_with_unavailable_within_the_timeout(
         follower = rank_pid(process, 1)
         async with Client.connect(process.socket) as client:
             request = GenerateRequest(prompt_ids=prompts(1, 7)[0], max_tokens=4000, ignore_eos=True)
-            stopped_at = None
+            stopped = False
             try:
                 with anyio.fail_after(STEP_TIMEOUT_S + 30):
                     outcome_events = []
                     async for event in client.generate(request):
                         outcome_events.append(event)
-                        if stopped_at is None and getattr(event, "token_ids", None):
+                        if not stopped and getattr(event, "token_ids", None):
                             os.kill(follower, signal.SIGSTOP)  # rank 1 stalls mid-generation
-                            stopped_at = time.monotonic()
+                            stopped = True
                 finished = outcome_events[-1]
                 assert finished.finish_reason == "error" and finished.error_code == "unavailable", finished
-                assert time.monotonic() - stopped_at < STEP_TIMEOUT_S + 10
+                # Ended by the step timeout (the reason says so), not by anything else.
+                assert "distributed.step_timeout_s" in (finished.error or ""), finished
                 # The world stays down: new requests are refused with the typed error.
                 with pytest.raises(WorldUnavailableError):
                     await collect(client.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=2)))
@@ -260,11 +261,10 @@ async def test_a_killed_rank_ends_in_flight_requests_with_unavailable_and_the_wo
                     events.append(event)
                     if len(events) == 1:
                         os.kill(follower, signal.SIGKILL)
-                        killed_at = time.monotonic()
             finished = events[-1]
-            # The ring reports the lost peer at once: no need to wait for the step timeout.
+            # The ring reports the lost peer at once: the step failed, it did not time out.
             assert finished.finish_reason == "error" and finished.error_code == "unavailable", finished
-            assert time.monotonic() - killed_at < STEP_TIMEOUT_S
+            assert "step_timeout_s" not in (finished.error or ""), finished
         # The launcher then shuts rank 0 down cleanly, and the launch ends with a failure.
         code = process.wait_exit(30)
         assert code is not None and code != 0, "the world did not exit after rank 1 died"

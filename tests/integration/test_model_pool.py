@@ -113,13 +113,15 @@ async def test_a_request_waiting_for_its_model_can_be_cancelled(tmp_path):
         waiting = GenerateRequest(prompt_ids=[4, 5, 6], max_tokens=4, model="qwen", request_id="w-1")
         ended: list[Finished | None] = []
 
+        stream = pool.submit(waiting)  # its id is claimed at once
+
         async def wait_for_qwen() -> None:
-            ended.append((await _collect(pool.generate(waiting)))[2])
+            async with stream:
+                ended.append((await _collect(stream))[2])
 
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(wait_for_qwen)
-                await anyio.sleep(0.2)
                 await pool.cancel("w-1")
         assert ended and ended[0] is not None and ended[0].finish_reason == "cancelled"
         assert {m.name: m.state for m in pool.models()}["qwen"] == "unloaded"

@@ -22,6 +22,16 @@ async def _collect(rt: Runtime, request: GenerateRequest, cancel_after: int | No
     return tokens, reason
 
 
+async def _tokens_and_reason(events) -> tuple[list[int], str]:
+    tokens, reason = [], None
+    async for event in events:
+        if isinstance(event, TokenDelta):
+            tokens += event.token_ids
+        elif isinstance(event, Finished):
+            reason = event.finish_reason
+    return tokens, reason
+
+
 def _short(rid: str) -> GenerateRequest:
     return GenerateRequest(prompt_ids=[9], max_tokens=4, ignore_eos=True, request_id=rid)
 
@@ -40,7 +50,6 @@ async def test_stopping_at_finished_does_not_cancel_a_later_request_with_that_id
         async for event in rt.generate(_short("Y")):
             if isinstance(event, Finished):
                 break  # the generator is left suspended at its last yield
-        await anyio.sleep(0.05)
         tokens, reason = await _collect(rt, _short("Y"))
     assert reason == "length" and len(tokens) == 4
 
@@ -50,15 +59,16 @@ async def test_one_id_cannot_run_twice(tiny_config):
     async with Runtime.open(tiny_config) as rt:
         async with anyio.create_task_group() as tg:
             results = {}
+            live = rt.submit(long)  # "Z" is claimed from here
 
             async def first():
-                results["first"] = await _collect(rt, long)
+                async with live:
+                    results["first"] = await _tokens_and_reason(live)
 
             async def other():
                 results["other"] = await _collect(rt, _short("O"))
 
             tg.start_soon(first)
-            await anyio.sleep(0.02)
             with pytest.raises(InvalidRequestError) as info:
                 await _collect(rt, long)
             assert info.value.field == "request_id"
@@ -72,15 +82,11 @@ async def test_one_id_cannot_run_twice(tiny_config):
 async def test_an_early_cancel_for_a_refused_request_does_not_linger(tiny_config):
     async with Runtime.open(tiny_config) as rt:
         too_long = GenerateRequest(prompt_ids=[1] * rt.model_info.max_context, request_id="E")
-        async with anyio.create_task_group() as tg:
-
-            async def refused():
-                with pytest.raises(RequestTooLargeError):
-                    await _collect(rt, too_long)
-
-            tg.start_soon(refused)
-            await anyio.sleep(0)
-            await rt.cancel("E")  # arrives while the request is still being prepared
+        stream = rt.submit(too_long)  # claimed; prepared when first iterated
+        await rt.cancel("E")  # arrives before the request is prepared (and refused)
+        with pytest.raises(RequestTooLargeError):
+            async with stream:
+                await _tokens_and_reason(stream)
         tokens, reason = await _collect(rt, _short("E"))
     assert reason == "length" and len(tokens) == 4
 

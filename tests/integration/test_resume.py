@@ -47,10 +47,13 @@ SAMPLINGS = {"greedy": SamplingParams(), "seeded": SamplingParams(temperature=1.
 
 
 async def test_a_client_cancel_deletes_the_checkpoint(tmp_path):
+    left_with_a_checkpoint = False
     async with Runtime.open(_config(tmp_path)) as rt:
         async for event in rt.generate(_request("gone", SamplingParams())):
             if isinstance(event, TokenDelta) and path_for(tmp_path, "gone").exists():
-                break
+                left_with_a_checkpoint = True
+                break  # leaving the stream cancels the request
+        assert left_with_a_checkpoint, "the request ended before its first checkpoint reached the disk"
         with anyio.fail_after(5):
             while path_for(tmp_path, "gone").exists():
                 await anyio.sleep(0.01)

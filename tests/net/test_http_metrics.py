@@ -95,20 +95,28 @@ async def test_32_streaming_clients_some_leaving_mid_stream_end_clean():
                     return
             completed.append(reasons)
 
-        async def one_whole_that_leaves(i: int) -> None:
+        async def one_whole_that_leaves(i: int, scope: anyio.CancelScope) -> None:
             async with served.client() as leaving:
-                with anyio.move_on_after(0.3):  # the client gives up on a long answer
+                with scope:  # the client gives up on a long answer (once it is running)
                     await leaving.chat.completions.create(
                         model=served.model, messages=[{"role": "user", "content": f"long {i}"}], max_tokens=2000, extra_body={"ignore_eos": True}
                     )
-                    raise AssertionError("a 2,000-token answer within 0.3 s")
+                    raise AssertionError("a 2,000-token answer before its client left")
 
         with anyio.fail_after(120):
             async with anyio.create_task_group() as tg:
                 for i in range(32):
                     tg.start_soon(one, i)
-                for i in range(2):
-                    tg.start_soon(one_whole_that_leaves, i)
+            # Two whole answers whose clients leave once both requests run (not after a time:
+            # a client leaving before its request was submitted would leave nothing to count).
+            scopes = [anyio.CancelScope() for _ in range(2)]
+            async with anyio.create_task_group() as tg:
+                for i, scope in enumerate(scopes):
+                    tg.start_soon(one_whole_that_leaves, i, scope)
+                while (await served.runtime.stats()).scheduler.decoding < 2:
+                    await anyio.sleep(0.02)
+                for scope in scopes:
+                    scope.cancel()
         await client.close()
         after = (await wait_idle(served.runtime)).kv
         _, page = await _scrape(served.url)
