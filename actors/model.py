@@ -10,7 +10,7 @@ while steps go on, then installs them there; a step that admits requests for evi
 first has their files read, and hands them to the bank for that step (`AdapterBank.staged`).
 
 In a distributed world (`[distributed]`) this is rank 0's: its engine broadcasts every plan to
-the other ranks (`engine.world.Leader`), and a step that does not finish on every rank within
+the other ranks (`engine.model.world.Leader`), and a step that does not finish on every rank within
 `distributed.step_timeout_s`, or fails, ends its requests with an `unavailable` error and
 leaves the world unavailable (`WorldState`): later steps fail at once, and the runtime
 refuses requests, until the world is relaunched.
@@ -25,15 +25,14 @@ from typing import Any, assert_never
 
 import anyio
 import anyio.to_thread
-import msgspec
 import structlog
 
 from actors.mailbox import Mailbox, answer
 from actors.mlx_thread import MlxThread
+from engine.build import BuiltEngine, EngineSpec, MakeGrammars, build_engine
 from engine.engine import Engine, Grammars
-from engine.loader import load_model, load_speculator, with_kv_format
 from engine.lora import AdapterBank, AdapterFiles, read_adapter_files, read_staged
-from engine.world import Leader, World
+from engine.model.world import Leader, World
 from protocols.api import AdapterInfo
 from protocols.config import AdapterConfig, DistributedConfig, KvConfig, LoraConfig, ModelConfig, SpeculativeConfig
 from protocols.errors import AdapterLoadError, InternalError, MlxrtError, RuntimeClosedError
@@ -75,7 +74,6 @@ class WorldState:
 
 
 # Builds the grammar compiler for a loaded tokenizer (the runtime's GrammarCache).
-MakeGrammars = Callable[[Any, ModelInfo], Grammars]
 
 
 class ModelActor:
@@ -110,23 +108,22 @@ class ModelActor:
 
     async def run(self, *, task_status) -> None:
         with self.inbox:  # closed however this ends, a failed load included
-            world = await self._thread.run(World.join, self._distributed, self._world_secret) if self._distributed.backend else None
-            loaded = await self._thread.run(load_model, self._config, self._builtin_root, self._progress, world)
-            loaded = with_kv_format(loaded, self._kv)
-            grammars = await anyio.to_thread.run_sync(self._make_grammars, loaded.tokenizer, loaded.info)
-            speculator = await self._thread.run(load_speculator, loaded, self._speculative, self._config, self._builtin_root, self._progress)
-            bank = await self._thread.run(AdapterBank, loaded.model, self._lora.max_resident, self._lora.max_rank)
-            for adapter in self._adapters:
+            spec = EngineSpec(model=self._config, kv=self._kv, speculative=self._speculative, lora=self._lora)
+            distributed, secret = self._distributed, self._world_secret
+
+            def build() -> BuiltEngine:
+                world = World.join(distributed, secret) if distributed.backend else None
+                return build_engine(spec, self._builtin_root, self._make_grammars, world=world, progress=self._progress)
+
+            built = await self._thread.run(build)
+            loaded, grammars, bank = built.loaded, built.grammars, built.bank
+            engine: Engine | Leader = built.engine
+            if built.world is not None:
+                leader = engine = Leader(built.engine, built.world)
+                self.world = WorldState(leader, self._distributed.step_timeout_s)
+            for adapter in self._adapters:  # like any adapter load: files read off the MLX thread
                 files = await anyio.to_thread.run_sync(read_adapter_files, adapter.name, adapter.path, bank.max_file_bytes)
                 await self._thread.run(lambda a=adapter, f=files: bank.register(f, pinned=a.pinned))
-            pool_bytes = self._kv.budget_bytes
-            engine: Engine | Leader = await self._thread.run(
-                lambda: Engine(loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator, bank, pool_bytes, compiled=world is None)
-            )
-            if world is not None:
-                loaded.info = msgspec.structs.replace(loaded.info, world=f"{world.config.mode}/{world.size}")
-                leader = engine = Leader(engine, world)
-                self.world = WorldState(leader, self._distributed.step_timeout_s)
             log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
             adapters = await self._thread.run(bank.infos)
             task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer, grammars=grammars, adapters=adapters, world=self.world))

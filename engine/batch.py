@@ -1,7 +1,7 @@
 """The decode batch: one row per running request, in every layer's slots.
 
 Row `r` holds `lengths[r]` positions of its request; each layer keeps them in the slots of
-its kind (`engine.slots`). Each row writes at its own position, so rows join and leave
+its kind (`engine.kv.slots`). Each row writes at its own position, so rows join and leave
 without touching the others (joining copies one row in, leaving moves the last row into
 the hole), unlike a left-padded batch cache that re-pads every row on each join.
 
@@ -16,8 +16,9 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from engine.paged import BlockPool
-from engine.slots import FullSlots, ListSlots, Slots, StateSlots, make_slots
+from engine.kv.factory import make_slots
+from engine.kv.paged import BlockPool
+from engine.kv.slots import FullSlots, ListSlots, Slots, StateSlots
 from engine.step import LEN_STEP, Step, round_up
 from policies.layout import RING_MARGIN, is_trimmable
 from protocols.model import LayerLayout
@@ -38,7 +39,7 @@ class DecodeBatch:
         self.layout = list(layers)
         self.row_ids: list[str] = []
         self.lengths: list[int] = []
-        # Paged layers (`engine.paged`): each row's block table, its request's own list (the
+        # Paged layers (`engine.kv.paged`): each row's block table, its request's own list (the
         # request holds the blocks; the batch extends the table as the row grows).
         self.pool = pool
         self.tables: list[list[int]] = []
@@ -94,7 +95,7 @@ class DecodeBatch:
     def extract(self, request_id: str) -> list:
         """One row as mlx-lm caches (contiguous copies, evaluated now: a lazy copy would keep
         the batch buffers referenced, and every later write would copy whole buffers). Paged
-        layers are `engine.paged.PagedKV`s over the row's table (no copy)."""
+        layers are `engine.kv.paged.PagedKV`s over the row's table (no copy)."""
         row = self.index(request_id)
         caches = [slots.extract_row(row, self.lengths[row]) for slots in self.slots]
         mx.eval([c.state for c in caches])

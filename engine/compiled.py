@@ -7,7 +7,7 @@ every step (a few ms of Python per step, which the CPU backend cannot overlap wi
 
 Per layer kind, inside the traced function:
 - full attention: keys and values `[rows, heads, capacity, dim]`, position `p` at slot `p`;
-- sliding window: the ring of `engine.slots.WindowSlots` (position `p` at slot `p % ring`),
+- sliding window: the ring of `engine.kv.slots.WindowSlots` (position `p` at slot `p % ring`),
   each slot masked by whether the position it holds is inside the query's window;
 - recurrent state: the rows' state arrays, as an `ArraysCache` the layer reads and replaces;
 - a list: its parts.

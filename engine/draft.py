@@ -21,9 +21,9 @@ from typing import cast
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine import caches
 from engine.batch import DecodeBatch
 from engine.compiled import compile_decode_step
+from engine.kv import caches
 from engine.sampler import RowSampling, draft_draws
 from policies.layout import has_state
 from protocols.errors import ModelLoadError

@@ -22,21 +22,22 @@ from typing import Any, Protocol
 import mlx.core as mx
 import structlog
 
-from engine import caches
-from engine.attention import install as install_attention
 from engine.batch import DecodeBatch
 from engine.compiled import compile_decode_step
+from engine.errors import EngineInvariantError
 from engine.forward import append_known, forward_drafts, forward_pending, grammar_mask, host, read_logprobs, replay_accepted
 from engine.known import KnownTokens
-from engine.kvquant import is_quantized, packed_nbytes, quantized_start
+from engine.kv import caches
+from engine.kv.attention import install as install_attention
+from engine.kv.paged import BlockPool, paged_layers
+from engine.kv.prefixes import PrefixEntries
+from engine.kv.quantized import is_quantized, packed_nbytes, quantized_start
+from engine.kv.tables import RequestBlocks
 from engine.lora import AdapterBank
-from engine.paged import BlockPool, paged_layers
 from engine.prefill import prefill_one, prefill_together
-from engine.prefixes import PrefixEntries
 from engine.sampler import BatchSampler, RowSampling
-from engine.sequence import EngineInvariantError, InFlight, Sequence, capture_checkpoints
+from engine.sequence import InFlight, Sequence, capture_checkpoints
 from engine.speculation import Speculator
-from engine.tables import RequestBlocks
 from policies.fill_session import FillSession
 from policies.layout import is_trimmable, paged_block_bytes
 from protocols.api import FillStats, TokenLogprob
@@ -105,7 +106,7 @@ class Engine:
         self._pool = BlockPool(layout, pool_bytes // paged_block_bytes(layout)) if paged_layers(layout) else None
         self._blocks = RequestBlocks(self._pool, layout, model)
         if self._pool is not None:
-            install_attention(model)  # decode steps attend row by row over the pool (`engine.paged`)
+            install_attention(model)  # decode steps attend row by row over the pool (`engine.kv.paged`)
         self._batch = DecodeBatch(layout, self._pool)
         # A lone row decodes uncompiled when quantized (traced: 12.5 vs 13.5 tok/s at 2,048), paged
         # (read in place: no fixed buffers) or sharded (collectives stay out of traced functions).

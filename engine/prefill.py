@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.kvquant import batch_prefill_caches, new_caches, quantized_caches
+from engine.kv.quantized import batch_prefill_caches, new_caches, quantized_caches
 from engine.lora import routed
 from engine.sequence import Sequence
 from protocols.model import LayerLayout

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 import structlog
 
-from engine import caches
+from engine.errors import EngineInvariantError
+from engine.kv import caches
 from engine.sampler import SampleResult
 from policies.fill_session import FillSession, Proposal
 from policies.speculation import LookupSource, SpecRow
@@ -22,10 +23,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(actor="engine")
 
 
-class EngineInvariantError(RuntimeError):
-    """A plan asked for something the engine's state makes impossible (a scheduler bug)."""
-
-
 @dataclass
 class Sequence:
     """One admitted request's engine-side state."""
@@ -34,7 +31,7 @@ class Sequence:
     stop_ids: frozenset[int]
     # Its KV while it is out of the decode batch (prefilling, parked): per-layer caches.
     cache: list | None = None
-    # Paged KV (`engine.paged`): the blocks holding its positions, from admission to release
+    # Paged KV (`engine.kv.paged`): the blocks holding its positions, from admission to release
     # (the batch row reads this very list), the first `num_shared` a prefix entry's too.
     table: list[int] = field(default_factory=list)
     num_shared: int = 0

@@ -1,6 +1,6 @@
 """The paged KV pool's block allocator: which blocks are free, who holds each (pure).
 
-A block is `block_size` consecutive positions of every paged layer's pool (`engine.paged`).
+A block is `block_size` consecutive positions of every paged layer's pool (`engine.kv.paged`).
 A request holds the blocks of its table; a prefix entry holds the blocks of the KV it kept;
 a request seeded from an entry holds the entry's full blocks too (shared, not copied). A
 block is free once nobody holds it. A request's blocks are best one contiguous run (attention

@@ -265,10 +265,10 @@ class LayerLayout(Record, frozen=True):
     - "list": several of the above in one layer (`CacheList`): `parts`.
 
     A "full" layer with `kv_bits` (4 or 8, `kv.bits`) stores every position's keys and values
-    quantized per `kv_group_size` elements (packed, scales, biases: `engine.kvquant`), and its
+    quantized per `kv_group_size` elements (packed, scales, biases: `engine.kv.quantized`), and its
     first `kv_start` positions in full precision too, which attention reads instead. A float
     "full" layer with `kv_block` keeps its positions in a block pool of `kv_block`-position
-    blocks shared by every request (`kv.block_size`: `engine.paged`).
+    blocks shared by every request (`kv.block_size`: `engine.kv.paged`).
     """
 
     kind: Literal["full", "window", "state", "list"]
@@ -347,7 +347,7 @@ class AdapterCall(Message, frozen=True):
 ModelInbox = RunStep | DropPrefixes | AdapterCall
 
 
-# -- a distributed world: rank 0's calls, made by every rank (`engine.world`) ------------------
+# -- a distributed world: rank 0's calls, made by every rank (`engine.model.world`) ------------------
 
 
 class WorldStep(Message, frozen=True):

@@ -1,7 +1,7 @@
 """A follower rank of a distributed world (any rank but 0): `mlxrt serve` on such a rank.
 
 It loads its shard of the model, builds the same engine rank 0 builds, and makes rank 0's
-calls on it (`engine.world.follow`) until rank 0 stops the world, or the world breaks (a
+calls on it (`engine.model.world.follow`) until rank 0 stops the world, or the world breaks (a
 peer gone: the collective raises, and the process exits with an error, which ends the
 launch). No actors, no sockets: this process's main thread is its MLX thread.
 
@@ -18,10 +18,8 @@ import msgspec
 import structlog
 import xgrammar as xgr
 
-from engine.engine import Engine
-from engine.loader import load_model, load_speculator, with_kv_format
-from engine.lora import AdapterBank
-from engine.world import World, follow
+from engine.build import EngineSpec, build_engine
+from engine.model.world import World, follow
 from policies.layout import checkpoint_format
 from protocols.api import GenerateRequest
 from protocols.errors import CheckpointError, ConfigError
@@ -124,20 +122,15 @@ def run_follower(config: RuntimeConfig) -> None:
     if world.rank == 0:
         raise ConfigError("rank 0 serves (`mlxrt serve`); only the other ranks follow")
     progress = Progress(f"rank {world.rank}")
-    loaded = with_kv_format(load_model(config.model, env.home(), progress.step, world), config.kv)
-    info = msgspec.structs.replace(loaded.info, world=f"{world.config.mode}/{world.size}")
-    grammars = CompilingGrammars(
-        GrammarCache(
-            loaded.tokenizer,
-            info.vocab_size,
-            info.eos_token_ids,
-            max_bytes=config.limits.grammar_cache_bytes,
-            timeout_s=config.limits.grammar_compile_timeout_s,
-        )
-    )
-    speculator = load_speculator(loaded, config.speculative, config.model, env.home())
-    bank = AdapterBank(loaded.model, config.lora.max_resident, config.lora.max_rank)
-    engine = Engine(loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator, bank, config.kv.budget_bytes, compiled=False)
+
+    def make_grammars(tokenizer, info: ModelInfo) -> CompilingGrammars:
+        limits = config.limits
+        cache = GrammarCache(tokenizer, info.vocab_size, info.eos_token_ids, max_bytes=limits.grammar_cache_bytes, timeout_s=limits.grammar_compile_timeout_s)
+        return CompilingGrammars(cache)
+
+    spec = EngineSpec(model=config.model, kv=config.kv, speculative=config.speculative, lora=config.lora)
+    built = build_engine(spec, env.home(), make_grammars, world=world, progress=progress.step)
+    engine, info = built.engine, built.info
     shards = ShardCheckpoints(config.checkpoint_directory() / f"rank{world.rank}", info)
     shards_expired = checkpoints.expire(shards.directory, config.checkpoints.max_age_s)
     progress.done(f"rank {world.rank} of {world.size} following ({info.world}, {info.num_parameters / 1e6:.1f}M params here)")

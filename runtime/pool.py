@@ -30,7 +30,7 @@ import msgspec
 import structlog
 
 from actors.mlx_thread import MlxThread
-from engine.memory import DTYPE_BYTES, estimate_weight_bytes, release_memory
+from engine.model.memory import DTYPE_BYTES, estimate_weight_bytes, release_memory
 from policies.validation import check_request_id
 from protocols.api import AdapterInfo, Event, Finished, GenerateRequest, ModelStatus, TokenDelta, ToolCall, new_request_id
 from protocols.model import ModelInfo

@@ -109,8 +109,8 @@ def load_mlx_lm_model(path: str):
     dequantized as the runtime does by default on the CPU: the same weights the runtime serves."""
     import mlx.core as mx
 
-    from engine.gguf import is_gguf, load_gguf
-    from engine.quantized import apply_cpu_policy, keeps_quantized
+    from engine.model.gguf import is_gguf, load_gguf
+    from engine.model.weights import apply_cpu_policy, keeps_quantized
     from runtime import env
 
     if is_gguf(Path(path)):

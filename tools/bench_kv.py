@@ -73,7 +73,7 @@ def forced_logprobs_batch(model, layout, prompts: list[list[int]], forced: list[
     import mlx.core as mx
 
     from engine.batch import DecodeBatch
-    from engine.kvquant import new_caches
+    from engine.kv.quantized import new_caches
 
     batch = DecodeBatch(layout)
     pending = []
@@ -121,7 +121,7 @@ class _MlxLmSide:
     """mlx-lm's model and quantized KV, on a thread of its own."""
 
     def load(self, path: str) -> None:
-        from engine.layout import probe_layout
+        from engine.kv.layout import probe_layout
 
         self.model = load_mlx_lm_model(path)
         self.layout = probe_layout(self.model)

@@ -168,7 +168,7 @@ class _Perplexity:
     """Teacher-forced logprobs of the held text on the MLX thread: ours and mlx-lm's."""
 
     def load(self, path: str) -> None:
-        from engine.layout import probe_layout
+        from engine.kv.layout import probe_layout
 
         self.model = load_mlx_lm_model(path)
         self.layout = probe_layout(self.model)

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from engine.engine import Engine, EngineInvariantError
-from engine.layout import probe_layout
+from engine.kv.layout import probe_layout
 from policies.layout import with_kv_blocks
 from protocols.api import SamplingParams
 from protocols.model import AdmitRequest, PrefillWork, StepPlan
@@ -345,7 +345,7 @@ def test_the_compiled_one_token_step_matches_the_op_by_op_step(model_and_tokeniz
     import mlx.core as mx
 
     from engine.compiled import compile_decode_step
-    from engine.slots import LEN_STEP
+    from engine.step import LEN_STEP
 
     model, tokenizer = model_and_tokenizer
     geometry = probe_layout(model)

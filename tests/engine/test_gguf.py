@@ -18,12 +18,12 @@ from gguf.quants import dequantize
 from mlx_lm.utils import load as mlx_lm_load
 
 from engine.builtin import BUILTIN_MODELS, config_fields, ensure_model
-from engine.gguf import load_gguf
-from engine.gguf.arch import architecture, check_shapes, expected_shapes, model_config, weight_name
-from engine.gguf.format import GGUFFile
-from engine.gguf.tensors import read_affine, read_float, unpermute_rows
-from engine.gguf.tokenizer import tokenizer_digest
-from engine.quantized import apply_cpu_policy
+from engine.model.gguf import load_gguf
+from engine.model.gguf.arch import architecture, check_shapes, expected_shapes, model_config, weight_name
+from engine.model.gguf.format import GGUFFile
+from engine.model.gguf.tensors import read_affine, read_float, unpermute_rows
+from engine.model.gguf.tokenizer import tokenizer_digest
+from engine.model.weights import apply_cpu_policy
 from protocols.errors import ModelLoadError
 from runtime import env
 from tests.conftest import builtin_dir

@@ -9,10 +9,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from engine import caches
 from engine.batch import DecodeBatch
-from engine.kvquant import QuantizedKV, new_caches
-from engine.layout import probe_layout
+from engine.kv import caches
+from engine.kv.layout import probe_layout
+from engine.kv.quantized import QuantizedKV, new_caches
 from policies.layout import full_token_bytes, kv_format, with_kv_quantization
 from tests.integration.reference import load_reference
 from tools.bench_kv import forced_logprobs_batch, forced_logprobs_mlx_lm, greedy_continuations, mean_abs_error

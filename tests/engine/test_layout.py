@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
-from engine.layout import probe_layout
+from engine.kv.layout import probe_layout
 from protocols.errors import ModelLoadError
 from runtime import Runtime, env
 from tests.conftest import make_config

@@ -12,8 +12,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import load
 
-from engine import quantized
-from engine.quantized import apply_cpu_policy
+from engine.model import weights
+from engine.model.weights import apply_cpu_policy
 from protocols import GenerateRequest, TokenDelta
 from runtime import ConfigError, Runtime, env
 from runtime.config import RuntimeConfig
@@ -65,11 +65,11 @@ def test_never_keeps_the_quantized_layers_and_mlx_lms_exact_logits():
 def test_auto_keeps_weights_that_would_not_fit(monkeypatch):
     directory = build("llama-4bit", env.home())
     model, _ = load(str(directory))
-    monkeypatch.setattr(quantized, "AUTO_MEMORY_SHARE", 1e-12)
+    monkeypatch.setattr(weights, "AUTO_MEMORY_SHARE", 1e-12)
     report = apply_cpu_policy(model, "auto")
     assert not report.dequantized and report.reason.startswith("kept: float32 weights need")
     assert _quantized_layers(model) == report.quantized_modules
-    monkeypatch.setattr(quantized, "AUTO_MEMORY_SHARE", 0.5)
+    monkeypatch.setattr(weights, "AUTO_MEMORY_SHARE", 0.5)
     assert apply_cpu_policy(model, "auto").dequantized
 
 

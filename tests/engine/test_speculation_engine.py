@@ -8,10 +8,11 @@ import dataclasses
 import msgspec
 import pytest
 
+from engine.build import load_speculator
 from engine.draft import DraftRunner
 from engine.engine import Engine
-from engine.layout import probe_layout
-from engine.loader import load_model, load_speculator
+from engine.kv.layout import probe_layout
+from engine.model.loader import load_model
 from engine.speculation import Speculator
 from policies.speculation import SpeculationGate
 from protocols.config import ModelConfig, SpeculativeConfig

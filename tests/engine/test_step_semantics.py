@@ -8,7 +8,7 @@ import json
 import pytest
 
 from engine.engine import Engine
-from engine.layout import probe_layout
+from engine.kv.layout import probe_layout
 from protocols.api import SamplingParams
 from protocols.model import AdmitRequest, GrammarSpec, PrefillWork, StepPlan
 from runtime.grammar import GrammarCache

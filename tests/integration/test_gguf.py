@@ -20,8 +20,8 @@ import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.builtin import BUILTIN_MODELS, PACKAGED_MODELS, ensure_model, packaged_model_path
-from engine.gguf import load_gguf
-from engine.loader import resolve_model_path
+from engine.model.gguf import load_gguf
+from engine.model.loader import resolve_model_path
 from protocols import GenerateRequest, SamplingParams
 from protocols.errors import ModelLoadError
 from runtime import Runtime, env

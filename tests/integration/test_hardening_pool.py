@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from engine.builtin import BUILTIN_MODELS, ensure_model, parameter_count
-from engine.memory import estimate_weight_bytes
+from engine.model.memory import estimate_weight_bytes
 from protocols import GenerateRequest, TokenDelta
 from runtime import Runtime, env
 from runtime.checkpoints import path_for

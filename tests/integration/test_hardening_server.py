@@ -15,7 +15,7 @@ import anyio
 import msgspec
 import pytest
 
-from engine.loader import model_digest, tokenizer_digest
+from engine.model.loader import model_digest, tokenizer_digest
 from net.client import Client
 from net.framing import encode_frame
 from protocols.api import GenerateRequest, SamplingParams

@@ -12,7 +12,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 
 from engine.builtin import BUILTIN_MODELS, config_fields, ensure_model
-from engine.slots import LEN_STEP
+from engine.step import LEN_STEP
 from policies.layout import RING_MARGIN, leaves, request_bytes, token_bytes
 from protocols import Finished, GenerateRequest, TokenDelta
 from runtime import Runtime, env

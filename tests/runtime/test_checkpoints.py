@@ -10,7 +10,7 @@ import stat
 import msgspec
 import pytest
 
-from engine.loader import model_digest, tokenizer_digest
+from engine.model.loader import model_digest, tokenizer_digest
 from protocols.api import GenerateRequest
 from runtime import checkpoints as ck
 from runtime.errors import CheckpointNotFoundError, CorruptCheckpointError, ForeignCheckpointError, InvalidRequestError, UnsupportedCheckpointError

@@ -17,8 +17,8 @@ import pytest
 import safetensors.numpy
 import structlog
 
-from engine.control import Gate, HandshakeError, answer_challenge, check_answer, check_secret
-from engine.world import World, shard
+from engine.model.control import Gate, HandshakeError, answer_challenge, check_answer, check_secret
+from engine.model.world import World, shard
 from policies.layout import checkpoint_format, tensor_shapes
 from protocols.api import SamplingParams
 from protocols.config import DistributedConfig
@@ -175,7 +175,7 @@ def test_a_model_is_sharded_only_where_the_world_splits_it_evenly():
         shard(SimpleNamespace(layers=[]), "mamba", _world("tensor"))  # type: ignore[arg-type]
 
 
-# The control connections' handshake (engine.world): a localhost listener and real sockets.
+# The control connections' handshake (engine.model.world): a localhost listener and real sockets.
 SECRET = b"s" * 32
 
 

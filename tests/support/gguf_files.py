@@ -20,7 +20,7 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize
 from safetensors.numpy import load_file
 
-# mlx-lm parameter paths -> llama.cpp names (the inverse of engine.gguf.arch's table).
+# mlx-lm parameter paths -> llama.cpp names (the inverse of engine.model.gguf.arch's table).
 _BLOCK = {
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.gguf.format import GGUFFile
+from engine.model.gguf.format import GGUFFile
 from runtime import env
 
 # Positions where transformers' two best logits are closer than this may go either way under

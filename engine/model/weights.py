@@ -5,7 +5,8 @@ rows (shared/PLATFORM.md), while float32 matmul goes through BLAS; `gather_qmm` 
 ~4x slower than `gather_mm`. So on the CPU backend a quantized model's linear, embedding and
 expert (switch) layers are turned back into float32 ones at load (`model.cpu_dequantize`):
 "always", "never", or "auto" = when the float32 weights take at most `AUTO_MEMORY_SHARE` of
-physical memory. On other backends quantized weights are kept.
+physical memory. On other backends quantized weights are kept. (This is the model's weights;
+quantized KV, `kv.bits`, is `engine.kv.quantized`.)
 The dequantized weights are exactly `mx.dequantize` of the stored ones: the model computes
 the same function as mlx-lm's quantized forward, up to float rounding in the matmuls.
 """

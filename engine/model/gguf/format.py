@@ -4,7 +4,7 @@
 length, dimension and offset in it is bounded by the file's size before it is used, so a
 truncated or hostile file is refused with `ModelLoadError` naming what is wrong, without
 reading or allocating more than the file holds. Tensor bytes are memory-mapped and handed out
-per tensor (`raw`). No MLX here: the loader (`engine.gguf.load`) turns bytes into arrays.
+per tensor (`raw`). No MLX here: the loader (`engine.model.gguf.model.load_gguf`) turns bytes into arrays.
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ import safetensors.numpy
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-from engine.kvquant import QuantizedKV
-from engine.layout import DTYPES
-from engine.paged import PagedKV, PagedRef
-from engine.sequence import EngineInvariantError
+from engine.errors import EngineInvariantError
+from engine.kv.layout import DTYPES
+from engine.kv.paged import PagedKV, PagedRef
+from engine.kv.quantized import QuantizedKV
 from policies.layout import leaves, tensor_shapes
 from protocols.model import LayerLayout
 
@@ -43,7 +43,7 @@ def _cut(source: Any, length: int, copy: bool) -> Any:
     (a window or a state is only ever used at its own length)."""
     cache: Any = source  # (mlx-lm's caches type their arrays as None until first written)
     if type(cache) is PagedRef:
-        return cache  # its positions are in blocks (`engine.prefixes`)
+        return cache  # its positions are in blocks (`engine.kv.prefixes`)
     if type(cache) is PagedKV:
         return PagedRef(cache.ordinal)  # the blocks are held by whoever keeps this
     if type(cache) is QuantizedKV:

@@ -1,8 +1,8 @@
 """Saved prefix entries on the MLX thread: the KV requests left behind, by entry id.
 
 The KV store's ledger decides which entries stay (`policies.ledger`); this keeps their arrays
-and starts requests from them. An entry is per-layer mlx-lm caches (`engine.caches`). With
-paged KV (`engine.paged`) its paged layers' positions stay in the pool blocks the request
+and starts requests from them. An entry is per-layer mlx-lm caches (`engine.kv.caches`). With
+paged KV (`engine.kv.paged`) its paged layers' positions stay in the pool blocks the request
 wrote them to, which the entry holds (no copy), and a request seeded from an entry holds the
 entry's full blocks for as long as it runs (shared, no copy); the positions past the last
 full block are copied into a block of its own, which it then writes on (copy on write).
@@ -15,10 +15,11 @@ from typing import Any
 
 from mlx_lm.models.cache import KVCache
 
-from engine import caches
-from engine.kvquant import packed_nbytes
-from engine.paged import BlockPool, PagedKV, PagedRef, map_paged
-from engine.sequence import EngineInvariantError, Sequence
+from engine.errors import EngineInvariantError
+from engine.kv import caches
+from engine.kv.paged import BlockPool, PagedKV, PagedRef, map_paged
+from engine.kv.quantized import packed_nbytes
+from engine.sequence import Sequence
 from policies.adapters import prefix_namespace
 from policies.blocks import blocks_for
 from protocols.model import LayerLayout, SavedPrefix

@@ -4,7 +4,7 @@ mlx-lm's models call `mlx_lm.models.base.scaled_dot_product_attention(queries, k
 cache=..., scale=..., mask=...)`, a name each model module imports. `install(model)` rebinds
 that name, in the modules the model's layers come from, to `attend`: it asks the cache first
 (`cache.attend(queries, keys, values, scale, mask)`; paged KV's decode steps read each row's
-blocks in place, `engine.paged`) and calls mlx-lm's own function, unchanged, whenever the cache
+blocks in place, `engine.kv.paged`) and calls mlx-lm's own function, unchanged, whenever the cache
 has no such method or declines (returns None). Other users of those modules see no change: a
 cache without the method takes the original path.
 """

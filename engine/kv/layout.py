@@ -5,6 +5,8 @@ forwards one token through it and records, per layer, what the engine must keep 
 request: full attention KV, a sliding window, recurrent state, or a list of these. A layer
 of any other kind (quantized, chunked, concatenating caches...) is refused with a
 `ModelLoadError` naming the layer and its cache class: never served approximately.
+
+Also the array dtypes KV storage and checkpoints name (`DTYPES`, `dtype_name`).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ model's own attention. Measured on the CPU backend, quantized matmul is the fast
 
 - `QuantizedKV`: a request's cache outside the batch (prefill, prefix entries, parked rows,
   checkpoints), answering mlx-lm's layers as a `KVCache` does.
-- `QuantizedSlots`: the batch's rows of such a layer (`engine.slots.FullSlots` geometry).
+- `QuantizedSlots`: the batch's rows of such a layer (`engine.kv.slots.FullSlots` geometry).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache, _BaseCache, create_attention_mask, make_prompt_cache
 
-from engine.layout import DTYPES
-from engine.slots import FullSlots, Step, _grow, _scatter, _write_index, round_up
+from engine.kv.layout import DTYPES
+from engine.kv.slots import FullSlots, grow, scatter, write_index
+from engine.step import Step, round_up
 from policies.layout import leaves, packed_dim
 from protocols.model import LayerLayout
 
@@ -241,7 +242,7 @@ def packed_nbytes(items: Iterable[Any]) -> int:
             total += item.packed_nbytes
         elif isinstance(item, CacheList):
             total += packed_nbytes(item.caches)
-        elif hasattr(item, "parts"):  # engine.slots.ListSlots
+        elif hasattr(item, "parts"):  # engine.kv.slots.ListSlots
             total += packed_nbytes(item.parts)
     return total
 
@@ -290,15 +291,15 @@ class QuantizedSlots(FullSlots):
             old_rows, _, old_capacity, _ = self.packed_keys[0].shape
             if rows > old_rows or wanted > old_capacity:
                 rows, wanted = max(rows, old_rows), max(wanted, old_capacity)
-                self.packed_keys = [_grow(a, rows, wanted) for a in self.packed_keys]
-                self.packed_values = [_grow(a, rows, wanted) for a in self.packed_values]
+                self.packed_keys = [grow(a, rows, wanted) for a in self.packed_keys]
+                self.packed_values = [grow(a, rows, wanted) for a in self.packed_values]
         if layer.kv_start:
             dtype, head = DTYPES[layer.dtype], layer.kv_start + 1
             if self.keys is None or self.values is None:
                 self.keys = mx.zeros((rows, layer.heads, head, layer.key_dim), dtype)
                 self.values = mx.zeros((rows, layer.heads, head, layer.value_dim), dtype)
             elif rows > self.keys.shape[0]:
-                self.keys, self.values = _grow(self.keys, rows, head), _grow(self.values, rows, head)
+                self.keys, self.values = grow(self.keys, rows, head), grow(self.values, rows, head)
 
     def shrink(self, rows: int, length: int) -> None:
         if self.packed_keys is None or self.packed_values is None:
@@ -341,13 +342,13 @@ class QuantizedSlots(FullSlots):
         layer = self.layout
         assert self.packed_keys is not None
         heads, capacity = layer.heads, self.packed_keys[0].shape[2]
-        index = step.derive(("full", heads, capacity), lambda: _write_index(step, heads, capacity, self._positions(step)))
-        self.packed_keys, self.packed_values = ([_scatter(a, part, index) for a, part in zip(stored, parts)] for stored, parts in new)
+        index = step.derive(("full", heads, capacity), lambda: write_index(step, heads, capacity, self._positions(step)))
+        self.packed_keys, self.packed_values = ([scatter(a, part, index) for a, part in zip(stored, parts)] for stored, parts in new)
         if layer.kv_start and self.keys is not None and self.values is not None:
             head = layer.kv_start + 1
             slots = lambda: mx.minimum(self._positions(step), layer.kv_start)  # noqa: E731 (later positions: the spare slot)
-            head_index = step.derive(("head", heads, head), lambda: _write_index(step, heads, head, slots()))
-            self.keys, self.values = _scatter(self.keys, keys, head_index), _scatter(self.values, values, head_index)
+            head_index = step.derive(("head", heads, head), lambda: write_index(step, heads, head, slots()))
+            self.keys, self.values = scatter(self.keys, keys, head_index), scatter(self.values, values, head_index)
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         step, layer = self._batch.step, self.layout

@@ -12,9 +12,11 @@ needs, and answers the calls mlx-lm's layers make on their caches during a forwa
   over some rows with different token counts is right-padded and passes mlx-lm's own
   `lengths`, which the recurrent layers honour, so padding never enters a state.
 - `ListSlots` (`CacheList`): several of the above in one layer.
-(Quantized or paged full layers: `engine.kvquant`, `engine.paged`.) The batch
-(`engine.batch.DecodeBatch`) owns the rows and each step's geometry (`engine.step`); slots own their buffers, and convert a row to
-and from mlx-lm's cache of its kind (`join`, `extract`) for prefill, prefixes and checkpoints.
+(Quantized or paged full layers build on `FullSlots`: `engine.kv.quantized`, `engine.kv.paged`,
+sharing its buffer helpers `write_index`, `scatter` and `grow`; which kind a layer gets is
+`engine.kv.factory.make_slots`.) The batch (`engine.batch.DecodeBatch`) owns the rows and each
+step's geometry (`engine.step`); slots own their buffers, and convert a row to and from
+mlx-lm's cache of its kind (`join`, `extract`) for prefill, prefixes and checkpoints.
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-from engine.layout import DTYPES
+from engine.kv.layout import DTYPES
 from engine.step import LEN_STEP, Step, round_up
 from policies.layout import ring_capacity
 from protocols.model import LayerLayout
 
 
-def _write_index(step: Step, heads: int, capacity: int, slots: mx.array) -> mx.array:
+def write_index(step: Step, heads: int, capacity: int, slots: mx.array) -> mx.array:
     """Flat `[rows * heads * capacity]` indices of each forwarded row's new positions, where
     `slots` (`[forwarded, num_new]`) says the slot of each new position."""
     index = mx.arange(len(step.starts), dtype=mx.int32) if step.row_index is None else step.row_index
@@ -40,14 +42,14 @@ def _write_index(step: Step, heads: int, capacity: int, slots: mx.array) -> mx.a
     return ((index * heads + head) * capacity + slots[:, None, :]).reshape(-1)
 
 
-def _scatter(buffer: mx.array, new: mx.array, index: mx.array) -> mx.array:
+def scatter(buffer: mx.array, new: mx.array, index: mx.array) -> mx.array:
     rows, heads, capacity, dim = buffer.shape
     flat = buffer.reshape(rows * heads * capacity, dim)
     flat[index] = new.reshape(-1, dim)
     return flat.reshape(rows, heads, capacity, dim)
 
 
-def _grow(buffer: mx.array, rows: int, capacity: int) -> mx.array:
+def grow(buffer: mx.array, rows: int, capacity: int) -> mx.array:
     old_rows, heads, old_capacity, dim = buffer.shape
     grown = mx.zeros((rows, heads, capacity, dim), buffer.dtype)
     grown[:old_rows, :, :old_capacity] = buffer
@@ -86,7 +88,7 @@ class _AttentionSlots:
         old_rows, _, old_capacity, _ = self.keys.shape
         if rows > old_rows or wanted > old_capacity:
             rows, wanted = max(rows, old_rows), max(wanted, old_capacity)
-            self.keys, self.values = _grow(self.keys, rows, wanted), _grow(self.values, rows, wanted)
+            self.keys, self.values = grow(self.keys, rows, wanted), grow(self.values, rows, wanted)
 
     def shrink(self, rows: int, length: int) -> None:
         if self.keys is None or self.values is None:
@@ -128,9 +130,9 @@ class FullSlots(_AttentionSlots):
             self.values[: values.shape[0], :, start : start + n] = values
         else:
             heads, capacity = self.keys.shape[1], self.keys.shape[2]
-            index = step.derive(("full", heads, capacity), lambda: _write_index(step, heads, capacity, self._positions(step)))
-            self.keys = _scatter(self.keys, keys, index)
-            self.values = _scatter(self.values, values, index)
+            index = step.derive(("full", heads, capacity), lambda: write_index(step, heads, capacity, self._positions(step)))
+            self.keys = scatter(self.keys, keys, index)
+            self.values = scatter(self.values, values, index)
         return self.keys_and_values()
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
@@ -195,9 +197,9 @@ class WindowSlots(_AttentionSlots):
         step = self._batch.step
         assert self.keys is not None and self.values is not None and step is not None
         heads, capacity = self.keys.shape[1], self.keys.shape[2]
-        index = step.derive(("window", self.ring, heads, capacity), lambda: _write_index(step, heads, capacity, self._slots(FullSlots._positions(step))))
-        self.keys = _scatter(self.keys, keys, index)
-        self.values = _scatter(self.values, values, index)
+        index = step.derive(("window", self.ring, heads, capacity), lambda: write_index(step, heads, capacity, self._slots(FullSlots._positions(step))))
+        self.keys = scatter(self.keys, keys, index)
+        self.values = scatter(self.values, values, index)
         return self.keys_and_values()
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
@@ -233,8 +235,8 @@ class WindowSlots(_AttentionSlots):
         keys, values = _temporal(cache)
         kept = min(length, self.window, keys.shape[2])
         index = self._row_slots(row, length, kept)
-        self.keys = _scatter(self.keys, keys[0, :, keys.shape[2] - kept :], index)
-        self.values = _scatter(self.values, values[0, :, values.shape[2] - kept :], index)
+        self.keys = scatter(self.keys, keys[0, :, keys.shape[2] - kept :], index)
+        self.values = scatter(self.values, values[0, :, values.shape[2] - kept :], index)
 
     def extract_row(self, row: int, length: int) -> RotatingKVCache:
         """mlx-lm's cache for the row: its last `window` positions in temporal order."""
@@ -386,11 +388,12 @@ class StateSlots(ArraysCache):
 
 
 class ListSlots:
-    """A layer with several caches (`CacheList`): one slot per part."""
+    """A layer with several caches (`CacheList`): one slot per part (made by
+    `engine.kv.factory.make_slots`, one per part of `layout`)."""
 
-    def __init__(self, batch, layout: LayerLayout):
+    def __init__(self, layout: LayerLayout, parts: list[Slots]):
         self.layout = layout
-        self.parts = [make_slots(batch, part) for part in layout.parts]
+        self.parts = parts
 
     def __getitem__(self, index: int):
         return self.parts[index]
@@ -442,24 +445,3 @@ class ListSlots:
 
 
 Slots = FullSlots | WindowSlots | StateSlots | ListSlots
-
-
-def make_slots(batch, layout: LayerLayout) -> Slots:
-    match layout.kind:
-        case "full" if layout.kv_bits:
-            from engine.kvquant import QuantizedSlots  # (these build on FullSlots)
-
-            return QuantizedSlots(batch, layout)
-        case "full" if layout.kv_block:
-            from engine.paged import PagedSlots
-
-            return PagedSlots(batch, layout, batch.next_paged_ordinal())
-        case "full":
-            return FullSlots(batch, layout)
-        case "window":
-            return WindowSlots(batch, layout)
-        case "state":
-            return StateSlots(batch, layout)
-        case "list":
-            return ListSlots(batch, layout)
-    raise ValueError(f"unknown layer kind {layout.kind!r}")

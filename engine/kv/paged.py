@@ -28,8 +28,8 @@ import msgspec
 import structlog
 from mlx_lm.models.cache import CacheList, KVCache, _BaseCache, create_attention_mask
 
-from engine.layout import DTYPES
-from engine.slots import FullSlots
+from engine.kv.layout import DTYPES
+from engine.kv.slots import FullSlots
 from engine.step import Step
 from policies.blocks import BlockAllocator, blocks_for
 from policies.layout import leaves, paged_block_bytes
@@ -315,7 +315,7 @@ class PagedKV(_BaseCache):
 
 class PagedRef:
     """A paged layer's place in a prefix entry's caches: its positions are in the entry's
-    blocks (`engine.prefixes`), read out when the entry seeds a request."""
+    blocks (`engine.kv.prefixes`), read out when the entry seeds a request."""
 
     nbytes = 0
 

@@ -1,6 +1,6 @@
 """Paged KV on the request side (MLX thread): each request's block table, admission to release.
 
-`RequestBlocks` is what the engine asks of the pool (`engine.paged.BlockPool`): the blocks a
+`RequestBlocks` is what the engine asks of the pool (`engine.kv.paged.BlockPool`): the blocks a
 step's prompt chunks need, and caches that write into them, before any forward; a request's
 contiguous caches moved into its blocks (a restored checkpoint, a batched first chunk); its
 blocks given back when it ends; the pool's figures over every holder. Without a pool (no
@@ -13,8 +13,8 @@ from collections.abc import Iterable
 
 import mlx.core as mx
 
-from engine.kvquant import new_caches
-from engine.paged import BlockPool, PagedKV, map_paged
+from engine.kv.paged import BlockPool, PagedKV, map_paged
+from engine.kv.quantized import new_caches
 from engine.sequence import Sequence
 from protocols.model import KvPool, LayerLayout
 

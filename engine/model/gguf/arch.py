@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, cast
 
-from engine.gguf.format import GGUFFile
+from engine.model.gguf.format import GGUFFile
 from protocols.errors import ModelLoadError
 
 DEFAULT_CONTEXT = 4096

@@ -1,4 +1,5 @@
-"""Fix-ups, applied at load, for mlx-lm model code that only ever sees one sequence.
+"""Fix-ups, applied at load, for mlx-lm model code that only ever sees one sequence
+(patches to mlx-lm's layer classes; LoRA adapters are `engine.lora`).
 
 mlx-lm's generation passes a model one row's mask; the decode batch passes a mask per row
 (`[rows, 1, queries, keys]`). Layer code that splits attention heads into more axes than

@@ -25,7 +25,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer_dir
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from engine.gguf.format import GGUFFile
+from engine.model.gguf.format import GGUFFile
 from protocols.errors import ModelLoadError
 
 # Bumped when the files built here change, so caches of older builds are not reused.

@@ -10,8 +10,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine.builtin import BUILTIN_MODELS, PACKAGED_MODELS, builtin_name, packaged_model_path, parameter_count
-from engine.gguf import is_gguf
-from engine.gguf.format import GGUFFile
+from engine.model.gguf import is_gguf
+from engine.model.gguf.format import GGUFFile
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

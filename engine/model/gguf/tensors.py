@@ -17,7 +17,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
-from engine.gguf.format import GGUFFile, TensorInfo
+from engine.model.gguf.format import GGUFFile, TensorInfo
 
 GROUP = 32
 # Affine types: bits, bytes of one block, and its header (scale, and for Q4_1 a minimum).

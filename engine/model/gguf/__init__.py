@@ -4,7 +4,7 @@ tokenizer rebuilt from metadata (`tokenizer`) and the loader (`model.load_gguf`)
 
 from pathlib import Path
 
-from engine.gguf.model import GGUFModel, load_gguf
+from engine.model.gguf.model import GGUFModel, load_gguf
 
 SUFFIX = ".gguf"
 

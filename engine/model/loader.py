@@ -1,8 +1,12 @@
 """Load a model on the MLX thread: an mlx-lm directory, a GGUF file, or a built-in one.
 
 Casts floating weights to float32 on the CPU backend, where only float32 matmul
-goes through BLAS, probes each layer's KV geometry with a one-token forward,
-and returns the model, its tokenizer and a plain-data `ModelInfo`.
+goes through BLAS (quantized ones per `engine.model.weights`), patches the layers that need it
+(`engine.model.patches`), probes each layer's KV geometry with a one-token forward
+(`engine.kv.layout`), and returns the model, its tokenizer and a plain-data `ModelInfo`
+(`LoadedModel`); `with_kv_format` applies `kv.bits` and `kv.block_size` to its layout. Also the
+digests that identify a model and its tokenizer. A draft model, the adapter bank and the
+engine are built on it by `engine.build`.
 """
 
 from __future__ import annotations
@@ -23,17 +27,14 @@ from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 
-from engine.adapters import adapt_for_batches
 from engine.builtin import PackagedModelMissingError, builtin_name, ensure_builtin
-from engine.draft import DraftRunner
-from engine.gguf import is_gguf, load_gguf
-from engine.layout import dtype_name, probe_layout
-from engine.quantized import apply_cpu_policy, keeps_quantized
-from engine.speculation import Speculator
-from engine.world import World, shard
+from engine.kv.layout import dtype_name, probe_layout
+from engine.model.gguf import is_gguf, load_gguf
+from engine.model.patches import adapt_for_batches
+from engine.model.weights import apply_cpu_policy, keeps_quantized
+from engine.model.world import World, shard
 from policies.layout import full_token_bytes, is_trimmable, with_kv_blocks, with_kv_quantization
-from policies.speculation import MEASURED_MAX_BATCH, SpeculationGate
-from protocols.config import KvConfig, ModelConfig, SpeculativeConfig
+from protocols.config import KvConfig, ModelConfig
 from protocols.errors import ModelLoadError
 from protocols.model import LayerLayout, ModelInfo
 
@@ -52,8 +53,8 @@ class LoadedModel:
 
 
 def with_kv_format(loaded: LoadedModel, kv: KvConfig) -> LoadedModel:
-    """The model with `kv.bits`-bit KV on the layers that can store it (`engine.kvquant`),
-    and its float full-attention layers paged with `kv.block_size` (`engine.paged`). A model
+    """The model with `kv.bits`-bit KV on the layers that can store it (`engine.kv.quantized`),
+    and its float full-attention layers paged with `kv.block_size` (`engine.kv.paged`). A model
     none of whose layers can store quantized KV is refused: the configuration asks for what
     cannot be."""
     layout = loaded.layout
@@ -239,26 +240,3 @@ def model_digest(directory: Path) -> str:
 def tokenizer_digest(directory: Path) -> str:
     names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
     return digest_files([directory / name for name in names])
-
-
-def load_speculator(
-    target: LoadedModel, config: SpeculativeConfig, model: ModelConfig, builtin_root: Path, progress: Callable[[str], None] | None = None
-) -> Speculator:
-    """Speculative decoding for `target`: its draft model (loaded like the target, refused with
-    `ModelLoadError` unless it shares the target's tokenizer and vocabulary), the batch gate,
-    and a drafted token's cost estimated from the two models' sizes (decoding on this backend
-    streams the weights: its time follows the parameter count)."""
-    gate = SpeculationGate(config.max_batch or MEASURED_MAX_BATCH)
-    if not config.draft:
-        return Speculator(gate=gate)
-    draft_config = msgspec.structs.replace(model, path=config.draft, max_context=None)
-    draft = load_model(draft_config, builtin_root, progress)
-    if _vocabulary(draft.tokenizer) != _vocabulary(target.tokenizer) or draft.info.vocab_size != target.info.vocab_size:
-        raise ModelLoadError(f"draft model {config.draft!r} does not share the model's tokenizer and vocabulary")
-    runner = DraftRunner(draft.model, draft.layout)
-    return Speculator(runner, gate, draft_cost=draft.info.num_parameters / max(1, target.info.num_parameters))
-
-
-def _vocabulary(tokenizer) -> dict[str, int]:
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    return dict(hf.get_vocab())

@@ -17,7 +17,7 @@ full (after the sharded layers' `all_sum`, or the pipeline's `all_gather`) with 
 seeds, so every rank draws the same tokens and feeds them to its next step itself.
 
 A control connection counts as a rank only once it proves the world's shared secret
-(`engine.control`: an HMAC challenge both ways), so a local stranger that connected or listened
+(`engine.model.control`: an HMAC challenge both ways), so a local stranger that connected or listened
 first takes no rank.
 
 A rank's state is only what its plans made of it, so a follower needs nothing but the plans,
@@ -37,7 +37,7 @@ import msgspec
 import numpy as np
 import structlog
 
-from engine.control import HANDSHAKE_S, Gate, check_secret, reach_leader
+from engine.model.control import HANDSHAKE_S, Gate, check_secret, reach_leader
 from protocols.config import WORLD_SECRET_VARIABLE, DistributedConfig
 from protocols.errors import ConfigError, ModelLoadError
 from protocols.model import AdmitRequest, StepOutcome, StepPlan, WorldCommand, WorldDrop, WorldReset, WorldStats, WorldStep, WorldStop

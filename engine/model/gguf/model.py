@@ -19,10 +19,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from engine.gguf.arch import ROPE_FREQS, Architecture, architecture, check_shapes, expected_shapes, model_config, weight_name
-from engine.gguf.format import GGUFFile
-from engine.gguf.tensors import AFFINE_TYPES, FLOAT_TYPES, GROUP, is_supported, read_affine, read_float, unpermute_rows
-from engine.gguf.tokenizer import load_tokenizer, tokenizer_digest
+from engine.model.gguf.arch import ROPE_FREQS, Architecture, architecture, check_shapes, expected_shapes, model_config, weight_name
+from engine.model.gguf.format import GGUFFile
+from engine.model.gguf.tensors import AFFINE_TYPES, FLOAT_TYPES, GROUP, is_supported, read_affine, read_float, unpermute_rows
+from engine.model.gguf.tokenizer import load_tokenizer, tokenizer_digest
 from protocols.errors import ModelLoadError
 
 # Bits that tensors of a type MLX cannot hold as they are get when requantized.
