@@ -1,32 +1,25 @@
-"""Length-prefixed msgpack frames over a byte stream (the wire format of `protocols.wire`)."""
+"""Length-prefixed msgpack frames over a byte stream (the wire format of `protocols.wire`), read
+asynchronously; the frame codec itself is `protocols.frames`."""
 
 from __future__ import annotations
 
-import struct
 from typing import Generic, TypeVar
 
 import anyio
 import msgspec
 from anyio.abc import ByteReceiveStream
 
+from protocols.frames import HEADER, FrameTooLarge, frame, frame_size
+
 T = TypeVar("T")
 
-HEADER = struct.Struct(">I")
 _ENCODER = msgspec.msgpack.Encoder()
 
-
-class FrameTooLarge(Exception):
-    """The peer announced a frame above the limit; the stream cannot be resynchronised."""
-
-    def __init__(self, size: int, limit: int):
-        super().__init__(f"frame of {size} bytes exceeds the limit of {limit}")
-        self.size = size
-        self.limit = limit
+__all__ = ["HEADER", "FrameReader", "FrameTooLarge", "encode_frame"]
 
 
 def encode_frame(message: msgspec.Struct) -> bytes:
-    body = _ENCODER.encode(message)
-    return HEADER.pack(len(body)) + body
+    return frame(_ENCODER.encode(message))
 
 
 class FrameReader(Generic[T]):
@@ -56,9 +49,7 @@ class FrameReader(Generic[T]):
         header = await self._read_exactly(HEADER.size, allow_eof=True)
         if header is None:
             return None
-        (size,) = HEADER.unpack(header)
-        if size > self._max_bytes:
-            raise FrameTooLarge(size, self._max_bytes)
+        size = frame_size(header, self._max_bytes)
         return await self._read_exactly(size, allow_eof=False)
 
     def decode(self, body: bytes) -> T:

@@ -38,10 +38,10 @@ from protocols.wire import (
     Limits,
     ModelSummary,
     Resume,
-    Stats,
     Welcome,
 )
 from runtime.config import ServerConfig
+from runtime.serving import Serving
 
 log = structlog.get_logger(actor="server")
 
@@ -50,9 +50,9 @@ SEND_BUFFER_BYTES = 64 * 1024
 
 
 class Server:
-    """Serves one `Runtime` on a Unix socket until `stop()`."""
+    """Serves a runtime (a `Runtime` or a `ModelPool`) on a Unix socket until `stop()`."""
 
-    def __init__(self, runtime, config: ServerConfig, path: Path):
+    def __init__(self, runtime: Serving, config: ServerConfig, path: Path):
         self.runtime = runtime
         self.config = config
         self.path = path
@@ -266,17 +266,7 @@ class Connection:
                     await self.send(Error(code="unknown_request", message="no such request on this connection", request_id=rid))
             case GetStats():
                 stats = await self._runtime.stats()
-                await self.send(
-                    Stats(
-                        scheduler=stats.scheduler,
-                        kv=stats.kv,
-                        live_requests=stats.live_requests,
-                        connections=len(self._server.connections),
-                        metrics=stats.metrics,
-                        models=stats.models,
-                        world=stats.world,
-                    )
-                )
+                await self.send(msgspec.structs.replace(stats, connections=len(self._server.connections)))
             case AdapterCommand():
                 await self.send(await self._adapters(message))
             case Hello():

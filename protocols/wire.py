@@ -9,17 +9,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-import msgspec
-
-from protocols.api import AdapterInfo, Finished, GenerateRequest, ModelStatus, PrefillProgress, TokenDelta, ToolCall
+from protocols.api import AdapterInfo, Finished, GenerateRequest, PrefillProgress, TokenDelta, ToolCall
 from protocols.base import Message, Record
 from protocols.errors import ErrorCode
-from protocols.kv import KvStats
-from protocols.metrics import MetricsSnapshot
-from protocols.model import WorldStats
-from protocols.scheduler import SchedulerStats
+from protocols.stats import Stats
 
-PROTOCOL_VERSION = 1
+# 2: `Stats` is the runtime's own struct (`protocols.stats`), with `adapters`.
+PROTOCOL_VERSION = 2
 
 # -- client -> server --------------------------------------------------------------
 
@@ -96,20 +92,6 @@ class Error(Message, frozen=True):
     request_id: str | None = None
     # For invalid requests: the offending field, e.g. "sampling.temperature".
     field: str | None = None
-
-
-class Stats(Message, frozen=True):
-    scheduler: SchedulerStats
-    kv: KvStats
-    live_requests: int
-    connections: int
-    # Request counters and latency histograms since the server started (`/metrics` over HTTP).
-    metrics: MetricsSnapshot | None = None
-    # A server with several models (`[[models]]`): each one's state; `scheduler`, `kv` and
-    # `metrics` are then the default model's.
-    models: list[ModelStatus] = msgspec.field(default_factory=list)
-    # A distributed world (`[distributed]`): its size, mode, availability and step figures.
-    world: WorldStats | None = None
 
 
 class Adapters(Message, frozen=True):

@@ -11,6 +11,7 @@ from runtime import env as _env
 
 _blas.ensure_fast_blas(_env.get("BLAS"))
 
+from protocols.stats import Stats  # noqa: E402
 from runtime.config import RuntimeConfig  # noqa: E402
 from runtime.errors import (  # noqa: E402
     ConfigError,
@@ -23,13 +24,13 @@ from runtime.errors import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from runtime.runtime import Runtime, RuntimeStats
+    from runtime.runtime import Runtime
 
 
 def __getattr__(name: str):
     # The runtime (and with it MLX, mlx-lm and transformers: seconds of imports) loads on first
     # use, so a socket client or a config check starts in a blink.
-    if name in ("Runtime", "RuntimeStats"):
+    if name == "Runtime":
         from runtime import runtime
 
         return getattr(runtime, name)
@@ -45,6 +46,6 @@ __all__ = [
     "Runtime",
     "RuntimeClosedError",
     "RuntimeConfig",
-    "RuntimeStats",
     "ServerBusyError",
+    "Stats",
 ]

@@ -2,8 +2,8 @@
 
 A checkpoint file is
 
-    b"MLXRTCK" + format version digit | uint32 BE header length | sha256 of header + tensors
-    | header (JSON) | KV tensors (safetensors)
+    b"MLXRTCK" + format version digit | sha256 of what follows | the header (JSON) as a frame
+    (`protocols.frames`: uint32 BE length, then the bytes) | KV tensors (safetensors)
 
 The header (`CheckpointHeader`) names the model and tokenizer digests, the request as
 submitted, the resolved prompt ids and seed, and the tokens generated so far. The digest
@@ -20,7 +20,6 @@ import hashlib
 import math
 import os
 import stat
-import struct
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +29,7 @@ import safetensors.numpy
 
 from policies.layout import tensor_shapes
 from policies.validation import check_request_id
+from protocols import frames
 from protocols.api import GenerateRequest
 from protocols.base import Record
 from protocols.errors import (
@@ -42,12 +42,12 @@ from protocols.errors import (
 )
 from protocols.model import LayerLayout
 
-FORMAT_VERSION = 4
+# 5: the header is a `protocols.frames` frame after the digest (4: its length before the digest).
+FORMAT_VERSION = 5
 _MAGIC_PREFIX = b"MLXRTCK"
 MAGIC = _MAGIC_PREFIX + str(FORMAT_VERSION).encode()
-_LENGTH = struct.Struct(">I")
 _DIGEST = 32
-_PREFIX = len(MAGIC) + _LENGTH.size + _DIGEST
+_PREFIX = len(MAGIC) + _DIGEST + frames.HEADER.size
 _SUFFIX = ".ckpt"
 # Header bytes beyond the token lists: the request as submitted (messages, tools, ...).
 HEADER_BYTES = 16 * 1024 * 1024
@@ -87,10 +87,10 @@ def max_file_bytes(max_context: int, layers: Sequence[LayerLayout]) -> int:
 
 
 def encode(header: CheckpointHeader, tensors: bytes) -> bytes:
-    body = msgspec.json.encode(header)
-    digest = hashlib.sha256(body)
+    framed = frames.frame(msgspec.json.encode(header))
+    digest = hashlib.sha256(framed)
     digest.update(tensors)
-    return MAGIC + _LENGTH.pack(len(body)) + digest.digest() + body + tensors
+    return MAGIC + digest.digest() + framed + tensors
 
 
 def prepare_directory(directory: Path) -> None:
@@ -202,18 +202,19 @@ def decode(data: bytes, *, source: str = "<checkpoint>") -> tuple[CheckpointHead
     if data[: len(MAGIC)] != MAGIC:
         version = data[len(_MAGIC_PREFIX) : len(MAGIC)].decode(errors="replace")
         raise UnsupportedCheckpointError(f"{source} has format version {version!r}; this runtime reads {FORMAT_VERSION}")
-    (length,) = _LENGTH.unpack_from(data, len(MAGIC))
-    if len(data) < _PREFIX + length:
-        raise CorruptCheckpointError(f"{source} is truncated")
-    expected = data[len(MAGIC) + _LENGTH.size : _PREFIX]
-    digest = hashlib.sha256(memoryview(data)[_PREFIX:]).digest()
+    expected = data[len(MAGIC) : len(MAGIC) + _DIGEST]
+    digest = hashlib.sha256(memoryview(data)[len(MAGIC) + _DIGEST :]).digest()
     if digest != expected:
         raise CorruptCheckpointError(f"{source} is truncated or altered (checksum mismatch)")
+    found = frames.split_frame(data, len(MAGIC) + _DIGEST)
+    if found is None:
+        raise CorruptCheckpointError(f"{source} is truncated")
+    body, end = found
     try:
-        header = msgspec.json.decode(data[_PREFIX : _PREFIX + length], type=CheckpointHeader)
+        header = msgspec.json.decode(body, type=CheckpointHeader)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{source} has an invalid header: {exc}") from None
-    return header, data[_PREFIX + length :]
+    return header, data[end:]
 
 
 def check_tensors(header: CheckpointHeader, tensors: bytes, layers: Sequence[LayerLayout]) -> None:

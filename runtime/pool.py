@@ -17,13 +17,12 @@ has: those tokens, texts and tool calls are skipped, and the caller sees one uni
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -34,6 +33,7 @@ from engine.model.memory import DTYPE_BYTES, estimate_weight_bytes, release_memo
 from policies.validation import check_request_id
 from protocols.api import AdapterInfo, Event, Finished, GenerateRequest, ModelStatus, TokenDelta, ToolCall, new_request_id
 from protocols.model import ModelInfo
+from protocols.stats import Stats
 from runtime.admission import checkpoint_directory_problem
 from runtime.checkpoints import path_for
 from runtime.config import RuntimeConfig
@@ -49,8 +49,11 @@ from runtime.errors import (
 )
 from runtime.metrics import RuntimeMetrics
 from runtime.replay import Delivered, Replay, cancelled
-from runtime.runtime import Runtime, RuntimeStats
+from runtime.runtime import Runtime
 from runtime.streams import PoolStream
+
+if TYPE_CHECKING:
+    from runtime.serving import Serving
 
 log = structlog.get_logger(actor="pool")
 
@@ -102,7 +105,7 @@ class ModelPool:
         self._live: set[str] = set()
         self._default_info: ModelInfo | None = None
         self._default_metrics: RuntimeMetrics | None = None
-        self._last_stats: RuntimeStats | None = None
+        self._last_stats: Stats | None = None
         self._closed = False
         # The most weight bytes ever resident at once (checked against the cap by tests).
         self.peak_weight_bytes = 0
@@ -180,7 +183,7 @@ class ModelPool:
         assert self._default_info is not None
         return self._default_info
 
-    async def stats(self) -> RuntimeStats:
+    async def stats(self) -> Stats:
         """A resident model's runtime stats (the default model's when it is resident), with
         every model's state. Never loads a model: with none resident (all swapped out between
         loads), the last figures with nothing running and this pool's waiting requests."""
@@ -196,8 +199,8 @@ class ModelPool:
         if not resident:
             idle_kv = msgspec.structs.replace(stats.kv, live_requests=0, live_tokens=0, live_bytes=0, reserved_tokens=0, reserved_bytes=0, physical_bytes=0)
             idle = msgspec.structs.replace(stats.scheduler, waiting=len(self._live), prefilling=0, decoding=0, paused=0)
-            stats = dataclasses.replace(stats, scheduler=idle, kv=idle_kv, live_requests=len(self._live))
-        return dataclasses.replace(stats, models=self.models())
+            stats = msgspec.structs.replace(stats, scheduler=idle, kv=idle_kv, live_requests=len(self._live))
+        return msgspec.structs.replace(stats, models=self.models())
 
     def known_models(self) -> list[str]:
         return list(self._models)
@@ -219,9 +222,15 @@ class ModelPool:
         return tokenizer
 
     @property
-    def metrics(self):
+    def metrics(self) -> RuntimeMetrics:
         """The default model's request metrics (its latest runtime's)."""
+        assert self._default_metrics is not None  # the default model was loaded at start
         return self._default_metrics
+
+    @property
+    def world_error(self) -> str | None:
+        """None: a pool is never a distributed world (`RuntimeConfig.check_distributed`)."""
+        return None
 
     async def load_adapter(self, name: str, path, *, pinned: bool = False) -> AdapterInfo:
         raise InvalidRequestError("with several models, adapters are the default model's [[adapters]]", field="name")
@@ -491,3 +500,9 @@ class ModelPool:
                 model.stop.set()
                 await model.stopped.wait()
         self._notify()
+
+
+if TYPE_CHECKING:  # both implement the serving contract the fronts are typed against (mypy checks)
+
+    def _serving(pool: ModelPool, runtime: Runtime) -> tuple[Serving, Serving]:
+        return pool, runtime

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
@@ -30,11 +29,11 @@ from policies.ledger import KvLedger
 from policies.output_parser import OutputParser
 from policies.scheduling import SchedulePolicy
 from policies.validation import check_request_id
-from protocols.api import AdapterInfo, Event, GenerateRequest, ModelStatus, new_request_id
-from protocols.kv import DrainFiles, GetKvStats, KvStats
-from protocols.metrics import MetricsSnapshot
-from protocols.model import AdapterCall, ModelInbox, ModelInfo, WorldStats
-from protocols.scheduler import GetSchedulerStats, SchedulerStats
+from protocols.api import AdapterInfo, Event, GenerateRequest, new_request_id
+from protocols.kv import DrainFiles, GetKvStats
+from protocols.model import AdapterCall, ModelInbox, ModelInfo
+from protocols.scheduler import GetSchedulerStats
+from protocols.stats import Stats
 from runtime import blas, env
 from runtime.admission import Admission, Prepared, checkpoint_directory_problem
 from runtime.checkpoints import CheckpointStore
@@ -52,22 +51,6 @@ log = structlog.get_logger(actor="runtime")
 EVENT_BUFFER = 16
 # Time live requests' callers get to receive their `Finished(cancelled)` at shutdown.
 SHUTDOWN_GRACE_S = 2.0
-
-
-@dataclass(frozen=True)
-class RuntimeStats:
-    scheduler: SchedulerStats
-    kv: KvStats
-    live_requests: int
-    # Request counters and latency histograms since the runtime started.
-    metrics: MetricsSnapshot
-    # The LoRA adapters known (as of the last load or unload; `adapters()` for live figures).
-    adapters: list[AdapterInfo] = field(default_factory=list)
-    # With a `ModelPool`: every model's state (the figures above are the default model's).
-    models: list[ModelStatus] = field(default_factory=list)
-    # In a distributed world (`[distributed]`): its size, mode, whether it is available, and
-    # the seconds its steps took and spent broadcasting plans.
-    world: WorldStats | None = None
 
 
 class Runtime:
@@ -269,14 +252,14 @@ class Runtime:
         """End a request at the next step boundary; its stream ends with `Finished(cancelled)`."""
         await self._requests.cancel(request_id)
 
-    async def stats(self) -> RuntimeStats:
+    async def stats(self) -> Stats:
         try:
             scheduler = await ask(self._scheduler.inbox, GetSchedulerStats)
             kv = await ask(self._kv.inbox, GetKvStats)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
             raise RuntimeClosedError("the runtime is closed") from None
         self.metrics.update(scheduler, kv)
-        return RuntimeStats(
+        return Stats(
             scheduler=scheduler,
             kv=kv,
             live_requests=len(self._requests),

@@ -28,7 +28,6 @@ checkpoint directory), which it substitutes into a resumed request's plan.
 from __future__ import annotations
 
 import socket
-import struct
 import time
 from typing import Any, Protocol
 
@@ -40,6 +39,7 @@ import structlog
 from engine.model.control import HANDSHAKE_S, Gate, check_secret, reach_leader
 from protocols.config import WORLD_SECRET_VARIABLE, DistributedConfig
 from protocols.errors import ConfigError, ModelLoadError
+from protocols.frames import HEADER, frame, frame_size
 from protocols.model import AdmitRequest, StepOutcome, StepPlan, WorldCommand, WorldDrop, WorldReset, WorldStats, WorldStep, WorldStop
 
 log = structlog.get_logger(actor="world")
@@ -47,7 +47,6 @@ log = structlog.get_logger(actor="world")
 # Followers reach rank 0's control socket within this (they start together).
 CONTROL_CONNECT_S = 60.0
 _ENCODER = msgspec.msgpack.Encoder()
-_LENGTH = struct.Struct("!I")
 _DECODER = msgspec.msgpack.Decoder(WorldCommand)
 
 
@@ -122,15 +121,15 @@ class World:
         if not self._control:
             self.broadcast(data)
             return
-        frame = _LENGTH.pack(len(data)) + data
+        framed = frame(data)
         for peer in self._control:
-            peer.sendall(frame)
+            peer.sendall(framed)
 
     def receive(self) -> WorldCommand:
         if not self._control:
             return _DECODER.decode(self.broadcast(b""))
-        (length,) = _LENGTH.unpack(self._read_exactly(_LENGTH.size))
-        return _DECODER.decode(self._read_exactly(length))
+        size = frame_size(self._read_exactly(HEADER.size))  # rank 0 proved the world's secret: no lower limit
+        return _DECODER.decode(self._read_exactly(size))
 
     def barrier(self) -> None:
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=self.group, stream=mx.cpu))

@@ -49,6 +49,7 @@ from protocols.api import Event, Finished, GenerateRequest
 from protocols.config import ServerConfig
 from protocols.errors import ERROR_KINDS, MlxrtError
 from runtime.metrics import CONTENT_TYPE, PREFIX
+from runtime.serving import Serving
 
 log = structlog.get_logger(actor="http")
 
@@ -66,7 +67,7 @@ class Api:
         self.model_name = model_name
         # Host names requests may address (None: any; see `middleware.BrowserGuard`).
         self.allowed_hosts = allowed_hosts
-        self.runtime: Any = None
+        self.runtime: Serving | None = None
         self.draining = False
         self._token_texts: dict[str | None, TokenTexts] = {}
         self._fingerprint = ""
@@ -74,14 +75,14 @@ class Api:
         self.registry = CollectorRegistry(auto_describe=True)
         self.responses = Counter(f"{PREFIX}http_responses", "HTTP responses by route and status.", ["model_name", "route", "status"], registry=self.registry)
 
-    def attach(self, runtime) -> None:
+    def attach(self, runtime: Serving) -> None:
         """Serve this runtime (its model is loaded): /health turns ready."""
         self.runtime = runtime
         self._token_texts = {}
         self._fingerprint = f"mlxrt-{runtime.model_info.model_id[:12]}"
         self._created = int(time.time())
 
-    def _ready(self):
+    def _ready(self) -> Serving:
         if self.draining:
             raise HttpError("shutting_down", "the server is shutting down")
         if self.runtime is None:
@@ -91,7 +92,7 @@ class Api:
     # -- endpoints -------------------------------------------------------------------
 
     async def health(self, request: Request) -> Response:
-        status = "draining" if self.draining else "loading" if self.runtime is None else "unavailable" if getattr(self.runtime, "world_error", None) else "ok"
+        status = "draining" if self.draining else "loading" if self.runtime is None else "unavailable" if self.runtime.world_error else "ok"
         return json_response({"status": status, "model": self.model_name}, 200 if status == "ok" else 503)
 
     async def metrics(self, request: Request) -> Response:
@@ -149,7 +150,7 @@ class Api:
 
     # -- plumbing --------------------------------------------------------------------
 
-    async def _respond(self, request: Request, runtime, generate: GenerateRequest, output: Output, *, endpoint: str) -> Response:
+    async def _respond(self, request: Request, runtime: Serving, generate: GenerateRequest, output: Output, *, endpoint: str) -> Response:
         """Submit, wait for the first event (a refusal is a JSON error with its status), then
         stream the rest or collect it; a client that leaves cancels the request."""
         stream = runtime.submit(generate)
@@ -221,7 +222,7 @@ class Api:
         """Token texts with the tokenizer of the model the request names (resolved when first
         needed: by then the request's model is loaded)."""
         if model not in self._token_texts:
-            runtime = self.runtime
+            runtime = self._ready()
             self._token_texts[model] = TokenTexts(lambda: runtime.tokenizer_for(model))
         return self._token_texts[model]
 

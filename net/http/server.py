@@ -20,6 +20,7 @@ from net.http.app import Api, build_app
 from net.http.connections import ConnectionGuard, guarded_protocol, open_connections_cap
 from protocols.errors import ConfigError
 from runtime.config import RuntimeConfig
+from runtime.serving import Serving
 
 SHUTDOWN_GRACE_S = 5.0
 LOOPBACK = "127.0.0.1"
@@ -118,7 +119,7 @@ class HttpServer:
             sock.close()
             self._stopped.set()
 
-    def attach(self, runtime) -> None:
+    def attach(self, runtime: Serving) -> None:
         self.api.attach(runtime)
 
     def stop(self) -> None:
