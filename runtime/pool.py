@@ -31,7 +31,7 @@ import structlog
 from actors.mlx_thread import MlxThread
 from engine.model.memory import DTYPE_BYTES, estimate_weight_bytes, release_memory
 from policies.validation import check_request_id
-from protocols.api import AdapterInfo, Event, Finished, GenerateRequest, ModelStatus, TokenDelta, ToolCall, new_request_id
+from protocols.api import AdapterInfo, Event, Finished, GenerateRequest, ModelStatus, TokenDelta, new_request_id
 from protocols.model import ModelInfo
 from protocols.stats import Stats
 from runtime.admission import checkpoint_directory_problem
@@ -87,6 +87,18 @@ class _Model:
     epoch: int = 0
     stop: anyio.Event = field(default_factory=anyio.Event)
     stopped: anyio.Event = field(default_factory=anyio.Event)
+
+
+@dataclass(eq=False)
+class _PoolRequest:
+    """A pool request across its runs (one per residence of its model)."""
+
+    rid: str
+    request: GenerateRequest
+    # What the caller already has: a later run repeats it, and `Replay` skips it.
+    delivered: Delivered = field(default_factory=Delivered)
+    runs: int = 0
+    finished: bool = False
 
 
 class ModelPool:
@@ -242,11 +254,27 @@ class ModelPool:
         return []
 
     async def _events(self, model: _Model, request: GenerateRequest) -> AsyncIterator[Event]:
+        """The request's runs, one per residence of its model, until one finishes."""
+        pending = await self._pending(model, request)
+        try:
+            while not pending.finished:
+                rt = await self._acquire(model, pending.rid)
+                if rt is None:
+                    yield cancelled(pending.rid, pending.delivered)
+                    return
+                async for event in self._run(model, rt, pending):
+                    yield event
+                if not pending.finished:
+                    log.info("request_preempted", request_id=pending.rid, model=model.name, delivered=len(pending.delivered.token_ids))
+        finally:
+            self.forget(pending.rid)
+
+    async def _pending(self, model: _Model, request: GenerateRequest) -> _PoolRequest:
+        """The request as the pool runs it: a fixed seed (every run generates the same stream) and
+        the pool's checkpoint cadence, unless the request sets its own (checked as usual)."""
         rid = request.request_id
         assert rid is not None
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
-        # The pool's cadence (none for an id that cannot name a checkpoint file: such a request is
-        # generated again after a swap); a request's own `checkpoint_every` is checked as usual.
         every = request.checkpoint_every if request.checkpoint_every is not None else self._checkpoint_every
         if request.checkpoint_every is None and every and await anyio.to_thread.run_sync(path_for(model.config.checkpoint_directory(), rid).exists):
             # The id names another request's checkpoint (a crashed one): leave it alone, and
@@ -255,65 +283,43 @@ class ModelPool:
         request = msgspec.structs.replace(
             request, model=None, request_id=rid, sampling=msgspec.structs.replace(request.sampling, seed=seed), checkpoint_every=every
         )
-        delivered = Delivered()
-        first, catching_up = True, False
+        return _PoolRequest(rid, request)
+
+    async def _run(self, model: _Model, rt: Runtime, pending: _PoolRequest) -> AsyncIterator[Event]:
+        """One run on the model's runtime: resumed from the request's own checkpoint (only one
+        this request wrote) or generated again, its events past what the caller has, until it
+        finishes (`pending.finished`) or the model is swapped out under it."""
+        rid, epoch = pending.rid, model.epoch
+        replay = Replay(pending.delivered)
+        catching_up = bool(pending.delivered.token_ids)  # the model is not swapped out before it gets past
+        model.replaying += catching_up
+        self._running[rid] = model
         try:
-            while True:
-                rt = await self._acquire(model, rid)
-                if rt is None:
-                    yield cancelled(rid, delivered)
+            every = pending.request.checkpoint_every or 0
+            resume = pending.runs > 0 and every > 0 and await rt.checkpointed_request(rid) == pending.request
+            pending.runs += 1
+            async for event in rt.resume(rid) if resume else rt.generate(pending.request):
+                if isinstance(event, Finished) and event.finish_reason == "cancelled" and model.epoch != epoch and rid not in self._cancelled:
+                    return  # preempted (with any flush of its cut text): resumed when the model is back
+                for part in replay.deliver(event):
+                    if isinstance(part, Finished) or (isinstance(part, TokenDelta) and part.token_ids):
+                        if catching_up:
+                            catching_up, model.replaying = False, model.replaying - 1
+                        self._progressed(model)
+                    yield part
+                if isinstance(event, Finished):
+                    pending.finished = True
                     return
-                epoch = model.epoch
-                self._running[rid] = model
-                try:
-                    # Only a checkpoint this request wrote (its own request in the header) resumes it.
-                    resume = not first and every > 0 and await rt.checkpointed_request(rid) == request
-                    first = False
-                    replay, held = Replay(delivered), None
-                    catching_up = bool(delivered.token_ids)
-                    model.replaying += catching_up
-                    async for event in rt.resume(rid) if resume else rt.generate(request):
-                        if isinstance(event, TokenDelta):
-                            part = replay.new(event)
-                            if part is not None and not part.token_ids:
-                                held = part  # text only (a final flush): kept until the run's end
-                            elif part is not None:
-                                held = None  # (its text is in this part: `held` was not recorded)
-                                if catching_up:
-                                    catching_up, model.replaying = False, model.replaying - 1
-                                replay.record(part)
-                                self._progressed(model)
-                                yield part
-                            continue
-                        if isinstance(event, Finished) and event.finish_reason == "cancelled" and model.epoch != epoch and rid not in self._cancelled:
-                            break  # preempted (with any flush of its cut text): resume when the model is back
-                        if held is not None:
-                            replay.record(held)
-                            yield held
-                            held = None
-                        if isinstance(event, Finished):
-                            self._progressed(model)
-                            yield event
-                            return
-                        if isinstance(event, ToolCall):
-                            if replay.new_tool_call():
-                                yield event
-                        elif not delivered.token_ids:
-                            yield event  # prefill progress, before any token
-                    else:
-                        if model.epoch == epoch:
-                            raise InternalError(f"request {rid!r} ended without Finished")
-                except RuntimeClosedError:
-                    if model.epoch == epoch or self._closed:
-                        raise
-                finally:
-                    if catching_up:
-                        model.replaying -= 1
-                    self._running.pop(rid, None)
-                    self._release(model)
-                log.info("request_preempted", request_id=rid, model=model.name, delivered=len(delivered.token_ids))
+            if model.epoch == epoch:
+                raise InternalError(f"request {rid!r} ended without Finished")
+        except RuntimeClosedError:
+            if model.epoch == epoch or self._closed:
+                raise
         finally:
-            self.forget(rid)
+            if catching_up:
+                model.replaying -= 1
+            self._running.pop(rid, None)
+            self._release(model)
 
     async def cancel(self, request_id: str) -> None:
         """End a request; one waiting for its model ends as soon as it is noticed."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from protocols.api import Finished, TokenDelta, Usage
+from protocols.api import Event, Finished, TokenDelta, ToolCall, Usage
 from runtime.errors import InternalError
 
 
@@ -32,6 +32,32 @@ class Replay:
     def __init__(self, delivered: Delivered):
         self.delivered = delivered
         self.seen = Delivered()
+        # A text-only part (a final flush of text held back for stop strings): delivered with
+        # the run's next event, never if the run is cut first (a later run repeats it).
+        self.held: TokenDelta | None = None
+
+    def deliver(self, event: Event) -> list[Event]:
+        """What of this run's `event` the caller gets, marked delivered."""
+        if isinstance(event, TokenDelta):
+            part = self.new(event)
+            if part is not None and not part.token_ids:
+                self.held = part
+            elif part is not None:
+                self.held = None  # (its text is in this part: `held` was not recorded)
+                self.record(part)
+                return [part]
+            return []
+        out: list[Event] = []
+        if self.held is not None:
+            self.record(self.held)
+            out.append(self.held)
+            self.held = None
+        if isinstance(event, ToolCall):
+            if self.new_tool_call():
+                out.append(event)
+        elif isinstance(event, Finished) or not self.delivered.token_ids:
+            out.append(event)  # the end, or prefill progress before any token
+        return out
 
     def new(self, event: TokenDelta) -> TokenDelta | None:
         seen, have = self.seen, self.delivered
