@@ -155,52 +155,24 @@ def _strict_rows(tokenizer: Any, messages: list[dict], raw_tools: list, tools: l
 
 
 def _render_call(tokenizer: Any, messages: list[dict], raw_tools: list, tool: dict, markers: tuple[str, str]) -> _Call | None:
+    """The assistant turn that calls `tool` as the chat template renders it, tokenized, with
+    where its scaffold ends and the model's choices begin (None: not sliceable here)."""
     single = single_required(tool["parameters"])
-    arguments = {single[0]: single[1]} if single else {}
-    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": tool["name"], "arguments": arguments}}]}
-    try:
-        prompt = tokenizer.apply_chat_template(messages, tools=raw_tools, add_generation_prompt=True, tokenize=False)
-        full = tokenizer.apply_chat_template([*messages, call], tools=raw_tools, tokenize=False)
-    except Exception:  # templates without tool-call history, jinja errors of many types
+    turn = _rendered_turn(tokenizer, messages, raw_tools, tool["name"], {single[0]: single[1]} if single else {})
+    if turn is None:
         return None
-    if not full.startswith(prompt):
-        return None
-    turn = full[len(prompt) :]
     open_at = turn.find(markers[0])
     close_at = turn.find(markers[1], open_at + 1)
-    name_json = json.dumps(tool["name"])
-    name_at = turn.find(name_json, open_at)
-    if open_at < 0 or close_at < 0 or name_at < 0:
+    name_at = turn.find(json.dumps(tool["name"]), open_at)
+    args_key = turn.find('"arguments"', name_at)
+    if open_at < 0 or close_at < 0 or name_at < 0 or args_key < 0:
         return None
-    # Token the whole turn (not fragments), then find where each token ends in it.
-    tokens = tokenizer.encode(turn, add_special_tokens=False)
-    ends, text = [], ""
-    for i in range(1, len(tokens) + 1):
-        piece = tokenizer.decode(tokens[:i])
-        if not piece.startswith(text):
-            return None  # a multi-byte character split across tokens: not sliceable here
-        text = piece
-        ends.append(len(text))
-    if text != turn:
+    tokenized = _TokenEnds.of(tokenizer, turn)
+    if tokenized is None:
         return None
-
-    def boundary(offset: int) -> int | None:
-        """Token index whose start is exactly `offset` (None if a token straddles it)."""
-        if offset == 0:
-            return 0
-        return ends.index(offset) + 1 if offset in ends else None
-
-    def before(offset: int) -> int:
-        """Number of tokens that end at or before `offset`."""
-        return sum(1 for e in ends if e <= offset)
-
-    open_start, open_end = boundary(open_at), boundary(open_at + len(markers[0]))
+    open_start, open_end = tokenized.boundary(open_at), tokenized.boundary(open_at + len(markers[0]))
     if open_start is None or open_end is None:
         return None
-    args_key = turn.find('"arguments"', name_at)
-    if args_key < 0:
-        return None
-    value_start = turn.find(":", args_key) + 1
     close = None
     if single:
         key, placeholder = single
@@ -209,11 +181,55 @@ def _render_call(tokenizer: Any, messages: list[dict], raw_tools: list, tool: di
         if value_at < 0:
             return None
         # A string's opening quote is structure; its closing quote is where the model decides.
-        args_cut = before(value_at + (1 if isinstance(placeholder, str) else 0))
-        value_end = value_at + len(value_json) - (1 if isinstance(placeholder, str) else 0)
-        first, last = boundary(value_end), boundary(close_at + len(markers[1]))
+        quoted = 1 if isinstance(placeholder, str) else 0
+        args_cut = tokenized.before(value_at + quoted)
+        first, last = tokenized.boundary(value_at + len(value_json) - quoted), tokenized.boundary(close_at + len(markers[1]))
         if first is not None and last is not None and last - first >= 2:
             close = (first, last)
     else:
-        args_cut = before(value_start)
-    return _Call(tokens=tokens, open_start=open_start, open_end=open_end, args_cut=args_cut, close=close)
+        args_cut = tokenized.before(turn.find(":", args_key) + 1)
+    return _Call(tokens=tokenized.tokens, open_start=open_start, open_end=open_end, args_cut=args_cut, close=close)
+
+
+def _rendered_turn(tokenizer: Any, messages: list[dict], raw_tools: list, name: str, arguments: dict) -> str | None:
+    """The text the chat template adds for an assistant turn calling `name` (None: the template
+    renders no tool-call history, fails, or re-renders the prompt differently)."""
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+    try:
+        prompt = tokenizer.apply_chat_template(messages, tools=raw_tools, add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template([*messages, call], tools=raw_tools, tokenize=False)
+    except Exception:  # templates without tool-call history, jinja errors of many types
+        return None
+    return full[len(prompt) :] if full.startswith(prompt) else None
+
+
+@dataclass(frozen=True)
+class _TokenEnds:
+    """A text tokenized whole (not in fragments), with where each token ends in it."""
+
+    tokens: list[int]
+    ends: list[int]
+
+    @classmethod
+    def of(cls, tokenizer: Any, text: str) -> _TokenEnds | None:
+        """None when a token does not end on a character (a multi-byte character split
+        across tokens) or the tokens do not decode back to `text`."""
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        ends, decoded = [], ""
+        for i in range(1, len(tokens) + 1):
+            piece = tokenizer.decode(tokens[:i])
+            if not piece.startswith(decoded):
+                return None
+            decoded = piece
+            ends.append(len(decoded))
+        return cls(tokens, ends) if decoded == text else None
+
+    def boundary(self, offset: int) -> int | None:
+        """Token index whose start is exactly `offset` (None if a token straddles it)."""
+        if offset == 0:
+            return 0
+        return self.ends.index(offset) + 1 if offset in self.ends else None
+
+    def before(self, offset: int) -> int:
+        """Number of tokens that end at or before `offset`."""
+        return sum(1 for e in self.ends if e <= offset)

@@ -119,67 +119,18 @@ class Runtime:
 
     @classmethod
     async def _start_actors(cls, config: RuntimeConfig, thread: MlxThread, tg, tracer_provider) -> Runtime:
-        directory = config.checkpoint_directory()
-        problem = await anyio.to_thread.run_sync(checkpoint_directory_problem, directory)
+        """The actors in dependency order: the model (loads it), the KV store, the scheduler."""
+        problem = await anyio.to_thread.run_sync(checkpoint_directory_problem, config.checkpoint_directory())
         if problem is not None:
             if config.checkpoints.every_tokens:
                 raise ConfigError(f"`checkpoints.every_tokens` is set but {problem}")
             log.warning("checkpoints_unavailable", reason=problem)
-        progress = Progress("model", summary=config.logging.level in ("debug", "info"))
-        limits = config.limits
-
-        def make_grammars(tokenizer, info: ModelInfo) -> GrammarCache:
-            return GrammarCache(
-                tokenizer, info.vocab_size, info.eos_token_ids, max_bytes=limits.grammar_cache_bytes, timeout_s=limits.grammar_compile_timeout_s
-            )
-
-        model = ModelActor(
-            config.model,
-            thread,
-            builtin_root=env.home(),
-            make_grammars=make_grammars,
-            progress=progress,
-            speculative=config.speculative,
-            kv=config.kv,
-            lora=config.lora,
-            adapters=config.adapters,
-            distributed=config.distributed,
-            world_secret=env.world_secret(),
-        )
-        try:
-            ready: ModelReady = await tg.start(model.run)
-        except BaseException:
-            progress.clear()
-            raise
-        progress.done(f"{ready.info.model_type} {ready.info.num_parameters / 1e6:.1f}M params, {ready.info.dtype} on {ready.info.device}")
-        adapters = AdapterRegistry(ready.adapters)
-        ledger = KvLedger(
-            bytes_per_token=ready.info.kv_bytes_per_token,
-            layers=ready.info.layers,
-            budget_bytes=config.kv.budget_bytes,
-            prefix_cache_bytes=config.kv.prefix_cache_bytes,
-            prefix_min_tokens=config.kv.prefix_min_tokens,
-        )
-        info = ready.info
-        store = (
-            None
-            if problem is not None
-            else CheckpointStore(directory, model_id=info.model_id, tokenizer_id=info.tokenizer_id, kv_format=checkpoint_format(info))
-        )
-        kv = KvStoreActor(ledger, model=model.inbox, checkpoints=store, max_age_s=config.checkpoints.max_age_s)
-        await tg.start(kv.run)
-        s = config.scheduler
-        policy = SchedulePolicy(
-            max_batch_size=s.max_batch_size,
-            max_queued=s.max_queued_requests,
-            chunk_size=s.prefill_chunk_size,
-            token_budget=config.step_token_budget,
-            adapter_slots=AdapterSlots(config.lora.max_resident, adapters),
-        )
-        scheduler = SchedulerActor(policy, model=model.inbox, kv=kv.inbox, capacity=s.max_queued_requests + 2 * s.max_batch_size + 16)
-        await tg.start(scheduler.run)
+        model, ready = await _start_model(config, thread, tg)
+        info, adapters = ready.info, AdapterRegistry(ready.adapters)
+        kv = await _start_kv_store(config, info, model.inbox, tg, checkpoints=problem is None)
+        scheduler = await _start_scheduler(config, model.inbox, kv.inbox, adapters, tg)
         grammars = ready.grammars
-        assert isinstance(grammars, GrammarCache)  # what make_grammars built
+        assert isinstance(grammars, GrammarCache)  # what `_start_model` built
         admission = Admission(config, info, ready.tokenizer, grammars, checkpoints_unavailable=problem, adapters=adapters)
         span_log = Path(config.tracing.span_log).expanduser() if config.tracing.span_log else None
         telemetry = Telemetry(RuntimeMetrics(config.model_name, info.max_context), span_log=span_log, tracer_provider=tracer_provider)
@@ -360,3 +311,67 @@ def _report_blas() -> None:
         log.warning("slow_blas", state=status.state, message=status.warning())
     else:
         log.debug("blas", state=status.state, library=status.library)
+
+
+async def _start_model(config: RuntimeConfig, thread: MlxThread, tg) -> tuple[ModelActor, ModelReady]:
+    """The model actor, once its model is loaded (progress shown on a terminal)."""
+    progress = Progress("model", summary=config.logging.level in ("debug", "info"))
+    limits = config.limits
+
+    def make_grammars(tokenizer, info: ModelInfo) -> GrammarCache:
+        return GrammarCache(tokenizer, info.vocab_size, info.eos_token_ids, max_bytes=limits.grammar_cache_bytes, timeout_s=limits.grammar_compile_timeout_s)
+
+    model = ModelActor(
+        config.model,
+        thread,
+        builtin_root=env.home(),
+        make_grammars=make_grammars,
+        progress=progress,
+        speculative=config.speculative,
+        kv=config.kv,
+        lora=config.lora,
+        adapters=config.adapters,
+        distributed=config.distributed,
+        world_secret=env.world_secret(),
+    )
+    try:
+        ready: ModelReady = await tg.start(model.run)
+    except BaseException:
+        progress.clear()
+        raise
+    progress.done(f"{ready.info.model_type} {ready.info.num_parameters / 1e6:.1f}M params, {ready.info.dtype} on {ready.info.device}")
+    return model, ready
+
+
+async def _start_kv_store(config: RuntimeConfig, info: ModelInfo, model: Mailbox[ModelInbox], tg, *, checkpoints: bool) -> KvStoreActor:
+    """The KV store: the ledger of the model's KV budget and prefix cache, and the checkpoint
+    files (when the directory is usable)."""
+    ledger = KvLedger(
+        bytes_per_token=info.kv_bytes_per_token,
+        layers=info.layers,
+        budget_bytes=config.kv.budget_bytes,
+        prefix_cache_bytes=config.kv.prefix_cache_bytes,
+        prefix_min_tokens=config.kv.prefix_min_tokens,
+    )
+    store = (
+        CheckpointStore(config.checkpoint_directory(), model_id=info.model_id, tokenizer_id=info.tokenizer_id, kv_format=checkpoint_format(info))
+        if checkpoints
+        else None
+    )
+    kv = KvStoreActor(ledger, model=model, checkpoints=store, max_age_s=config.checkpoints.max_age_s)
+    await tg.start(kv.run)
+    return kv
+
+
+async def _start_scheduler(config: RuntimeConfig, model: Mailbox[ModelInbox], kv: Mailbox, adapters: AdapterRegistry, tg) -> SchedulerActor:
+    s = config.scheduler
+    policy = SchedulePolicy(
+        max_batch_size=s.max_batch_size,
+        max_queued=s.max_queued_requests,
+        chunk_size=s.prefill_chunk_size,
+        token_budget=config.step_token_budget,
+        adapter_slots=AdapterSlots(config.lora.max_resident, adapters),
+    )
+    scheduler = SchedulerActor(policy, model=model, kv=kv, capacity=s.max_queued_requests + 2 * s.max_batch_size + 16)
+    await tg.start(scheduler.run)
+    return scheduler

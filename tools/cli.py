@@ -50,7 +50,12 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxrt", description="Serve MLX language models to many concurrent clients.")
     sub = parser.add_subparsers(required=True)
+    for add in (_add_serve, _add_launch, _add_client, _add_demo, _add_generate, _add_chat, _add_bench, _add_bench_http, _add_config):
+        add(sub)
+    return parser
 
+
+def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="serve the configured model on a Unix socket (and over HTTP)")
     _config_arg(serve)
     serve.add_argument("--socket", help="socket path (default: [server] socket, or a per-user runtime directory)")
@@ -58,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="override [model] path")
     serve.set_defaults(func=_serve)
 
+
+def _add_launch(sub) -> None:
     launch = sub.add_parser("launch", help="serve one model sharded over several processes or hosts ([distributed], through mlx.launch)")
     _config_arg(launch)
     launch.add_argument("-n", "--ranks", type=int, default=2, help="processes on this machine (default 2; ignored with a hostfile)")
@@ -65,24 +72,32 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: flags for every rank's `mlxrt serve` (--socket, --http)")
     launch.set_defaults(func=_launch)
 
+
+def _add_client(sub) -> None:
     client = sub.add_parser("client", help="stream one request from a running server")
     client.add_argument("--socket", default=None, help="server socket (default: MLXRT_SERVER_SOCKET or the default path)")
     client.add_argument("--resume", metavar="ID", help="continue a checkpointed request instead of starting one")
     _request_args(client, required=False)
     client.set_defaults(func=_client)
 
+
+def _add_demo(sub) -> None:
     demo = sub.add_parser("demo", help="one streamed generation on the configured model, with timings")
     _config_arg(demo)
     demo.add_argument("--prompt", default=DEMO_PROMPT)
     demo.add_argument("--max-tokens", type=int, default=96)
     demo.set_defaults(func=_demo)
 
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="one generation, in-process (or through --socket)")
     _config_arg(gen)
     gen.add_argument("--socket", default=None, help="use a running server instead of loading the model here")
     _request_args(gen)
     gen.set_defaults(func=_generate)
 
+
+def _add_chat(sub) -> None:
     chat = sub.add_parser("chat", help="a conversation with the model on this terminal (in-process, or a server's --socket or --http)")
     _config_arg(chat)
     where = chat.add_mutually_exclusive_group()
@@ -97,6 +112,8 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--verbose", action="store_true", help="after each answer: prompt, cached and generated tokens, speed; and the runtime's info logs")
     chat.set_defaults(func=_chat)
 
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="mlxrt vs mlx-lm on the same workloads")
     _config_arg(bench, default="configs/bench.toml")
     bench.add_argument("--prompt-tokens", type=int, default=128)
@@ -137,6 +154,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(func=_bench)
 
+
+def _add_bench_http(sub) -> None:
     bench_http = sub.add_parser("bench-http", help="TTFT over HTTP next to the Unix socket and in-process, one runtime")
     _config_arg(bench_http, default="configs/tiny.toml")
     bench_http.add_argument("--model", default=None, help="serve this model instead of the config's (a directory or builtin:<name>)")
@@ -146,6 +165,8 @@ def _parser() -> argparse.ArgumentParser:
     bench_http.add_argument("--json", dest="json_path", default=None, help="also write the results here")
     bench_http.set_defaults(func=_bench_http)
 
+
+def _add_config(sub) -> None:
     config = sub.add_parser("config", help="show or check configuration")
     config_sub = config.add_subparsers(required=True)
     show = config_sub.add_parser("show", help="the effective config, defaults filled in")
@@ -154,7 +175,6 @@ def _parser() -> argparse.ArgumentParser:
     check = config_sub.add_parser("check", help="validate a config file")
     check.add_argument("file")
     check.set_defaults(func=_config_check)
-    return parser
 
 
 def _config_arg(parser: argparse.ArgumentParser, default: str = DEFAULT_CONFIG) -> None:

@@ -29,6 +29,8 @@ so a step costs what any 170M-parameter model's step costs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 CODE, KEY_CODE = 64, 32
@@ -63,91 +65,118 @@ def positional_margin(freqs: np.ndarray, pairs: int, back: int, horizon: int = 8
     return float(scores[back] - np.delete(scores, back).max())
 
 
+@dataclass(frozen=True)
+class _Heads:
+    """The attention geometry the circuit is written into."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head: query head `group` is the first to read kv head 1."""
+        return self.heads // self.kv_heads
+
+    def part(self, head_index: int, offset: int = 0, size: int = CODE) -> slice:
+        """Dimensions offset..offset + size of a head's (query, key or value) vector."""
+        return slice(head_index * self.head_dim + offset, head_index * self.head_dim + offset + size)
+
+
+def _eye(size: int) -> np.ndarray:
+    return np.eye(size, dtype=np.float32)
+
+
+def _layer(i: int, name: str) -> str:
+    return f"model.layers.{i}.{name}"
+
+
 def build_copy_weights(config: dict, weights: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
     """Overwrite the embeddings, head and first two layers of an initialised SmolLM3
     (`weights`, float32 numpy arrays by mlx-lm name) with the copying circuit."""
+    geometry, freqs = _check_geometry(config)
+    out = dict(weights)
+    out.update(_embeddings_and_head(config["vocab_size"], geometry.hidden, np.random.default_rng(seed)))
+    shape = {"q": geometry.heads, "k": geometry.kv_heads, "v": geometry.kv_heads}
+    attention = {name: np.zeros((2, count * geometry.head_dim, geometry.hidden), np.float32) for name, count in shape.items()}
+    attention["o"] = np.zeros((2, geometry.hidden, geometry.heads * geometry.head_dim), np.float32)
+    _positional_layer(geometry, freqs, attention)
+    _induction_layer(geometry, attention)
+    for i in (0, 1):
+        out[_layer(i, "input_layernorm.weight")] = np.ones(geometry.hidden, np.float32)
+        out[_layer(i, "mlp.down_proj.weight")] = np.zeros_like(weights[_layer(i, "mlp.down_proj.weight")])
+        for name, array in attention.items():
+            out[_layer(i, f"self_attn.{name}_proj.weight")] = array[i]
+    return out
+
+
+def _check_geometry(config: dict) -> tuple[_Heads, np.ndarray]:
+    """The model's heads (refused with `ValueError` unless the circuit fits them) and its rotary frequencies."""
     hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    group = heads // kv_heads
-    if head_dim < CODE + 2 * KEY_CODE or group < 3 or kv_heads < 2 or hidden < OUT.stop:
+    geometry = _Heads(hidden, heads, kv_heads, config.get("head_dim") or hidden // heads)
+    if geometry.head_dim < CODE + 2 * KEY_CODE or geometry.group < 3 or kv_heads < 2 or hidden < OUT.stop:
         raise ValueError(f"the copying circuit needs head_dim >= {CODE + 2 * KEY_CODE}, 3 query heads per kv head, 2 kv heads and {OUT.stop} hidden dimensions")
     if config["no_rope_layers"][:2] != [1, 0] or config["tie_word_embeddings"]:
         raise ValueError("the copying circuit needs RoPE in layer 0, NoPE in layer 1 and an untied head")
-    half = head_dim // 2
+    half = geometry.head_dim // 2
     freqs = config["rope_theta"] ** (-np.arange(half) / half)
     if min(positional_margin(freqs, POSITIONAL_PAIRS, back) for back in (1, 2, 3)) < 1.0:
         raise ValueError("rope_theta and head_dim leave the positional heads no margin")
-    rng = np.random.default_rng(seed)
-    vocab = config["vocab_size"]
+    return geometry, freqs
+
+
+def _embeddings_and_head(vocab: int, hidden: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Each token's TOKEN and KEY codes (random unit vectors) in its embedding, and a head that
+    reads OUT against the TOKEN codes."""
 
     def unit_codes(size: int) -> np.ndarray:
         codes = rng.standard_normal((vocab, size)).astype(np.float32)
         return codes / np.linalg.norm(codes, axis=1, keepdims=True)
 
     codes, keys = unit_codes(CODE), unit_codes(KEY_CODE)
-    out = dict(weights)
     embed = np.zeros((vocab, hidden), np.float32)
     embed[:, TOKEN], embed[:, KEY], embed[:, CONST] = codes, keys, 1.0
-    out["model.embed_tokens.weight"] = embed
     head = np.zeros((vocab, hidden), np.float32)
     head[:, OUT] = codes
-    out["lm_head.weight"] = head
     norm = np.zeros(hidden, np.float32)
     # The final norm divides by the residual's RMS, ~|OUT| / sqrt(hidden) (UNITS unit
     # vectors beside OUT = OUT_GAIN * code): undo it so OUT reaches the head as a unit vector.
     norm[OUT] = LOGIT_SCALE * np.sqrt((UNITS + OUT_GAIN**2) / hidden) / OUT_GAIN
-    out["model.norm.weight"] = norm
+    return {"model.embed_tokens.weight": embed, "lm_head.weight": head, "model.norm.weight": norm}
 
-    def layer(i: int, name: str) -> str:
-        return f"model.layers.{i}.{name}"
 
-    for i in (0, 1):
-        out[layer(i, "input_layernorm.weight")] = np.ones(hidden, np.float32)
-        out[layer(i, "mlp.down_proj.weight")] = np.zeros_like(weights[layer(i, "mlp.down_proj.weight")])
-    wq = np.zeros((2, heads * head_dim, hidden), np.float32)
-    wk = np.zeros((2, kv_heads * head_dim, hidden), np.float32)
-    wv = np.zeros((2, kv_heads * head_dim, hidden), np.float32)
-    wo = np.zeros((2, hidden, heads * head_dim), np.float32)
-
-    def part(head_index: int, offset: int = 0, size: int = CODE) -> slice:
-        """Dimensions offset..offset + size of a head's (query, key or value) vector."""
-        return slice(head_index * head_dim + offset, head_index * head_dim + offset + size)
-
-    def eye(size: int) -> np.ndarray:
-        return np.eye(size, dtype=np.float32)
-
-    # Layer 0. The input norm scales the embedding (TOKEN, KEY: unit codes, CONST: 1) by
-    # sqrt(hidden / 3). Each positional head reads the value (TOKEN, KEY) of its position.
-    in0 = np.sqrt(hidden / 3.0)
-    key = np.zeros(head_dim, np.float32)
+def _positional_layer(g: _Heads, freqs: np.ndarray, w: dict[str, np.ndarray]) -> None:
+    """Layer 0. The input norm scales the embedding (TOKEN, KEY: unit codes, CONST: 1) by
+    sqrt(hidden / 3). Each positional head reads the value (TOKEN, KEY) of its position."""
+    in0 = np.sqrt(g.hidden / 3.0)
+    half = g.head_dim // 2
+    key = np.zeros(g.head_dim, np.float32)
     key[:POSITIONAL_PAIRS] = 1.0
-    wk[0, part(0, 0, head_dim), CONST] = key * np.sqrt(POSITIONAL_GAIN) / in0
-    wv[0, part(0), TOKEN], wv[0, part(0, CODE, KEY_CODE), KEY] = eye(CODE) / in0, eye(KEY_CODE) / in0
+    w["k"][0, g.part(0, 0, g.head_dim), CONST] = key * np.sqrt(POSITIONAL_GAIN) / in0
+    w["v"][0, g.part(0), TOKEN], w["v"][0, g.part(0, CODE, KEY_CODE), KEY] = _eye(CODE) / in0, _eye(KEY_CODE) / in0
     for query_head, back, target in ((0, 1, PREV_KEY), (1, 2, PREV2_KEY), (2, 3, PREV3_KEY)):
         # Rotary scores are cos((t - s) w + phi): phi = -back * w peaks at s = t - back.
         angle = -back * freqs[:POSITIONAL_PAIRS]
-        query = np.zeros(head_dim, np.float32)
+        query = np.zeros(g.head_dim, np.float32)
         query[:POSITIONAL_PAIRS], query[half : half + POSITIONAL_PAIRS] = np.cos(angle), np.sin(angle)
-        wq[0, part(query_head, 0, head_dim), CONST] = query * np.sqrt(POSITIONAL_GAIN) / in0
-        wo[0, target, part(query_head, CODE, KEY_CODE)] = eye(KEY_CODE)
-    wo[0, PREV, part(0)] = eye(CODE)
-    # Layer 1 (NoPE). The residual now holds UNITS unit vectors: the norm scales them by
-    # sqrt(hidden / UNITS). Query: (TOKEN, PREV_KEY, PREV2_KEY) weighted; key at each
-    # position: (PREV, PREV2_KEY, PREV3_KEY); value: its TOKEN.
-    in1 = np.sqrt(hidden / UNITS)
-    gain = np.sqrt(MATCH_GAIN * np.sqrt(head_dim)) / in1
+        w["q"][0, g.part(query_head, 0, g.head_dim), CONST] = query * np.sqrt(POSITIONAL_GAIN) / in0
+        w["o"][0, target, g.part(query_head, CODE, KEY_CODE)] = _eye(KEY_CODE)
+    w["o"][0, PREV, g.part(0)] = _eye(CODE)
+
+
+def _induction_layer(g: _Heads, w: dict[str, np.ndarray]) -> None:
+    """Layer 1 (NoPE). The residual now holds UNITS unit vectors: the norm scales them by
+    sqrt(hidden / UNITS). Query: (TOKEN, PREV_KEY, PREV2_KEY) weighted; key at each
+    position: (PREV, PREV2_KEY, PREV3_KEY); value: its TOKEN."""
+    in1 = np.sqrt(g.hidden / UNITS)
+    gain = np.sqrt(MATCH_GAIN * np.sqrt(g.head_dim)) / in1
     this, previous, before = MATCH_WEIGHTS
-    wq[1, part(group, 0), TOKEN] = eye(CODE) * gain * this
-    wq[1, part(group, CODE, KEY_CODE), PREV_KEY] = eye(KEY_CODE) * gain * previous
-    wq[1, part(group, CODE + KEY_CODE, KEY_CODE), PREV2_KEY] = eye(KEY_CODE) * gain * before
-    wk[1, part(1, 0), PREV] = eye(CODE) * gain
-    wk[1, part(1, CODE, KEY_CODE), PREV2_KEY] = eye(KEY_CODE) * gain
-    wk[1, part(1, CODE + KEY_CODE, KEY_CODE), PREV3_KEY] = eye(KEY_CODE) * gain
-    wv[1, part(1), TOKEN] = eye(CODE) / in1
-    wo[1, OUT, part(group)] = eye(CODE) * OUT_GAIN
-    for i in (0, 1):
-        out[layer(i, "self_attn.q_proj.weight")] = wq[i]
-        out[layer(i, "self_attn.k_proj.weight")] = wk[i]
-        out[layer(i, "self_attn.v_proj.weight")] = wv[i]
-        out[layer(i, "self_attn.o_proj.weight")] = wo[i]
-    return out
+    w["q"][1, g.part(g.group, 0), TOKEN] = _eye(CODE) * gain * this
+    w["q"][1, g.part(g.group, CODE, KEY_CODE), PREV_KEY] = _eye(KEY_CODE) * gain * previous
+    w["q"][1, g.part(g.group, CODE + KEY_CODE, KEY_CODE), PREV2_KEY] = _eye(KEY_CODE) * gain * before
+    w["k"][1, g.part(1, 0), PREV] = _eye(CODE) * gain
+    w["k"][1, g.part(1, CODE, KEY_CODE), PREV2_KEY] = _eye(KEY_CODE) * gain
+    w["k"][1, g.part(1, CODE + KEY_CODE, KEY_CODE), PREV3_KEY] = _eye(KEY_CODE) * gain
+    w["v"][1, g.part(1), TOKEN] = _eye(CODE) / in1
+    w["o"][1, OUT, g.part(g.group)] = _eye(CODE) * OUT_GAIN
