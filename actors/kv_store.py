@@ -28,6 +28,7 @@ from protocols.kv import (
     DrainFiles,
     GetKvStats,
     KvInbox,
+    KvStats,
     PrefixesSaved,
     ReleaseKv,
     ReportKvUsage,
@@ -94,6 +95,8 @@ class KvStoreActor:
         self._jobs_send, self._jobs_receive = anyio.create_memory_object_stream[_FileJob](CHECKPOINT_QUEUE)
         self._num_written = 0
         self._num_failed = 0
+        # The figures as of the last message handled, read without a message (`/metrics`).
+        self.latest = self._stats()
 
     async def run(self, *, task_status) -> None:
         with self.inbox, self._jobs_send:
@@ -102,6 +105,7 @@ class KvStoreActor:
                 task_status.started()
                 while True:
                     await self.handle(await self.inbox.receive())
+                    self.latest = self._stats()
 
     async def _file_writer(self) -> None:
         last_expiry = -EXPIRE_EVERY_S
@@ -116,6 +120,7 @@ class KvStoreActor:
                     except anyio.EndOfStream:
                         return
                     await self._run_job(job)
+                    self.latest = self._stats()
 
     async def _run_job(self, job: _FileJob) -> None:
         if isinstance(job, _Sync):
@@ -186,10 +191,13 @@ class KvStoreActor:
                 dropped = self.ledger.record_usage(live, physical, adapters, device, quantized, pool=message.pool, peak_bytes=message.peak_physical_bytes)
                 await self._drop(dropped)
             case GetKvStats(reply=reply):
-                figures = {"checkpoints_written": self._num_written, "checkpoints_failed": self._num_failed}
-                answer(reply, self.ledger.stats(checkpoints_available=self._checkpoints is not None, **figures))
+                answer(reply, self._stats())
             case _:
                 assert_never(message)
+
+    def _stats(self) -> KvStats:
+        figures = {"checkpoints_written": self._num_written, "checkpoints_failed": self._num_failed}
+        return self.ledger.stats(checkpoints_available=self._checkpoints is not None, **figures)
 
     async def _save_checkpoint(self, message: SaveCheckpoint) -> None:
         rid = message.data.request_id

@@ -47,6 +47,9 @@ class SchedulerActor:
         self._reported_keys: set[str] = set()
         self._steps_since_report = 0
         self._spec_totals = SpecTotals()
+        # The figures as of the last loop turn, read without a message (`/metrics` must not wait
+        # behind a step): at most one step old.
+        self.latest = self._stats()
 
     async def run(self, *, task_status) -> None:
         with self.inbox:
@@ -54,10 +57,15 @@ class SchedulerActor:
             while True:
                 await self._drain_inbox()
                 await self._admit()
+                self.latest = self._stats()
                 if self.policy.has_work():
                     await self._step()
                 else:
                     await self.handle(await self.inbox.receive())
+
+    def _stats(self) -> SchedulerStats:
+        counts = self.policy.counts()
+        return SchedulerStats(steps=self.policy.num_steps, num_finished=self.policy.num_finished, spec=self._spec_totals, **counts)
 
     async def _drain_inbox(self) -> None:
         while True:
@@ -82,8 +90,7 @@ class SchedulerActor:
                 if tracked is not None:
                     tracked.record_checkpoint(ok, error, time.monotonic())
             case GetSchedulerStats(reply=reply):
-                counts = self.policy.counts()
-                answer(reply, SchedulerStats(steps=self.policy.num_steps, num_finished=self.policy.num_finished, spec=self._spec_totals, **counts))
+                answer(reply, self._stats())
             case _:
                 assert_never(message)
 

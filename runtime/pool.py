@@ -195,7 +195,7 @@ class ModelPool:
         assert self._default_info is not None
         return self._default_info
 
-    async def stats(self) -> Stats:
+    async def stats(self, *, fresh: bool = True) -> Stats:
         """A resident model's runtime stats (the default model's when it is resident), with
         every model's state. Never loads a model: with none resident (all swapped out between
         loads), the last figures with nothing running and this pool's waiting requests."""
@@ -203,7 +203,7 @@ class ModelPool:
         runtime = resident[0].runtime if resident else None
         if runtime is not None:  # (not counted as a use: polling stats must not keep a model resident)
             try:
-                self._last_stats = await runtime.stats()
+                self._last_stats = await runtime.stats(fresh=fresh)
             except RuntimeClosedError:
                 pass  # swapped out meanwhile: the last figures below
         assert self._last_stats is not None  # the default model was loaded at start

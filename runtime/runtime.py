@@ -203,12 +203,18 @@ class Runtime:
         """End a request at the next step boundary; its stream ends with `Finished(cancelled)`."""
         await self._requests.cancel(request_id)
 
-    async def stats(self) -> Stats:
-        try:
-            scheduler = await ask(self._scheduler.inbox, GetSchedulerStats)
-            kv = await ask(self._kv.inbox, GetKvStats)
-        except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
-            raise RuntimeClosedError("the runtime is closed") from None
+    async def stats(self, *, fresh: bool = True) -> Stats:
+        """The runtime's figures. `fresh`: as of every message sent before (the scheduler answers
+        between steps); otherwise as of the actors' last turn, at once, however long a step runs
+        (what `/metrics` serves)."""
+        if not fresh:
+            scheduler, kv = self._scheduler.latest, self._kv.latest
+        else:
+            try:
+                scheduler = await ask(self._scheduler.inbox, GetSchedulerStats)
+                kv = await ask(self._kv.inbox, GetKvStats)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
+                raise RuntimeClosedError("the runtime is closed") from None
         self.metrics.update(scheduler, kv)
         return Stats(
             scheduler=scheduler,

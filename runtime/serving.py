@@ -64,7 +64,9 @@ class Serving(Protocol):
 
     async def cancel(self, request_id: str) -> None: ...
 
-    async def stats(self) -> Stats: ...
+    async def stats(self, *, fresh: bool = True) -> Stats:
+        """`fresh=False`: as of the actors' last turn, without waiting for a step (`/metrics`)."""
+        ...
 
     def known_models(self) -> list[str]:
         """The names `GenerateRequest.model` may take."""

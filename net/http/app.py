@@ -97,7 +97,7 @@ class Api:
 
     async def metrics(self, request: Request) -> Response:
         runtime = self._ready()
-        await runtime.stats()  # refreshes the gauges
+        await runtime.stats(fresh=False)  # refreshes the gauges, without waiting for a step
         return Response(runtime.metrics.render() + generate_latest(self.registry), media_type=CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
@@ -348,7 +348,9 @@ def _endpoint(api: Api, handler: Callable[[Request], Awaitable[Response]], endpo
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
-    return error_response(HttpError(code, f"{exc.detail}: {request.method} {request.url.path}"))  # type: ignore[arg-type]
+    response = error_response(HttpError(code, f"{exc.detail}: {request.method} {request.url.path}"))  # type: ignore[arg-type]
+    response.headers.update(exc.headers or {})  # a 405's `Allow`
+    return response
 
 
 def build_app(api: Api) -> Starlette:
