@@ -31,6 +31,7 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from net.http import openai_types as oa
+from net.http import tokens
 from net.http.mapping import (
     ChatOutput,
     CompletionOutput,
@@ -47,7 +48,8 @@ from net.http.middleware import Authorization, BrowserGuard, RequestLimit, Respo
 from net.http.responses import error_response, json_response
 from protocols.api import Event, Finished, GenerateRequest
 from protocols.config import ServerConfig
-from protocols.errors import ERROR_KINDS, MlxrtError
+from protocols.errors import ERROR_KINDS, InternalError, MlxrtError
+from protocols.model import ModelInfo
 from runtime.metrics import CONTENT_TYPE, PREFIX
 from runtime.serving import Serving
 
@@ -131,6 +133,33 @@ class Api:
             ids, self._texts(model), include_usage=include_usage, return_token_ids=body.return_token_ids, stream=body.stream, want_logprobs=generate.logprobs
         )
         return await self._respond(request, runtime, generate, output, endpoint="completions")
+
+    async def tokenize(self, request: Request) -> Response:
+        body = decode_body(await self._read_body(request), tokens.TokenizeRequest)
+        tokenizer, info = self._tokenizer(body.model)
+        max_bytes = self.config.max_body_bytes
+        answer = await anyio.to_thread.run_sync(lambda: tokens.tokenize(tokenizer, body, max_bytes, info.max_context))
+        return json_response(answer)
+
+    async def detokenize(self, request: Request) -> Response:
+        body = decode_body(await self._read_body(request), tokens.DetokenizeRequest)
+        tokenizer, info = self._tokenizer(body.model)
+        return json_response(await anyio.to_thread.run_sync(lambda: tokens.detokenize(tokenizer, body, info.vocab_size)))
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        tokenizer, info = self._tokenizer(request.query_params.get("model"))
+        return json_response(tokens.tokenizer_info(tokenizer, info.max_context, info.vocab_size))
+
+    def _tokenizer(self, name: str | None) -> tuple[Any, ModelInfo]:
+        """The tokenizer of the model `name` names (the default one when None), and the default
+        model's figures (a pool's models share a vocabulary only by chance: their own tokenizer
+        is used, their context is not reported)."""
+        runtime = self._ready()
+        model = self._check_model(name)[0] if name is not None else None
+        try:
+            return runtime.tokenizer_for(model), runtime.model_info
+        except InternalError:
+            raise HttpError("unavailable", f"the model `{name}` has not been loaded yet (its first request loads it)", "model") from None
 
     async def load_lora_adapter(self, request: Request) -> Response:
         body = decode_body(await self._read_body(request), oa.LoadLoraAdapterRequest)
@@ -361,6 +390,9 @@ def build_app(api: Api) -> Starlette:
         Route("/v1/models/{model:path}", _endpoint(api, api.model, "models"), methods=["GET"]),
         Route("/v1/load_lora_adapter", _endpoint(api, api.load_lora_adapter, "adapters"), methods=["POST"]),
         Route("/v1/unload_lora_adapter", _endpoint(api, api.unload_lora_adapter, "adapters"), methods=["POST"]),
+        Route("/tokenize", _endpoint(api, api.tokenize, "tokenize"), methods=["POST"]),
+        Route("/detokenize", _endpoint(api, api.detokenize, "tokenize"), methods=["POST"]),
+        Route("/tokenizer_info", _endpoint(api, api.tokenizer_info, "tokenize"), methods=["GET"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", _endpoint(api, api.metrics, "metrics"), methods=["GET"]),
     ]

@@ -112,7 +112,7 @@ def chat_request(body: oa.ChatCompletionRequest) -> GenerateRequest:
     if body.top_logprobs and not body.logprobs:
         raise HttpError("invalid_request", "top_logprobs needs logprobs: true", "top_logprobs")
     return GenerateRequest(
-        messages=[_message(m, i) for i, m in enumerate(body.messages)],
+        messages=chat_messages(body.messages),
         max_tokens=body.max_completion_tokens or body.max_tokens,
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
@@ -120,6 +120,11 @@ def chat_request(body: oa.ChatCompletionRequest) -> GenerateRequest:
         tool_choice=body.tool_choice,
         **_common(body),
     )
+
+
+def chat_messages(messages: list[oa.ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI chat messages as the chat template takes them."""
+    return [_message(m, i) for i, m in enumerate(messages)]
 
 
 def _message(message: oa.ChatMessage, index: int) -> dict[str, Any]:
