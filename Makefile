@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mlxrt-setup
 
-.PHONY: setup serve demo test lint bench clean
+.PHONY: setup serve demo test test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The inner loop: the suite without the tests marked slow, server or distributed (pyproject's
+# [tool.pytest.ini_options] markers; docs/tests.md). `make test` still runs everything.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not server and not distributed"
 
 # ruff (lint and format), mypy, and the layering contract (pyproject's [tool.importlinter]:
 # each package imports only those below it; protocols and policies never import mlx or anyio).

@@ -108,11 +108,12 @@ class CoalescingInbox(Generic[T]):
 
 
 def merge_session_messages(last: SessionInbox, new: SessionInbox) -> SessionInbox | None:
-    """Consecutive tokens concatenate; consecutive progress reports keep the latest."""
+    """Consecutive tokens concatenate; consecutive progress reports keep the latest figures and
+    every scored prompt token."""
     if isinstance(last, TokensGenerated) and isinstance(new, TokensGenerated):
         return msgspec.structs.replace(last, token_ids=last.token_ids + new.token_ids, logprobs=join_optional(last.logprobs, new.logprobs))
     if isinstance(last, PrefillProgressed) and isinstance(new, PrefillProgressed):
-        return new
+        return msgspec.structs.replace(new, prompt_logprobs=join_optional(last.prompt_logprobs, new.prompt_logprobs))
     return None
 
 

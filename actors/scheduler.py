@@ -121,7 +121,8 @@ class SchedulerActor:
         while (tracked := self.policy.admission_candidate()) is not None:
             rid, need, prompt = tracked.request_id, tracked.kv_tokens_needed, tracked.admit.prompt_ids
             # A resumed request brings its own cache; others may start from a saved prefix.
-            max_prefix = 0 if tracked.admit.resume is not None else len(prompt) - 1
+            # A request scoring its prompt forwards every position of it.
+            max_prefix = 0 if tracked.admit.resume is not None or tracked.admit.prompt_logprobs is not None else len(prompt) - 1
             namespace = prefix_namespace(tracked.admit.adapter, tracked.admit.adapter_digest)
             reservation = await ask(self._kv, ReserveKv, request_id=rid, num_tokens=need, prompt_ids=prompt, max_prefix_tokens=max_prefix, namespace=namespace)
             if reservation.granted:
@@ -158,7 +159,7 @@ class SchedulerActor:
         now = time.monotonic()
         for report in outcome.prefilled:
             tracked = self.policy.get(report.request_id)
-            if tracked is not None and tracked.report_progress:
+            if tracked is not None and (tracked.report_progress or report.prompt_logprobs):
                 tracked.session.send_nowait(PrefillProgressed(**msgspec.structs.asdict(report)))
         for row in outcome.outputs:
             tracked = self.policy.get(row.request_id)

@@ -21,7 +21,7 @@ from actors.mailbox import EventChannel, Mailbox, SessionMailbox
 from policies.detokenize import Detokenizer
 from policies.output_parser import OutputParser, Parsed
 from policies.stops import StopMatcher
-from protocols.api import FillStats, Finished, PrefillProgress, SpecStats, Timings, TokenDelta, ToolCall, Usage
+from protocols.api import FillStats, Finished, PrefillProgress, SpecStats, Timings, TokenDelta, TokenLogprob, ToolCall, ToolCallDelta, Usage
 from protocols.scheduler import CancelRequest, FinishRequest, SetPaused
 from protocols.session import (
     PrefillProgressed,
@@ -57,8 +57,15 @@ class SessionActor:
         max_pause_s: float = 300.0,
         spec: SpecStats | None = None,
         observer: RequestObserver | None = None,
+        stream_tool_calls: bool = False,
+        report_progress: bool = True,
     ):
         self.request_id = request_id
+        self._report_progress = report_progress
+        # The prompt's scored tokens (`GenerateRequest.prompt_logprobs`), delivered with the first token.
+        self._prompt_logprobs: list[TokenLogprob] | None = None
+        # Report tool calls as they are generated (`ToolCallDelta`), not only once complete.
+        self._stream_tool_calls = stream_tool_calls
         self.inbox = SessionMailbox()
         self._num_prompt_tokens = num_prompt_tokens
         self._detokenizer = detokenizer
@@ -116,8 +123,11 @@ class SessionActor:
             match message:
                 case TokensGenerated():
                     await self._on_tokens(message)
-                case PrefillProgressed(processed_tokens=done, total_tokens=total):
-                    await self._emit(PrefillProgress(request_id=self.request_id, processed_tokens=done, total_tokens=total))
+                case PrefillProgressed(processed_tokens=done, total_tokens=total, prompt_logprobs=scored):
+                    if scored is not None:
+                        self._prompt_logprobs = (self._prompt_logprobs or []) + scored
+                    if self._report_progress:
+                        await self._emit(PrefillProgress(request_id=self.request_id, processed_tokens=done, total_tokens=total))
                 case RequestFinished():
                     self._ended = True
                     await self._on_finished(message)
@@ -156,7 +166,7 @@ class SessionActor:
             parsed = self._parser.feed(text)
             if final:
                 rest = self._parser.flush()
-                parsed = Parsed(parsed.content + rest.content, parsed.reasoning + rest.reasoning, parsed.calls)
+                parsed = Parsed(parsed.content + rest.content, parsed.reasoning + rest.reasoning, parsed.calls + rest.calls, parsed.deltas + rest.deltas)
         calls = []
         for call in parsed.calls:
             if "error" in call:
@@ -164,10 +174,19 @@ class SessionActor:
             else:
                 calls.append(call)
         if ids or parsed.content or parsed.reasoning or not final:
-            await self._emit(TokenDelta(request_id=self.request_id, token_ids=ids, text=parsed.content, logprobs=logprobs, reasoning=parsed.reasoning))
+            scored, self._prompt_logprobs = self._prompt_logprobs, None
+            text = parsed.content
+            await self._emit(
+                TokenDelta(request_id=self.request_id, token_ids=ids, text=text, logprobs=logprobs, reasoning=parsed.reasoning, prompt_logprobs=scored)
+            )
+        for part in parsed.deltas if self._stream_tool_calls else []:
+            await self._emit(ToolCallDelta(request_id=self.request_id, index=self._num_calls, id=self._call_id(), **part))
         for call in calls:
-            await self._emit(ToolCall(request_id=self.request_id, index=self._num_calls, id=f"call-{self.request_id}-{self._num_calls}", **call))
+            await self._emit(ToolCall(request_id=self.request_id, index=self._num_calls, id=self._call_id(), **call))
             self._num_calls += 1
+
+    def _call_id(self) -> str:
+        return f"call-{self.request_id}-{self._num_calls}"
 
     async def _emit(self, event) -> None:
         """Deliver an event; while the caller is not reading, the request stops decoding.

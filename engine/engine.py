@@ -325,6 +325,7 @@ class Engine:
         models with recurrent layers only chunks of one length together); later chunks extend
         their request's own cache one at a time."""
         seqs = [self._prefill_target(work) for work in works]
+        scored = [len(seq.prompt_logprobs) for seq in seqs]
         in_flight = self._in_flight.result.arrays() if self._in_flight is not None and self._in_flight.result is not None else []
         self._blocks.ready(zip(seqs, (work.num_tokens for work in works)), in_flight)
         first = [(s, w.num_tokens) for s, w in zip(seqs, works) if s.num_prefilled == 0 and w.num_tokens <= self._batched_prefill_limit]
@@ -350,7 +351,15 @@ class Engine:
             wanted = seq.admit.snapshot_at == seq.num_prefilled or (not self._trimmable and seq.num_prefilled == seq.prompt_len - 1)
             if seq.admit.save_prefix and wanted and seq.cache is not None:
                 self._prefixes.save(seq, caches.trimmed(seq.cache, seq.num_prefilled), seq.num_prefilled)
-        return [PrefillReport(request_id=s.request_id, processed_tokens=s.num_prefilled, total_tokens=s.prompt_len) for s in seqs]
+        return [
+            PrefillReport(
+                request_id=s.request_id,
+                processed_tokens=s.num_prefilled,
+                total_tokens=s.prompt_len,
+                prompt_logprobs=s.prompt_logprobs[before:] if s.admit.prompt_logprobs is not None else None,
+            )
+            for s, before in zip(seqs, scored)
+        ]
 
     def _prefill_target(self, work: PrefillWork) -> Sequence:
         seq = self._sequences.get(work.request_id)

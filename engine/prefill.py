@@ -1,14 +1,20 @@
 """Prompt chunks into a request's own cache (MLX thread): one request's chunk, or the first
-chunks of several prompts in one forward through mlx-lm's batch caches."""
+chunks of several prompts in one forward through mlx-lm's batch caches.
+
+Only the KV is evaluated, so no logits are computed for prompt positions, unless a request
+asks for its prompt's log-probabilities (`AdmitRequest.prompt_logprobs`): then its chunk's
+logits are read too, each position scoring the prompt token after it."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine.forward import host
 from engine.kv.quantized import batch_prefill_caches, new_caches, quantized_caches
 from engine.lora import routed
 from engine.sequence import Sequence
+from protocols.api import TokenLogprob, TopLogprob
 from protocols.model import LayerLayout
 
 
@@ -17,9 +23,31 @@ def prefill_one(model, layout: list[LayerLayout], seq: Sequence, num_tokens: int
     if seq.cache is None:
         seq.cache = new_caches(model, layout)
     with routed(model, [seq.adapter_slot]):
-        model(mx.array(seq.admit.prompt_ids[start:end])[None], cache=seq.cache)
+        logits = model(mx.array(seq.admit.prompt_ids[start:end])[None], cache=seq.cache)
     mx.eval([c.state for c in seq.cache])
+    _score_prompt(seq, logits[0], start, end)
     seq.num_prefilled = end
+
+
+def _score_prompt(seq: Sequence, logits: mx.array, start: int, end: int) -> None:
+    """The log-probabilities of prompt tokens start + 1 .. end from the logits of positions
+    start .. end - 1 (the prompt's last token is never prefilled: token `end` exists)."""
+    k = seq.admit.prompt_logprobs
+    if k is None:
+        return
+    logits = logits.astype(mx.float32)
+    lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    scored = seq.admit.prompt_ids[start + 1 : end + 1]
+    chosen = mx.take_along_axis(lp, mx.array(scored)[:, None], axis=-1)[:, 0]
+    ranks = host((lp > chosen[:, None]).sum(axis=-1) + 1)
+    if not k:
+        seq.prompt_logprobs += [TokenLogprob(token_id=t, logprob=v, rank=r) for t, v, r in zip(scored, host(chosen), ranks)]
+        return
+    top_ids = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
+    top_lps = mx.take_along_axis(lp, top_ids, axis=-1)
+    for t, v, r, ids, lps in zip(scored, host(chosen), ranks, host(top_ids), host(top_lps)):
+        top = sorted((TopLogprob(token_id=i, logprob=x) for i, x in zip(ids, lps)), key=lambda x: -x.logprob)
+        seq.prompt_logprobs.append(TokenLogprob(token_id=t, logprob=v, top=top, rank=r))
 
 
 def prefill_together(model, layout: list[LayerLayout], trimmable: bool, chunks: list[tuple[Sequence, int]]) -> None:
@@ -36,18 +64,20 @@ def prefill_together(model, layout: list[LayerLayout], trimmable: bool, chunks: 
     with routed(model, [seq.adapter_slot for seq, _ in chunks]):
         if trimmable:
             cache = batch_prefill_caches(layout, padding)
-            model(mx.array([[0] * pad + t for pad, t in zip(padding, tokens)]), cache=cache)
+            logits = model(mx.array([[0] * pad + t for pad, t in zip(padding, tokens)]), cache=cache)
         else:
             fresh = [make_prompt_cache(model) for _ in chunks]
             cache = [type(layer[0]).merge(list(layer)) for layer in zip(*fresh)]
             if max(padding):
                 for c in cache:
                     c.prepare(lengths=[n for _, n in chunks], right_padding=padding)
-            model(mx.array([t + [0] * pad for pad, t in zip(padding, tokens)]), cache=cache)
+            logits = model(mx.array([t + [0] * pad for pad, t in zip(padding, tokens)]), cache=cache)
             if max(padding):
                 for c in cache:
                     c.finalize()
     mx.eval([c.state for c in cache])
     for row, (seq, n) in enumerate(chunks):
         seq.cache = quantized_caches([c.extract(row) for c in cache], layout)
+        first = padding[row] if trimmable else 0  # left padding, or right
+        _score_prompt(seq, logits[row, first : first + n], 0, n)
         seq.num_prefilled = n

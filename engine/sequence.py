@@ -15,6 +15,7 @@ from engine.kv import caches
 from engine.sampler import SampleResult
 from policies.fill_session import FillSession, Proposal
 from policies.speculation import LookupSource, SpecRow
+from protocols.api import TokenLogprob
 from protocols.model import AdmitRequest, CheckpointData, LayerLayout
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ class Sequence:
     adapter_slot: int = 0
     lookup: LookupSource | None = None
     draft: list[int] | None = None
+    # The prompt tokens its prefill scored (`AdmitRequest.prompt_logprobs`), token 1 on.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def tokens_with_kv(self, length: int) -> list[int]:
         """The tokens whose KV the first `length` cache positions hold."""

@@ -4,14 +4,27 @@ A leading `<think>...</think>` block (the model's own markers) is reasoning; wit
 tools, `<tool_call>...</tool_call>` spans (the model's own markup) are parsed by
 the model's tool parser into calls. Text that could be the start of a marker is
 held back until it is known not to be one.
+
+While a call's body arrives in the common JSON shape (`{"name": ..., "arguments": ...}`),
+its name and the text of its arguments are reported as they are generated (`Parsed.deltas`),
+and the finished call's `arguments` is that same text when it parses to the same value (the
+fragments add up to it). Markup never reaches the content: a call cut off by the end of the
+output (max_tokens) is a call with the arguments generated so far, or nothing when its name
+had not been generated yet.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+# The head of a call body in the common JSON shape, up to where its arguments' value begins.
+_JSON_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
+# What may still close the body after the arguments' value: held back while streaming.
+_BODY_TAIL = re.compile(r"\s*\}?\s*$")
 
 
 @dataclass
@@ -19,6 +32,18 @@ class Parsed:
     content: str = ""
     reasoning: str = ""
     calls: list[dict] = field(default_factory=list)
+    # The call being generated, as it arrives: {"name": ...} once its name is known, then
+    # {"arguments": fragment}s; `calls` has it whole once it closes.
+    deltas: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class _OpenCall:
+    """A call whose body is arriving: its name and the argument text reported so far."""
+
+    name: str | None = None
+    args_start: int = -1
+    sent: str = ""
 
 
 class OutputParser:
@@ -35,6 +60,7 @@ class OutputParser:
         self._buffer = ""
         # "start" (might open a think block), "think", "content", or "call".
         self._state = "start" if think else "content"
+        self._open = _OpenCall()
 
     def feed(self, text: str) -> Parsed:
         self._buffer += text
@@ -44,12 +70,23 @@ class OutputParser:
         return out
 
     def flush(self) -> Parsed:
-        """End of output: whatever is held is content (an unfinished call stays visible text)."""
+        """End of output: whatever is held is content, or reasoning; a call cut off is a call
+        with the arguments generated so far (its markup never becomes content)."""
         out = Parsed()
-        prefix = self._tools[0] if self._tools is not None and self._state == "call" else ""
-        target = "reasoning" if self._state == "think" else "content"
-        setattr(out, target, prefix + self._buffer)
-        self._buffer = ""
+        if self._state == "call":
+            self._stream_call(out)
+            call, tools = self._open, self._tools
+            assert tools is not None
+            if call.name is not None:
+                body = self._buffer[: len(self._buffer) - _partial_suffix(self._buffer, tools[1])]
+                whole = _value_text(body, call.args_start)  # only the closing markup was cut off
+                arguments = whole if whole is not None else body[call.args_start :]
+                if arguments.startswith(call.sent) and len(arguments) > len(call.sent):
+                    out.deltas.append({"arguments": arguments[len(call.sent) :]})
+                out.calls.append({"name": call.name, "arguments": arguments, **({} if whole is not None else {"truncated": True})})
+        else:
+            setattr(out, "reasoning" if self._state == "think" else "content", self._buffer)
+        self._buffer, self._open = "", _OpenCall()
         return out
 
     def _step(self, out: Parsed) -> bool:
@@ -76,11 +113,45 @@ class OutputParser:
         if self._state == "call":
             index = buffer.find(tools[1])
             if index < 0:
+                self._stream_call(out)
                 return False
-            out.calls.extend(self._calls(buffer[:index]))
-            self._buffer, self._state = buffer[index + len(tools[1]) :], "content"
+            self._buffer = buffer[:index]
+            self._stream_call(out)  # the name, if this feed brought the whole body
+            calls = self._calls(buffer[:index])
+            sent = self._open.sent
+            named = self._open.name is not None and len(calls) == 1 and calls[0].get("name") == self._open.name
+            if named and calls[0]["arguments"].startswith(sent):
+                rest = calls[0]["arguments"][len(sent) :]
+                out.deltas += [{"arguments": rest}] if rest else []  # the fragments add up to the call's arguments
+            out.calls.extend(calls)
+            self._buffer, self._state, self._open = buffer[index + len(tools[1]) :], "content", _OpenCall()
             return True
         return self._until(tools[0], out, "content", next_state="call")
+
+    def _stream_call(self, out: Parsed) -> None:
+        """Report the open call's name once its body shows it, then its argument text as it
+        grows (all but what may still be the body's closing brace)."""
+        call, body = self._open, self._buffer
+        if call.name is None:
+            head = _JSON_CALL_HEAD.match(body)
+            if head is None:
+                return
+            try:
+                call.name = json.loads(head[1])
+            except ValueError:
+                return
+            call.args_start = head.end()
+            out.deltas.append({"name": call.name})
+        if body[call.args_start] != "{":
+            return  # not an object (a JSON string of one, say): the finished call has it whole
+        arguments = body[call.args_start :]
+        assert self._tools is not None
+        arguments = arguments[: len(arguments) - _partial_suffix(arguments, self._tools[1])]
+        tail = _BODY_TAIL.search(arguments)
+        ready = arguments[: tail.start()] if tail is not None else arguments
+        if len(ready) > len(call.sent) and ready.startswith(call.sent):
+            out.deltas.append({"arguments": ready[len(call.sent) :]})
+            call.sent = ready
 
     def _until(self, marker: str, out: Parsed, target: str, next_state: str) -> bool:
         """Move text before `marker` to `target`; on the marker switch state. Holds partial markers."""
@@ -105,11 +176,35 @@ class OutputParser:
         calls: list[Any] = parsed if isinstance(parsed, list) and parsed else [parsed]
         if not all(isinstance(call, dict) and "name" in call for call in calls):
             return [{"error": "a tool call needs a name", "raw": body}]
-        return [{"name": str(call["name"]), "arguments": _arguments(call.get("arguments", {}))} for call in calls]
+        out = [{"name": str(call["name"]), "arguments": _arguments(call.get("arguments", {}))} for call in calls]
+        head = _JSON_CALL_HEAD.match(body)
+        if len(out) == 1 and head is not None and body[head.end()] == "{":
+            # The model's own text of the arguments when it is the same value (what the
+            # streamed fragments are cut from, however the output was chunked).
+            raw = _value_text(body, head.end())
+            if raw is not None and _same_json(raw, out[0]["arguments"]):
+                out[0]["arguments"] = raw
+        return out
 
 
 def _arguments(arguments) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments)
+
+
+def _value_text(body: str, start: int) -> str | None:
+    """The text of the JSON value that begins at `body[start]` (None if none does)."""
+    try:
+        _, end = json.JSONDecoder().raw_decode(body, start)
+    except ValueError:
+        return None
+    return body[start:end]
+
+
+def _same_json(a: str, b: str) -> bool:
+    try:
+        return json.loads(a) == json.loads(b)
+    except ValueError:
+        return False
 
 
 def _partial_suffix(text: str, marker: str) -> int:

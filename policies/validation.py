@@ -46,6 +46,8 @@ def validate(request: GenerateRequest, info: ModelInfo, limits: LimitsConfig = L
         raise InvalidRequestError(f"max_tokens must be a positive integer, got {request.max_tokens!r}", field="max_tokens")
     if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", field="top_logprobs")
+    if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", field="prompt_logprobs")
     if any(not isinstance(s, str) or not s for s in request.stop):
         raise InvalidRequestError("stop strings must be non-empty strings", field="stop")
     if len(request.stop) > limits.max_stop_strings:

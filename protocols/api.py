@@ -53,6 +53,10 @@ class GenerateRequest(Record, frozen=True):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Score the prompt: each prompt token's log-probability given those before it, with this
+    # many most likely alternatives (0-20), in the first `TokenDelta` (`prompt_logprobs`).
+    # None: not scored. Such a request prefills its whole prompt (no prefix cache hit).
+    prompt_logprobs: int | None = None
     request_id: str | None = None
     priority: int = 0
     # Emit `PrefillProgress` events while the prompt is being processed.
@@ -63,6 +67,9 @@ class GenerateRequest(Record, frozen=True):
     response_format: dict[str, Any] | None = None
     # OpenAI-style tools, rendered by the chat template; calls arrive as `ToolCall` events.
     tools: list[dict[str, Any]] | None = None
+    # Also report each call as it is generated (`ToolCallDelta`s: its name, then its arguments'
+    # text in fragments that add up to the `ToolCall`'s arguments).
+    stream_tool_calls: bool = False
     # "auto" (the model decides), "none", "required", or {"type": "function", "function": {"name": ...}};
     # the last two constrain the output to the model's tool-call format.
     tool_choice: str | dict[str, Any] | None = None
@@ -141,6 +148,8 @@ class TokenLogprob(Record, frozen=True):
     token_id: int
     logprob: float
     top: list[TopLogprob] | None = None
+    # A scored prompt token's rank among the vocabulary (1: the most likely; `prompt_logprobs`).
+    rank: int | None = None
 
 
 class TokenDelta(Message, frozen=True):
@@ -155,16 +164,34 @@ class TokenDelta(Message, frozen=True):
     text: str
     logprobs: list[TokenLogprob] | None = None
     reasoning: str = ""
+    # In the first delta of a request that asked (`GenerateRequest.prompt_logprobs`): prompt
+    # tokens 1 on, each scored given those before it (the first prompt token has no score).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class ToolCall(Message, frozen=True):
-    """A complete tool call parsed from the output; `arguments` is a JSON object as text."""
+    """A tool call parsed from the output; `arguments` is a JSON object as text."""
 
     request_id: str
     index: int
     id: str
     name: str
     arguments: str
+    # The output ended inside the call (max_tokens): `arguments` is the text generated so far,
+    # not valid JSON.
+    truncated: bool = False
+
+
+class ToolCallDelta(Message, frozen=True):
+    """Part of the tool call `index` as it is generated (with `GenerateRequest.stream_tool_calls`):
+    first its `id` and `name`, then fragments of its arguments' text; the `ToolCall` with the
+    same index follows when the call is complete."""
+
+    request_id: str
+    index: int
+    id: str
+    name: str | None = None
+    arguments: str = ""
 
 
 class PrefillProgress(Message, frozen=True):
@@ -308,4 +335,4 @@ class Finished(Message, frozen=True):
     error_code: str | None = None
 
 
-Event = TokenDelta | ToolCall | PrefillProgress | Finished
+Event = TokenDelta | ToolCall | ToolCallDelta | PrefillProgress | Finished

@@ -162,6 +162,11 @@ class ServerConfig(Section, frozen=True):
     # /v1/unload_lora_adapter {"lora_name"}: off by default (they read a path on this machine;
     # set `api_key` too when the port is reachable by others).
     http_adapter_updates: bool = False
+    # The Responses API's store (`POST /v1/responses` with `store: true`, its default): responses kept
+    # in memory for `previous_response_id` and GET/DELETE /v1/responses/{id}, at most this many
+    # (0 = none kept) of at most this many bytes in all; the least recently used go first.
+    responses_store_max: NonNegative = 256
+    responses_store_bytes: NonNegative = 64 * 1024 * 1024
 
 
 class TracingConfig(Section, frozen=True):

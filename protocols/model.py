@@ -95,6 +95,10 @@ class AdmitRequest(Record, frozen=True):
     stop_token_ids: list[int]
     logprobs: bool = False
     top_logprobs: int = 0
+    # Score the prompt in its prefill: each prompt token's log-probability given the tokens
+    # before it, with this many alternatives (None: not scored; such a request never starts
+    # from a saved prefix, whose positions would not be forwarded).
+    prompt_logprobs: int | None = None
     # Start from the first `prefix_tokens` of this saved prefix entry instead of prefilling them.
     prefix_entry: str | None = None
     prefix_tokens: int = 0
@@ -196,6 +200,8 @@ class PrefillReport(Record, frozen=True):
     request_id: str
     processed_tokens: int
     total_tokens: int
+    # With `AdmitRequest.prompt_logprobs`: the prompt tokens this chunk scored, in order.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class DeviceMemory(Record, frozen=True):

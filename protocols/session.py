@@ -43,6 +43,8 @@ class PrefillProgressed(Message, frozen=True):
     request_id: str
     processed_tokens: int
     total_tokens: int
+    # The prompt tokens scored since the last report (`GenerateRequest.prompt_logprobs`).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class RequestFinished(Message, frozen=True):

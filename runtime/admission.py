@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -45,6 +47,8 @@ from runtime.errors import (
 from runtime.grammar import GrammarCache, grammar_spec
 
 log = structlog.get_logger(actor="admission")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -94,12 +98,17 @@ class Admission:
         """A checkpointed request, checked as thoroughly as a new one. Raises `MlxrtError`s only."""
         return await self._contained(self._prepare_resume(request_id), request_id)
 
+    async def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
+        """The tokens `prepare` renders the request's prompt into (checked as it would be,
+        rendered and tokenized in a worker thread). Raises `MlxrtError`s only."""
+        return await self._contained(self._render(request), request.request_id or "render")
+
     def release(self, prepared: Prepared) -> None:
         """The request has ended: its grammar may be evicted."""
         if prepared.grammar is not None:
             self._grammars.release(prepared.grammar)
 
-    async def _contained(self, preparing, request_id: str) -> Prepared:
+    async def _contained(self, preparing: Coroutine[Any, Any, T], request_id: str) -> T:
         try:
             self._preparing.acquire_nowait()
         except anyio.WouldBlock:
@@ -115,11 +124,21 @@ class Admission:
         finally:
             self._preparing.release()
 
-    async def _prepare(self, request: GenerateRequest, request_id: str) -> Prepared:
-        config, info = self._config, self._info
-        requests.validate(request, info, config.limits)
+    async def _render(self, request: GenerateRequest) -> list[int]:
+        self._check(request)
+        grammar_spec(request, self._tool_markers)  # its shape checked too (not compiled)
+        render = functools.partial(requests.render_prompt, request, self._tokenizer, self._max_prompt_bytes)
+        return await anyio.to_thread.run_sync(render)
+
+    def _check(self, request: GenerateRequest) -> None:
+        config = self._config
+        requests.validate(request, self._info, config.limits)
         if request.model is not None and request.model != config.model_name:
             raise ModelNotFoundError(f"no model named {request.model!r}; this runtime serves {config.model_name!r}", field="model")
+
+    async def _prepare(self, request: GenerateRequest, request_id: str) -> Prepared:
+        config, info = self._config, self._info
+        self._check(request)
         checkpoint_every = self.checkpoint_every(request)
         if checkpoint_every and await anyio.to_thread.run_sync(self._names_foreign_checkpoint, request_id, request):
             # That file is another request's (a crashed one, to be resumed): never overwritten or deleted.
@@ -140,6 +159,7 @@ class Admission:
             stop_token_ids=stop_ids,
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
+            prompt_logprobs=request.prompt_logprobs,
             save_prefix=self._config.kv.prefix_cache_bytes > 0,
             # The last prompt token is never prefilled; a snapshot there is the end-of-request entry.
             snapshot_at=request.snapshot_at if request.snapshot_at and request.snapshot_at < len(prompt_ids) - 1 else None,

@@ -48,6 +48,9 @@ def grammar_spec(request: GenerateRequest, tool_markers: tuple[str, str] | None)
             raise InvalidRequestError("this model's chat template has no tool-call format", field="tools")
         source = json.dumps({"tools": forced, "markers": list(tool_markers)}, sort_keys=True)
         return GrammarSpec(kind="tool_call", source=source)
+    if request.tools and request.tool_choice in (None, "auto") and tool_markers is None:
+        # The model may call them, but its calls could not be told from its text.
+        raise InvalidRequestError("this model's chat template has no tool-call format", field="tools")
     fmt = request.response_format
     if fmt is None:
         return None

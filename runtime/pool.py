@@ -186,6 +186,19 @@ class ModelPool:
         self._live.add(rid)
         return PoolStream(rid, self._events(model, msgspec.structs.replace(request, request_id=rid)), self)
 
+    async def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
+        """As `Runtime.prompt_token_ids`, on the model the request names (loaded, as a request
+        for it would be, if it is not resident)."""
+        if self._closed:
+            raise RuntimeClosedError("the pool is shutting down")
+        model = self._model(request.model)
+        rt = await self._acquire(model)
+        assert rt is not None  # (None only for a cancelled request id)
+        try:
+            return await rt.prompt_token_ids(msgspec.structs.replace(request, model=None))
+        finally:
+            self._release(model)
+
     def submit_resume(self, request_id: str) -> PoolStream:
         raise InvalidRequestError("resuming a checkpoint by id is not available with several models", field="request_id")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from protocols.api import Event, Finished, TokenDelta, ToolCall, Usage
+from protocols.api import Event, Finished, TokenDelta, ToolCall, ToolCallDelta, Usage
 from runtime.errors import InternalError
 
 
@@ -23,6 +23,10 @@ class Delivered:
     text: str = ""
     reasoning: str = ""
     tool_calls: int = 0
+    # The argument text of each streamed call (`ToolCallDelta`), by index.
+    call_arguments: dict[int, str] = field(default_factory=dict)
+    # The calls whose name went out (their first `ToolCallDelta`).
+    call_names: set[int] = field(default_factory=set)
 
 
 class Replay:
@@ -52,7 +56,11 @@ class Replay:
             self.record(self.held)
             out.append(self.held)
             self.held = None
-        if isinstance(event, ToolCall):
+        if isinstance(event, ToolCallDelta):
+            call_part = self.new_call_delta(event)
+            if call_part is not None:
+                out.append(call_part)
+        elif isinstance(event, ToolCall):
             if self.new_tool_call():
                 out.append(event)
         elif isinstance(event, Finished) or not self.delivered.token_ids:
@@ -75,12 +83,31 @@ class Replay:
             text=seen.text[len(have.text) :],
             reasoning=seen.reasoning[len(have.reasoning) :],
             logprobs=(event.logprobs[-fresh:] if fresh > 0 else []) if event.logprobs else event.logprobs,
+            # The prompt's scores went out with the caller's first delta.
+            prompt_logprobs=event.prompt_logprobs if not have.token_ids else None,
         )
 
     def record(self, part: TokenDelta) -> None:
         self.delivered.token_ids += part.token_ids
         self.delivered.text += part.text
         self.delivered.reasoning += part.reasoning
+
+    def new_call_delta(self, event: ToolCallDelta) -> ToolCallDelta | None:
+        """The part of a streamed call's delta past what the caller has of that call."""
+        seen, have = self.seen, self.delivered
+        if event.name is not None:
+            if event.index in have.call_names:
+                return None
+            have.call_names.add(event.index)
+            return event
+        text = seen.call_arguments[event.index] = seen.call_arguments.get(event.index, "") + event.arguments
+        sent = have.call_arguments.get(event.index, "")
+        if len(text) <= len(sent):
+            return None
+        if not text.startswith(sent):
+            raise InternalError("a resumed stream differs from what it replays")
+        have.call_arguments[event.index] = text
+        return msgspec.structs.replace(event, arguments=text[len(sent) :])
 
     def new_tool_call(self) -> bool:
         self.seen.tool_calls += 1

@@ -173,6 +173,15 @@ class Runtime:
             async for event in stream:
                 yield event
 
+    async def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
+        """The tokens the request's prompt renders to, exactly as `submit` would render
+        it (chat template, tools), without running it: tokenized in a worker thread.
+
+        Raises `InvalidRequestError` for bad input (as `submit` would), `ServerBusyError` when
+        too many requests are being prepared, `RuntimeClosedError` during shutdown."""
+        self._check_open()
+        return await self._admission.prompt_token_ids(request)
+
     async def checkpointed_request(self, request_id: str) -> GenerateRequest | None:
         """The request a usable checkpoint of `request_id` holds (None when there is none):
         whose the file is, before resuming it."""
@@ -284,6 +293,8 @@ class Runtime:
             spec=prepared.spec_stats,
             max_pause_s=self.config.scheduler.max_pause_s,
             observer=self._telemetry,
+            stream_tool_calls=request.stream_tool_calls,
+            report_progress=request.report_progress,
         )
 
     def _output_parser(self, request: GenerateRequest) -> OutputParser | None:

@@ -62,6 +62,11 @@ class Serving(Protocol):
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[Event]: ...
 
+    async def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
+        """The tokens the request's prompt renders to (chat template, tools), as `submit` renders
+        it, without running it (tokenized off the event loop)."""
+        ...
+
     async def cancel(self, request_id: str) -> None: ...
 
     async def stats(self, *, fresh: bool = True) -> Stats:

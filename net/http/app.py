@@ -8,13 +8,21 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models[/{m
 as server-sent events ending in `[DONE]`. A client that disconnects, while queued or
 mid-stream, cancels its request. Errors use OpenAI's JSON shape, their status taken from
 `protocols.errors.ERROR_KINDS`. With `server.api_key`, every route but /health needs it.
+
+Anthropic's Messages API is served beside it on the same runtime: `POST /v1/messages` and
+`POST /v1/messages/count_tokens` (`anthropic`), with Anthropic's stream events and error JSON.
+OpenAI's Responses API too: `POST /v1/responses`, `GET`/`DELETE /v1/responses/{id}` (`responses_api`;
+responses kept in memory for `previous_response_id`, `response_store`), with its `response.*` events.
+Each request's output object (`mapping.Output`) says how its chunks, terminator and errors go on
+the wire, so one streaming loop serves all three.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import aclosing
+from functools import partial
 from typing import Any, TypeVar
 
 import anyio
@@ -30,25 +38,33 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
+from net.http import anthropic_types as at
 from net.http import openai_types as oa
+from net.http import responses_api_types as ra
 from net.http import tokens
+from net.http.anthropic import MessagesOutput, count_request, messages_request
+from net.http.choices import Choices, Merged
 from net.http.mapping import (
     ChatOutput,
     CompletionOutput,
     HttpError,
+    Output,
     ResponseIds,
     TokenTexts,
     chat_request,
-    completion_request,
+    choices,
+    completion_requests,
     decode_body,
     ending_error,
     error_of,
 )
 from net.http.middleware import Authorization, BrowserGuard, RequestLimit, ResponseCounter
-from net.http.responses import error_response, json_response
-from protocols.api import Event, Finished, GenerateRequest
+from net.http.response_store import ResponseStore
+from net.http.responses import JSON, error_body_for, error_response, json_response
+from net.http.responses_api import ResponsesOutput, responses_request
+from protocols.api import Event, GenerateRequest, SamplingParams
 from protocols.config import ServerConfig
-from protocols.errors import ERROR_KINDS, InternalError, MlxrtError
+from protocols.errors import InternalError, MlxrtError
 from protocols.model import ModelInfo
 from runtime.metrics import CONTENT_TYPE, PREFIX
 from runtime.serving import Serving
@@ -58,7 +74,6 @@ log = structlog.get_logger(actor="http")
 T = TypeVar("T")
 # nginx's "client closed request": logged and counted, never received.
 CLIENT_LEFT = 499
-Output = ChatOutput | CompletionOutput
 
 
 class Api:
@@ -74,6 +89,8 @@ class Api:
         self._token_texts: dict[str | None, TokenTexts] = {}
         self._fingerprint = ""
         self._created = 0
+        # Responses kept for `previous_response_id` and GET/DELETE /v1/responses/{id}.
+        self.stored_responses = ResponseStore(config.responses_store_max, config.responses_store_bytes)
         self.registry = CollectorRegistry(auto_describe=True)
         self.responses = Counter(f"{PREFIX}http_responses", "HTTP responses by route and status.", ["model_name", "route", "status"], registry=self.registry)
 
@@ -116,23 +133,95 @@ class Api:
         runtime = self._ready()
         body = decode_body(await self._read_body(request), oa.ChatCompletionRequest)
         model, adapter = self._check_model(body.model)
-        generate = msgspec.structs.replace(chat_request(body), model=model, adapter=adapter)
-        ids = self._ids("chatcmpl", generate, body.model)
+        generates = choices([msgspec.structs.replace(chat_request(body), model=model, adapter=adapter)], body.n)
+        ids = self._ids("chatcmpl", generates[0], body.model)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        output = ChatOutput(ids, self._texts(model), include_usage=include_usage, return_token_ids=body.return_token_ids, stream=body.stream)
-        return await self._respond(request, runtime, generate, output, endpoint="chat")
+        several = len(generates) > 1
+        outputs: list[Output] = [
+            ChatOutput(
+                ids, self._texts(model), include_usage=include_usage and not several, return_token_ids=body.return_token_ids, stream=body.stream, index=i
+            )
+            for i in range(len(generates))
+        ]
+        return await self._respond_choices(request, runtime, generates, outputs, endpoint="chat", include_usage=include_usage)
 
     async def completions(self, request: Request) -> Response:
         runtime = self._ready()
         body = decode_body(await self._read_body(request), oa.CompletionRequest)
         model, adapter = self._check_model(body.model)
-        generate = msgspec.structs.replace(completion_request(body), model=model, adapter=adapter)
-        ids = self._ids("cmpl", generate, body.model)
+        prompts = [msgspec.structs.replace(g, model=model, adapter=adapter) for g in completion_requests(body)]
+        if body.echo:  # the prompt's tokens, as the request renders them, for its echo
+            rendered = [await runtime.prompt_token_ids(g) for g in prompts]
+            prompts = [msgspec.structs.replace(g, prompt=None, prompt_ids=ids) for g, ids in zip(prompts, rendered)]
+            tokenizer = runtime.tokenizer_for(model)
+            texts = [body_prompt if isinstance(body_prompt, str) else None for body_prompt in _prompt_list(body.prompt)]
+            echoes = [text if text is not None else await anyio.to_thread.run_sync(tokenizer.decode, ids) for text, ids in zip(texts, rendered)]
+        generates = choices(prompts, body.n)
+        ids = self._ids("cmpl", generates[0], body.model)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        output = CompletionOutput(
-            ids, self._texts(model), include_usage=include_usage, return_token_ids=body.return_token_ids, stream=body.stream, want_logprobs=generate.logprobs
-        )
-        return await self._respond(request, runtime, generate, output, endpoint="completions")
+        several = len(generates) > 1
+        outputs: list[Output] = []
+        for i, generate in enumerate(generates):
+            prompt_index = i // body.n
+            outputs.append(
+                CompletionOutput(
+                    ids,
+                    self._texts(model),
+                    include_usage=include_usage and not several,
+                    return_token_ids=body.return_token_ids,
+                    stream=body.stream,
+                    want_logprobs=generate.logprobs,
+                    index=i,
+                    echo_text=echoes[prompt_index] if body.echo else None,
+                    echo_ids=generate.prompt_ids if body.echo else None,
+                    discard=body.max_tokens == 0,
+                    want_prompt_logprobs=body.prompt_logprobs is not None,
+                )
+            )
+        return await self._respond_choices(request, runtime, generates, outputs, endpoint="completions", include_usage=include_usage)
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API. A stream's `message_start` reports the prompt's tokens, so
+        they are counted (rendered as the request renders them) before it is submitted."""
+        runtime = self._ready()
+        body = decode_body(await self._read_body(request), at.MessagesRequest)
+        model, adapter = self._check_model(body.model)
+        generate = msgspec.structs.replace(messages_request(body), model=model, adapter=adapter)
+        input_tokens = len(await runtime.prompt_token_ids(generate)) if body.stream else 0
+        message_id = f"msg_{(generate.request_id or '').removeprefix('req-')}"
+        output = MessagesOutput(message_id, body.model, stream=body.stream, input_tokens=input_tokens)
+        return await self._respond(request, runtime, generate, output, endpoint="messages")
+
+    async def count_tokens(self, request: Request) -> Response:
+        """The tokens `/v1/messages` would render the same conversation's prompt into."""
+        runtime = self._ready()
+        body = decode_body(await self._read_body(request), at.CountTokensRequest)
+        model, adapter = self._check_model(body.model)
+        generate = msgspec.structs.replace(count_request(body), model=model, adapter=adapter)
+        return json_response(at.CountTokensResponse(input_tokens=len(await runtime.prompt_token_ids(generate))))
+
+    async def create_response(self, request: Request) -> Response:
+        """OpenAI's Responses API (`responses_api`): the conversation of `previous_response_id`
+        (stored) continued by `input`; the response is stored once it ends, unless `store` is false."""
+        runtime = self._ready()
+        body = decode_body(await self._read_body(request), ra.ResponsesRequest)
+        model, adapter = self._check_model(body.model)
+        turn = responses_request(body, self.stored_responses)
+        generate = msgspec.structs.replace(turn.generate, model=model, adapter=adapter)
+        store = self.stored_responses if body.store else None
+        output = ResponsesOutput(body, stream=body.stream, store=store, history=turn.history)
+        return await self._respond(request, runtime, generate, output, endpoint="responses")
+
+    async def get_response(self, request: Request) -> Response:
+        """A stored response, as it was answered."""
+        stored = self.stored_responses.get(request.path_params["response_id"])
+        return Response(stored.response, media_type=JSON)
+
+    async def delete_response(self, request: Request) -> Response:
+        response_id = request.path_params["response_id"]
+        self.stored_responses.get(response_id)  # (a 404 for an unknown id)
+        self.stored_responses.delete(response_id)
+        return json_response(ra.DeletedResponse(id=response_id))
 
     async def tokenize(self, request: Request) -> Response:
         body = decode_body(await self._read_body(request), tokens.TokenizeRequest)
@@ -204,7 +293,68 @@ class Api:
         assert output.finished is not None
         error = ending_error(output.finished)
         if error is not None:
-            return error_response(error)
+            return error_response(error, output.error_body)
+        return json_response(output.response(), headers=headers)
+
+    async def _respond_choices(
+        self, request: Request, runtime: Serving, generates: list[GenerateRequest], outputs: list[Output], *, endpoint: str, include_usage: bool
+    ) -> Response:
+        """Several choices (`n`, or several prompts), each a request of its own, in one response
+        or one stream. Each prompt is rendered first, so a bad one is refused before any starts."""
+        if len(generates) == 1:
+            return await self._respond(request, runtime, generates[0], outputs[0], endpoint=endpoint)
+        # Each prompt rendered once: a bad one is refused before any choice starts.
+        groups: dict[bytes, list[int]] = {}
+        for i, generate in enumerate(generates):
+            groups.setdefault(msgspec.json.encode(msgspec.structs.replace(generate, request_id=None, sampling=SamplingParams())), []).append(i)
+        leaders: dict[int, GenerateRequest] = {}
+        for members in groups.values():
+            first = generates[members[0]]
+            length = len(await runtime.prompt_token_ids(first))
+            share = len(members) > 1 and runtime.config.kv.prefix_cache_bytes > 0 and first.snapshot_at is None and first.prompt_logprobs is None
+            # The first choice keeps the prompt as a prefix once prefilled; the others start from it.
+            leaders[members[0]] = msgspec.structs.replace(first, snapshot_at=length - 2) if share and length > 2 else first
+        streams: list = []
+        try:
+            for generate in leaders.values():
+                streams.append(runtime.submit(generate))
+        except BaseException:
+            for stream in streams:
+                await _close(stream)
+            raise
+        order = list(leaders)
+        followers = [(order.index(members[0]), partial(runtime.submit, generates[i])) for members in groups.values() for i in members[1:]]
+        merged = Merged(streams, followers)
+        output = Choices(outputs, [g.request_id or "" for g in generates], include_usage=include_usage)
+        headers = {"X-Request-Id": merged.request_id}
+        if output.stream:
+            body = _sse_body(merged, None, aiter(merged), output, endpoint)
+            return EventStream(body, stall_s=self.config.client_stall_timeout_s, headers=headers, background=merged.run)
+
+        async def collect() -> bool:
+            failure: list[Exception] = []  # (raised as itself, not in an exception group)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(merged.run)
+                events = aiter(merged)
+                try:
+                    await _collect(await anext(events), events, output)
+                except Exception as exc:
+                    failure.append(exc)
+                tg.cancel_scope.cancel()
+            if failure:
+                raise failure[0]
+            return True
+
+        try:
+            done = await _unless_disconnected(request.receive, collect)
+        finally:
+            await _close(merged)
+        if not done:
+            return Response(status_code=CLIENT_LEFT)
+        assert output.finished is not None
+        error = ending_error(output.finished)
+        if error is not None:
+            return error_response(error, output.error_body)
         return json_response(output.response(), headers=headers)
 
     async def _read_body(self, request: Request) -> bytes:
@@ -259,26 +409,23 @@ class Api:
 # -- responses ---------------------------------------------------------------------
 
 
-def _sse(value: Any) -> bytes:
-    return b"data: " + msgspec.json.encode(value) + b"\n\n"
+def _prompt_list(prompt: Any) -> list[Any]:
+    """A completion body's prompts (a list of texts or of token-id lists is several)."""
+    return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
 
 
-def _sse_error(error: HttpError) -> bytes:
-    kind = ERROR_KINDS[error.code]
-    return _sse(oa.ErrorResponse(oa.ErrorBody(message=str(error), type=kind.openai_type, param=error.param, code=error.code)))
-
-
-async def _sse_body(stream, first: Event, events: AsyncIterator[Event], output: Output, endpoint: str) -> AsyncGenerator[bytes, None]:
-    """The request's events as server-sent events; an error mid-stream is an `error` event."""
+async def _sse_body(stream, first: Event | None, events: AsyncIterator[Event], output: Output, endpoint: str) -> AsyncGenerator[bytes, None]:
+    """The request's events as server-sent events in the output's own encoding, ended by its
+    terminator; an error mid-stream is its error event."""
     first_chunk = output.first_chunk()
-    pending = [_sse(first_chunk)] if first_chunk is not None else []
-    event = first
+    pending = [output.sse(first_chunk)] if first_chunk is not None else []
     try:
+        event = first if first is not None else await anext(events)
         while True:
-            pending += [_sse(chunk) for chunk in output.on_event(event)]
-            if isinstance(event, Finished):
-                error = ending_error(event)
-                pending.append(_sse_error(error) if error is not None else b"data: [DONE]\n\n")
+            pending += [output.sse(chunk) for chunk in output.on_event(event)]
+            if output.finished is not None:  # (several choices: once all have)
+                error = ending_error(output.finished)
+                pending.append(output.sse_error(error) if error is not None else output.sse_end())
                 yield b"".join(pending)
                 return
             if pending:
@@ -286,7 +433,7 @@ async def _sse_body(stream, first: Event, events: AsyncIterator[Event], output: 
                 pending = []
             event = await anext(events)
     except MlxrtError as exc:
-        yield b"".join(pending) + _sse_error(error_of(exc, endpoint=endpoint))
+        yield b"".join(pending) + output.sse_error(error_of(exc, endpoint=endpoint))
     finally:
         await _close(stream)
 
@@ -295,7 +442,7 @@ async def _collect(first: Event, events: AsyncIterator[Event], output: Output) -
     event = first
     while True:
         output.on_event(event)
-        if isinstance(event, Finished):
+        if output.finished is not None:  # (several choices: once all have)
             return True
         event = await anext(events)
 
@@ -332,14 +479,25 @@ class EventStream(StreamingResponse):
     """Server-sent events. A client that disconnects cancels the stream (and so its request);
     one that leaves a chunk unaccepted for `stall_s` is given up on."""
 
-    def __init__(self, body: AsyncGenerator[bytes, None], *, stall_s: float, headers: dict[str, str]):
+    def __init__(
+        self,
+        body: AsyncGenerator[bytes, None],
+        *,
+        stall_s: float,
+        headers: dict[str, str],
+        background: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    ):
         super().__init__(body, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._body = body
         self._stall_s = stall_s
+        # What feeds the body, run beside it (several choices' requests: `choices.Merged.run`).
+        self._feed = background
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with aclosing(self._body) as body, anyio.create_task_group() as tg:
             tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
+            if self._feed is not None:
+                tg.start_soon(self._feed)
             try:
                 await self._send(send, {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
                 async for data in body:
@@ -358,18 +516,19 @@ class EventStream(StreamingResponse):
 
 
 def _endpoint(api: Api, handler: Callable[[Request], Awaitable[Response]], endpoint: str) -> Callable[[Request], Awaitable[Response]]:
-    """Every refusal as OpenAI's error JSON; a bug is a logged 500 that names no details."""
+    """Every refusal as the error JSON of the route's API (OpenAI's, Anthropic's under
+    /v1/messages); a bug is a logged 500 that names no details."""
 
     async def run(request: Request) -> Response:
         try:
             return await handler(request)
         except (HttpError, MlxrtError) as exc:
-            return error_response(error_of(exc, endpoint=endpoint))
+            return error_response(error_of(exc, endpoint=endpoint), error_body_for(request.url.path))
         except ClientDisconnect:
             return Response(status_code=CLIENT_LEFT)  # the client left while sending its body
         except Exception:
             log.exception("http_request_failed", path=request.url.path)
-            return error_response(HttpError("internal", "the request failed; the server log has the details"))
+            return error_response(HttpError("internal", "the request failed; the server log has the details"), error_body_for(request.url.path))
 
     return run
 
@@ -377,7 +536,7 @@ def _endpoint(api: Api, handler: Callable[[Request], Awaitable[Response]], endpo
 async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
-    response = error_response(HttpError(code, f"{exc.detail}: {request.method} {request.url.path}"))  # type: ignore[arg-type]
+    response = error_response(HttpError(code, f"{exc.detail}: {request.method} {request.url.path}"), error_body_for(request.url.path))  # type: ignore[arg-type]
     response.headers.update(exc.headers or {})  # a 405's `Allow`
     return response
 
@@ -386,6 +545,11 @@ def build_app(api: Api) -> Starlette:
     routes = [
         Route("/v1/chat/completions", _endpoint(api, api.chat_completions, "chat"), methods=["POST"]),
         Route("/v1/completions", _endpoint(api, api.completions, "completions"), methods=["POST"]),
+        Route("/v1/messages", _endpoint(api, api.messages, "messages"), methods=["POST"]),
+        Route("/v1/messages/count_tokens", _endpoint(api, api.count_tokens, "messages"), methods=["POST"]),
+        Route("/v1/responses", _endpoint(api, api.create_response, "responses"), methods=["POST"]),
+        Route("/v1/responses/{response_id}", _endpoint(api, api.get_response, "responses"), methods=["GET"]),
+        Route("/v1/responses/{response_id}", _endpoint(api, api.delete_response, "responses"), methods=["DELETE"]),
         Route("/v1/models", _endpoint(api, api.models, "models"), methods=["GET"]),
         Route("/v1/models/{model:path}", _endpoint(api, api.model, "models"), methods=["GET"]),
         Route("/v1/load_lora_adapter", _endpoint(api, api.load_lora_adapter, "adapters"), methods=["POST"]),
@@ -406,7 +570,12 @@ def build_app(api: Api) -> Starlette:
     ]
     if config.cors_origins:
         middleware.append(
-            Middleware(CORSMiddleware, allow_origins=config.cors_origins, allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+            Middleware(
+                CORSMiddleware,
+                allow_origins=config.cors_origins,
+                allow_methods=["GET", "POST", "DELETE"],
+                allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
+            )
         )
     if config.api_key:
         middleware.append(Middleware(Authorization, api_key=config.api_key))

@@ -2,11 +2,12 @@
 responses and stream chunks.
 
 `decode_body` turns a body into a typed request or an `HttpError` naming the field;
-`chat_request` / `completion_request` map it onto a `GenerateRequest` (refusing what has
-no equivalent: `n > 1`, `logit_bias`, `echo`, several prompts); `ChatOutput` and
+`chat_request` / `completion_requests` map it onto `GenerateRequest`s (one per prompt; `choices`
+makes `n` of each; refusing what has no equivalent: `logit_bias`, `suffix`); `ChatOutput` and
 `CompletionOutput` take a request's events one at a time, returning the stream chunks each
-becomes and keeping what the whole response needs. Synchronous and pure but for the
-tokenizer's decoding of single tokens (logprobs), cached.
+becomes and keeping what the whole response needs, and how their chunks and errors go on
+the wire (`OpenAIWire`; `net.http.anthropic` has the Anthropic routes' own). Synchronous and
+pure but for the tokenizer's decoding of single tokens (logprobs), cached.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
 from net.http import openai_types as oa
-from protocols.api import Event, Finished, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, ToolCall, new_request_id
+from protocols.api import Event, Finished, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, ToolCall, ToolCallDelta, new_request_id
 from protocols.errors import ERROR_KINDS, ErrorCode, MlxrtError, error_code
 
 T = TypeVar("T")
@@ -44,14 +45,69 @@ def error_of(exc: BaseException, *, endpoint: str = "chat") -> HttpError:
     return HttpError(error_code(exc), message, param_of(field, endpoint))
 
 
+# Runtime field names as the Responses API's parameters (endpoint "responses").
+RESPONSES_PARAMS = {"messages": "input", "prompt": "input", "prompt_ids": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+
+
 def param_of(field: str | None, endpoint: str) -> str | None:
-    """A runtime field name as the OpenAI parameter it came from."""
+    """A runtime field name as the OpenAI (or Anthropic, endpoint "messages") parameter it came from."""
     if field is None:
         return None
     field = field.removeprefix("sampling.")
+    if endpoint == "responses":
+        return RESPONSES_PARAMS.get(field, field)
     if field in ("prompt", "prompt_ids"):
-        return "messages" if endpoint == "chat" else "prompt"
+        return "messages" if endpoint in ("chat", "messages") else "prompt"
+    if field == "stop" and endpoint == "messages":
+        return "stop_sequences"
     return field
+
+
+def openai_error(error: HttpError) -> tuple[oa.ErrorResponse, int]:
+    """OpenAI's error JSON for an error, and its HTTP status (`ERROR_KINDS`)."""
+    kind = ERROR_KINDS[error.code]
+    return oa.ErrorResponse(oa.ErrorBody(message=str(error), type=kind.openai_type, param=error.param, code=error.code)), kind.http_status
+
+
+class Output(Protocol):
+    """One request's events as a response: chunks while streaming (`on_event`, opened by
+    `first_chunk`), the whole response once `Finished` came (`response`), and how both go on
+    the wire: each chunk as server-sent event bytes, the stream's terminator, an error event
+    mid-stream, and the error body (with its status) a refusal answers with."""
+
+    stream: bool
+    finished: Finished | None
+
+    def first_chunk(self) -> Any | None: ...
+
+    def on_event(self, event: Event) -> list[Any]: ...
+
+    def response(self) -> Any: ...
+
+    def sse(self, chunk: Any) -> bytes: ...
+
+    def sse_end(self) -> bytes: ...
+
+    def sse_error(self, error: HttpError) -> bytes: ...
+
+    def error_body(self, error: HttpError) -> tuple[Any, int]: ...
+
+
+class OpenAIWire:
+    """OpenAI's wire: `data: <json>` events ended by `data: [DONE]`; an error mid-stream is a
+    data event holding the error JSON."""
+
+    def sse(self, chunk: Any) -> bytes:
+        return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+    def sse_end(self) -> bytes:
+        return b"data: [DONE]\n\n"
+
+    def sse_error(self, error: HttpError) -> bytes:
+        return self.sse(self.error_body(error)[0])
+
+    def error_body(self, error: HttpError) -> tuple[Any, int]:
+        return openai_error(error)
 
 
 _AT = re.compile(r"^(?P<text>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
@@ -75,8 +131,6 @@ def decode_body(body: bytes, kind: type[T]) -> T:
 
 def _common(body: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, Any]:
     """The GenerateRequest fields both endpoints share."""
-    if body.n != 1:
-        raise HttpError("invalid_request", "n > 1 is not supported: send n separate requests", "n")
     if body.logit_bias:
         raise HttpError("invalid_request", "logit_bias is not supported", "logit_bias")
     sampling = SamplingParams(
@@ -118,6 +172,7 @@ def chat_request(body: oa.ChatCompletionRequest) -> GenerateRequest:
         top_logprobs=body.top_logprobs or 0,
         tools=body.tools,
         tool_choice=body.tool_choice,
+        stream_tool_calls=body.stream,
         **_common(body),
     )
 
@@ -163,29 +218,55 @@ def _tool_call(call: oa.ToolCallIn, where: str) -> dict[str, Any]:
     return out
 
 
-def completion_request(body: oa.CompletionRequest) -> GenerateRequest:
-    if body.echo:
-        raise HttpError("invalid_request", "echo is not supported", "echo")
+# The most choices one request may ask for (prompts x n): each is a request of its own.
+MAX_CHOICES = 64
+
+
+def completion_requests(body: oa.CompletionRequest) -> list[GenerateRequest]:
+    """One request per prompt (a list of texts or of token-id lists is several prompts)."""
     if body.suffix:
         raise HttpError("invalid_request", "suffix is not supported", "suffix")
-    if body.best_of is not None and body.best_of != 1:
-        raise HttpError("invalid_request", "best_of > 1 is not supported", "best_of")
-    prompt: Any = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise HttpError("invalid_request", "several prompts in one request are not supported: send them separately", "prompt")
-        prompt = prompt[0]
-    text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-    if ids is not None and not (ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
-        raise HttpError("invalid_request", "prompt must be text, token ids, or a list of one of either", "prompt")
-    return GenerateRequest(
-        prompt=text,
-        prompt_ids=ids,
-        max_tokens=body.max_tokens,
-        logprobs=body.logprobs is not None,
-        top_logprobs=body.logprobs or 0,
-        **_common(body),
-    )
+    if body.best_of is not None and body.best_of != body.n:
+        raise HttpError("invalid_request", "best_of other than n is not supported", "best_of")
+    if body.max_tokens == 0 and not body.echo:
+        raise HttpError("invalid_request", "max_tokens: 0 only makes sense with echo (the prompt's own logprobs)", "max_tokens")
+    prompts: list[Any] = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str | list) else [body.prompt]
+    common = _common(body)
+    out: list[GenerateRequest] = []
+    for i, prompt in enumerate(prompts):
+        text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+        if ids is not None and not (ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+            raise HttpError("invalid_request", "prompt must be text, token ids, or a list of either", "prompt" if len(prompts) == 1 else f"prompt[{i}]")
+        out.append(
+            GenerateRequest(
+                prompt=text,
+                prompt_ids=ids,
+                # `max_tokens: 0` (echo): one token is generated, and left out of the answer.
+                max_tokens=body.max_tokens or (1 if body.max_tokens == 0 else None),
+                logprobs=body.logprobs is not None,
+                top_logprobs=body.logprobs or 0,
+                prompt_logprobs=body.logprobs or 0 if body.echo and body.logprobs is not None else body.prompt_logprobs,
+                **common,
+            )
+        )
+    return out
+
+
+def choices(requests: list[GenerateRequest], n: int) -> list[GenerateRequest]:
+    """`n` choices of each request, each a request of its own: ids `<id>-<k>` when there are
+    several; a seeded request's choices take seeds seed, seed + 1, ... (distinct, reproducible)."""
+    if len(requests) * n > MAX_CHOICES:
+        raise HttpError("invalid_request", f"at most {MAX_CHOICES} choices per request (prompts x n)", "n")
+    if len(requests) * n == 1:
+        return requests
+    out: list[GenerateRequest] = []
+    for request in requests:
+        for k in range(n):
+            seed = request.sampling.seed + k if request.sampling.seed is not None else None
+            out.append(
+                msgspec.structs.replace(request, request_id=f"{request.request_id}-{len(out)}", sampling=msgspec.structs.replace(request.sampling, seed=seed))
+            )
+    return out
 
 
 # -- responses ---------------------------------------------------------------------
@@ -237,7 +318,7 @@ class ResponseIds:
 
 
 @dataclass
-class ChatOutput:
+class ChatOutput(OpenAIWire):
     """One chat completion's events as chunks (`on_event`) and as a whole (`response`)."""
 
     ids: ResponseIds
@@ -245,29 +326,52 @@ class ChatOutput:
     include_usage: bool = False
     return_token_ids: bool = False
     stream: bool = False
+    # Its position among the response's choices (`n`).
+    index: int = 0
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     calls: list[oa.ToolCallOut] = field(default_factory=list)
     logprobs: list[oa.LogprobOut] | None = None
     token_ids: list[int] = field(default_factory=list)
     finished: Finished | None = None
+    # The argument text streamed so far of each call being generated, by index.
+    streamed_arguments: dict[int, str] = field(default_factory=dict)
 
     def on_event(self, event: Event) -> list[oa.ChatCompletionChunk]:
         match event:
             case TokenDelta():
                 return self._on_delta(event)
+            case ToolCallDelta():
+                return self._on_call_delta(event) if self.stream else []
             case ToolCall():
                 call = oa.ToolCallOut(id=event.id, function=oa.FunctionOut(name=event.name, arguments=event.arguments))
                 self.calls.append(call)
-                delta = oa.Delta(tool_calls=[msgspec.structs.replace(call, index=event.index)])
-                return [self._chunk(oa.ChunkChoice(index=0, delta=delta))] if self.stream else []
+                if not self.stream:
+                    return []
+                streamed = self.streamed_arguments.pop(event.index, None)
+                if streamed is None:  # not streamed: the whole call in one chunk
+                    return [self._chunk(oa.ChunkChoice(index=self.index, delta=oa.Delta(tool_calls=[msgspec.structs.replace(call, index=event.index)])))]
+                rest = event.arguments[len(streamed) :] if event.arguments.startswith(streamed) else ""
+                return [self._call_chunk(event.index, oa.FunctionDeltaOut(arguments=rest))] if rest else []
             case Finished():
                 self.finished = event
                 return self._on_finished(event) if self.stream else []
         return []
 
     def first_chunk(self) -> oa.ChatCompletionChunk:
-        return self._chunk(oa.ChunkChoice(index=0, delta=oa.Delta(role="assistant", content="")))
+        return self._chunk(oa.ChunkChoice(index=self.index, delta=oa.Delta(role="assistant", content="")))
+
+    def _on_call_delta(self, event: ToolCallDelta) -> list[oa.ChatCompletionChunk]:
+        """A call as it is generated: its id and name first, then its arguments in fragments."""
+        if event.name is not None:
+            self.streamed_arguments[event.index] = ""
+            return [self._call_chunk(event.index, oa.FunctionDeltaOut(name=event.name, arguments=""), event.id)]
+        self.streamed_arguments[event.index] = self.streamed_arguments.get(event.index, "") + event.arguments
+        return [self._call_chunk(event.index, oa.FunctionDeltaOut(arguments=event.arguments))]
+
+    def _call_chunk(self, index: int, function: oa.FunctionDeltaOut, call_id: str | None = None) -> oa.ChatCompletionChunk:
+        part = oa.ToolCallDeltaOut(index=index, function=function, id=call_id, type="function" if call_id else None)
+        return self._chunk(oa.ChunkChoice(index=self.index, delta=oa.Delta(tool_calls=[part])))
 
     def _on_delta(self, event: TokenDelta) -> list[oa.ChatCompletionChunk]:
         self.content.append(event.text)
@@ -279,7 +383,7 @@ class ChatOutput:
         if not self.stream or not (event.text or event.reasoning or (event.token_ids and (logprobs or self.return_token_ids))):
             return []
         delta = oa.Delta(content=event.text or None, reasoning_content=event.reasoning or None)
-        choice = oa.ChunkChoice(index=0, delta=delta, logprobs=oa.ChoiceLogprobs(content=logprobs) if logprobs is not None else None)
+        choice = oa.ChunkChoice(index=self.index, delta=delta, logprobs=oa.ChoiceLogprobs(content=logprobs) if logprobs is not None else None)
         if self.return_token_ids:
             choice.token_ids = event.token_ids
         return [self._chunk(choice)]
@@ -287,7 +391,7 @@ class ChatOutput:
     def _on_finished(self, finished: Finished) -> list[oa.ChatCompletionChunk]:
         if ending_error(finished) is not None:
             return []
-        chunks = [self._chunk(oa.ChunkChoice(index=0, delta=oa.Delta(), finish_reason=self.finish_reason(finished)))]
+        chunks = [self._chunk(oa.ChunkChoice(index=self.index, delta=oa.Delta(), finish_reason=self.finish_reason(finished)))]
         if self.include_usage:
             chunks.append(oa.ChatCompletionChunk(**self._ids(), choices=[], usage=usage_of(finished)))
         return chunks
@@ -305,7 +409,7 @@ class ChatOutput:
         if self.calls:
             message.tool_calls = self.calls
         choice = oa.ChatChoice(
-            index=0,
+            index=self.index,
             message=message,
             finish_reason=self.finish_reason(finished),
             logprobs=oa.ChoiceLogprobs(content=self.logprobs) if self.logprobs is not None else None,
@@ -334,8 +438,10 @@ def _chat_logprobs(logprobs: list[TokenLogprob], text) -> list[oa.LogprobOut]:
 
 
 @dataclass
-class CompletionOutput:
-    """One text completion's events as chunks and as a whole."""
+class CompletionOutput(OpenAIWire):
+    """One text completion's events as chunks and as a whole. With `echo`, the prompt
+    (`echo_text`, its tokens `echo_ids`) comes first, its tokens scored in the logprobs (the
+    first null); with `discard` (`max_tokens: 0`) the generated token is left out."""
 
     ids: ResponseIds
     token_text: TokenTexts
@@ -343,11 +449,19 @@ class CompletionOutput:
     return_token_ids: bool = False
     stream: bool = False
     want_logprobs: bool = False
+    index: int = 0
+    echo_text: str | None = None
+    echo_ids: list[int] | None = None
+    discard: bool = False
+    # vLLM's `prompt_logprobs` in the choice.
+    want_prompt_logprobs: bool = False
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: oa.CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, oa.PromptLogprobOut] | None] | None = None
     finished: Finished | None = None
     num_chars: int = 0
+    started: bool = False
 
     def __post_init__(self) -> None:
         if self.want_logprobs:
@@ -361,16 +475,47 @@ class CompletionOutput:
             case TokenDelta():
                 return self._on_delta(event)
             case Finished():
-                self.finished = event
+                self.finished = event = self._without_discarded(event)
+                chunks = self._echo_chunk(None) if not self.started else []  # (an echo of a request that generated nothing)
                 if not self.stream or ending_error(event) is not None:
                     return []
-                chunks = [self._chunk(oa.CompletionChoice(index=0, text="", finish_reason=event.finish_reason))]
+                chunks.append(self._chunk(oa.CompletionChoice(index=self.index, text="", finish_reason=event.finish_reason)))
                 if self.include_usage:
                     chunks.append(oa.Completion(**self._ids(), choices=[], usage=usage_of(event)))
                 return chunks
         return []
 
+    def _without_discarded(self, finished: Finished) -> Finished:
+        if not self.discard:
+            return finished
+        return msgspec.structs.replace(finished, finish_reason="length", usage=msgspec.structs.replace(finished.usage, completion_tokens=0))
+
+    def _echo_chunk(self, scored: list[TokenLogprob] | None) -> list[oa.Completion]:
+        """The prompt, when echoed: first in the text, its tokens scored in the logprobs."""
+        self.started = True
+        if scored is not None and self.want_prompt_logprobs:
+            self.prompt_logprobs = [None, *(_prompt_logprob(lp, self.token_text) for lp in scored)]
+        if self.echo_text is None:
+            return []
+        piece = None
+        if self.want_logprobs:
+            piece = _echo_logprobs(self.echo_ids or [], scored or [], self.token_text)
+            self._add_logprobs(piece)
+        self.text.append(self.echo_text)
+        self.num_chars += len(self.echo_text)
+        if not self.stream:
+            return []
+        return [self._chunk(oa.CompletionChoice(index=self.index, text=self.echo_text, finish_reason=None, logprobs=piece))]
+
+    def _add_logprobs(self, piece: oa.CompletionLogprobs) -> None:
+        assert self.logprobs is not None
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(self.logprobs, name).extend(getattr(piece, name))
+
     def _on_delta(self, event: TokenDelta) -> list[oa.Completion]:
+        chunks = self._echo_chunk(event.prompt_logprobs) if not self.started else []
+        if self.discard:
+            return chunks
         # A raw completion keeps its text whole: a leading think block is text here too.
         text = event.reasoning + event.text
         self.text.append(text)
@@ -378,24 +523,27 @@ class CompletionOutput:
         piece = None
         if self.want_logprobs and event.logprobs is not None:
             piece = _completion_logprobs(event.logprobs, self.token_text, self.num_chars)
-            assert self.logprobs is not None
-            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                getattr(self.logprobs, name).extend(getattr(piece, name))
+            self._add_logprobs(piece)
         self.num_chars += len(text)
         if not self.stream or not (text or (event.token_ids and (piece or self.return_token_ids))):
-            return []
-        choice = oa.CompletionChoice(index=0, text=text, finish_reason=None, logprobs=piece)
+            return chunks
+        choice = oa.CompletionChoice(index=self.index, text=text, finish_reason=None, logprobs=piece)
         if self.return_token_ids:
             choice.token_ids = event.token_ids
-        return [self._chunk(choice)]
+        return [*chunks, self._chunk(choice)]
 
     def response(self) -> oa.Completion:
+        return oa.Completion(**self._ids(), choices=[self.choice()], usage=usage_of(self.finished))  # type: ignore[arg-type]
+
+    def choice(self) -> oa.CompletionChoice:
         finished = self.finished
         assert finished is not None, "response() after the Finished event"
-        choice = oa.CompletionChoice(index=0, text="".join(self.text), finish_reason=finished.finish_reason, logprobs=self.logprobs)
+        choice = oa.CompletionChoice(index=self.index, text="".join(self.text), finish_reason=finished.finish_reason, logprobs=self.logprobs)
         if self.return_token_ids:
             choice.token_ids = self.token_ids
-        return oa.Completion(**self._ids(), choices=[choice], usage=usage_of(finished))
+        if self.want_prompt_logprobs:
+            choice.prompt_logprobs = self.prompt_logprobs or [None]
+        return choice
 
     def _ids(self) -> dict[str, Any]:
         return {"id": self.ids.id, "created": self.ids.created, "model": self.ids.model, "system_fingerprint": self.ids.fingerprint}
@@ -405,6 +553,31 @@ class CompletionOutput:
         if self.include_usage:
             chunk.usage = None
         return chunk
+
+
+def _echo_logprobs(prompt_ids: list[int], scored: list[TokenLogprob], text) -> oa.CompletionLogprobs:
+    """An echoed prompt's tokens in the logprobs: the first unscored (null), the rest scored."""
+    out = oa.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    offset = 0
+    for i, token_id in enumerate(prompt_ids):
+        token = text(token_id)
+        lp = scored[i - 1] if 0 < i <= len(scored) else None
+        out.tokens.append(token)
+        out.token_logprobs.append(lp.logprob if lp is not None else None)
+        assert out.top_logprobs is not None
+        out.top_logprobs.append({text(alt.token_id): alt.logprob for alt in lp.top or []} if lp is not None else None)
+        out.text_offset.append(offset)
+        offset += len(token)
+    return out
+
+
+def _prompt_logprob(lp: TokenLogprob, text) -> dict[str, oa.PromptLogprobOut]:
+    """vLLM's entry for a scored prompt token: its own score and its alternatives', by token id."""
+    entry = {
+        str(alt.token_id): oa.PromptLogprobOut(logprob=alt.logprob, rank=rank, decoded_token=text(alt.token_id)) for rank, alt in enumerate(lp.top or [], 1)
+    }
+    entry[str(lp.token_id)] = oa.PromptLogprobOut(logprob=lp.logprob, rank=lp.rank, decoded_token=text(lp.token_id))
+    return entry
 
 
 def _completion_logprobs(logprobs: list[TokenLogprob], text, offset: int) -> oa.CompletionLogprobs:

@@ -1,7 +1,8 @@
 """The HTTP front's middleware, outermost first in `build_app`: responses counted by route
 and status; the Host header checked against the names the server answers and POST bodies
 required to be JSON unless a key is set (browsers: DNS rebinding, cross-site forms); API
-requests in flight capped; CORS; the bearer key."""
+requests in flight capped; CORS; the API key (a bearer token, or Anthropic's `x-api-key`).
+Refusals use the error JSON of the route's API (`responses.error_body_for`)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from net.http.mapping import HttpError
-from net.http.responses import error_response
+from net.http.responses import anthropic_route, error_body_for, error_response
 
-PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/models", "/health", "/metrics")
+# Routes with a parameter, counted under their pattern (not one label per id).
+PATTERNS = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
 
 
 class Authorization:
-    """Bearer-key check (constant time) for every path but the open ones."""
+    """API-key check (constant time) for every path but the open ones: `Authorization: Bearer
+    <key>` or `x-api-key: <key>` (Anthropic's header)."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/health",)):
         self.app = app
@@ -26,10 +30,12 @@ class Authorization:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self._open:
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-                response = error_response(HttpError("unauthorized", "a valid API key is required (Authorization: Bearer <key>)"))
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+            if not bearer and not hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self._key):
+                how = "x-api-key: <key>, or Authorization: Bearer <key>" if anthropic_route(scope["path"]) else "Authorization: Bearer <key>"
+                response = error_response(HttpError("unauthorized", f"a valid API key is required ({how})"), error_body_for(scope["path"]))
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -48,7 +54,8 @@ class ResponseCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = scope["path"] if scope["path"] in PATHS else "/v1/models/{model}" if scope["path"].startswith("/v1/models/") else "other"
+        path = scope["path"]
+        route = path if path in PATHS else next((pattern for prefix, pattern in PATTERNS if path.startswith(prefix)), "other")
         status = "none"
 
         async def counting_send(message: Message) -> None:
@@ -79,7 +86,7 @@ class RequestLimit:
             return
         if self._in_flight >= self._limit:
             busy = HttpError("busy", f"{self._limit} HTTP requests are in flight (server.http_max_connections); retry later")
-            await error_response(busy)(scope, receive, send)
+            await error_response(busy, error_body_for(scope["path"]))(scope, receive, send)
             return
         self._in_flight += 1
         try:
@@ -104,7 +111,7 @@ class BrowserGuard:
             headers = dict(scope["headers"])
             error = self._refusal(scope["method"], headers.get(b"host", b""), headers.get(b"content-type", b""))
             if error is not None:
-                await error_response(error)(scope, receive, send)
+                await error_response(error, error_body_for(scope["path"]))(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -39,6 +39,9 @@ class NativeExtras(msgspec.Struct, kw_only=True):
     request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     # Each choice (and streamed chunk) carries the generated `token_ids` too.
     return_token_ids: bool = False
+    # vLLM's: each prompt token's log-probability given those before it, with this many
+    # alternatives, in the choice's `prompt_logprobs` (the first token's is null).
+    prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -101,8 +104,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 class CompletionRequest(_Sampling, kw_only=True):
     # Text, token ids, or a list of one of either (several prompts are refused).
     prompt: str | list[Any]
-    # OpenAI's default for this endpoint.
-    max_tokens: PositiveInt | None = 16
+    # OpenAI's default for this endpoint; 0 with `echo`: the prompt's logprobs alone.
+    max_tokens: Annotated[int, msgspec.Meta(ge=0)] | None = 16
     logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -134,6 +137,20 @@ class ToolCallOut(msgspec.Struct, kw_only=True):
     type: str = "function"
     # Streamed calls carry their position; a message's list does not.
     index: int | msgspec.UnsetType = msgspec.UNSET
+
+
+class FunctionDeltaOut(msgspec.Struct, kw_only=True, omit_defaults=True):
+    arguments: str
+    name: str | None = None
+
+
+class ToolCallDeltaOut(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed call's part: the first has its id, type and name, the rest argument text."""
+
+    index: int
+    function: FunctionDeltaOut
+    id: str | None = None
+    type: str | None = None
 
 
 class TopLogprobOut(msgspec.Struct):
@@ -182,7 +199,7 @@ class Delta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
-    tool_calls: list[ToolCallOut] | None = None
+    tool_calls: list[ToolCallOut | ToolCallDeltaOut] | None = None
 
 
 class ChunkChoice(msgspec.Struct, kw_only=True):
@@ -206,9 +223,16 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
 
 class CompletionLogprobs(msgspec.Struct, kw_only=True):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    # An echoed prompt's first token has none (null).
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
+
+
+class PromptLogprobOut(msgspec.Struct, kw_only=True):
+    logprob: float
+    rank: int | None
+    decoded_token: str
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -217,6 +241,8 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    # vLLM's shape: per prompt token (the first null), its own and the top alternatives' scores by token id.
+    prompt_logprobs: list[dict[str, PromptLogprobOut] | None] | msgspec.UnsetType = msgspec.UNSET
 
 
 class Completion(msgspec.Struct, kw_only=True):

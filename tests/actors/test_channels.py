@@ -48,7 +48,11 @@ def test_merge_session_messages_concatenates_tokens_and_keeps_the_latest_progres
     merged = merge_session_messages(TokensGenerated(request_id="r", token_ids=[1]), TokensGenerated(request_id="r", token_ids=[2], logprobs=[lp]))
     assert merged == TokensGenerated(request_id="r", token_ids=[1, 2], logprobs=[lp])
     first, latest = (PrefillProgressed(request_id="r", processed_tokens=n, total_tokens=9) for n in (3, 6))
-    assert merge_session_messages(first, latest) is latest
+    assert merge_session_messages(first, latest) == latest
+    # Scored prompt tokens are all kept, in order.
+    a, b = (TokenLogprob(token_id=t, logprob=-1.0) for t in (5, 6))
+    scored = [PrefillProgressed(request_id="r", processed_tokens=n, total_tokens=9, prompt_logprobs=s) for n, s in ((3, [a]), (6, [b]))]
+    assert merge_session_messages(*scored) == scored[1].__class__(request_id="r", processed_tokens=6, total_tokens=9, prompt_logprobs=[a, b])
     assert merge_session_messages(TokensGenerated(request_id="r", token_ids=[1]), latest) is None
     assert merge_session_messages(latest, TokensGenerated(request_id="r", token_ids=[1])) is None
     rejected = RequestRejected(request_id="r", code="busy", message="full")
@@ -219,7 +223,7 @@ async def test_a_wait_room_cancelled_by_its_deadline_never_loses_or_duplicates_a
         await reader_may_start.wait()
         async for value in channel:
             received.append(value)
-            await anyio.sleep(0)
+            await anyio.sleep(0)  # a reader slower than the producer (it yields after each value)
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:

@@ -206,6 +206,7 @@ async def test_a_reader_that_reads_nothing_for_max_pause_s_gets_its_request_canc
     assert harness.sent() == []  # never resumed
 
 
+@pytest.mark.slow
 async def test_a_slow_reader_that_keeps_reading_is_not_cancelled(make_harness):
     """Each event taken re-arms `max_pause_s`: draining 8 events takes ~4x the limit here, but no
     single wait between reads comes near it."""
@@ -216,7 +217,7 @@ async def test_a_slow_reader_that_keeps_reading_is_not_cancelled(make_harness):
             await harness.feed(*(tokens(i) for i in range(17)))
             assert await harness.scheduler.receive() == SetPaused(request_id="r", paused=True)
             for _ in range(9):
-                await anyio.sleep(0.45)
+                await anyio.sleep(0.45)  # a slow reader: the wait between reads is the point
                 await harness.events.receive()
             assert await harness.scheduler.receive() == SetPaused(request_id="r", paused=False)
             await harness.feed(finished())

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 import mlx.core as mx
 import numpy as np
@@ -15,8 +14,9 @@ import pytest
 from engine.lora import HEADER_ALLOWANCE, AdapterBank, max_adapter_bytes, read_adapter_files, read_staged
 from policies.adapters import adapter_digest
 from protocols.errors import AdapterLoadError
-from tests.conftest import builtin_dir
-from tests.integration.reference import load_reference
+from tests.support.config import builtin_dir
+from tests.support.mlx_reference import load_reference
+from tests.support.spies import record_opens
 from tools.lora_adapters import make_lora_adapter
 
 MAX_RANK = 64
@@ -45,21 +45,22 @@ def test_the_bound_is_a_max_rank_float32_adapter_on_every_linear_layer(model, tm
     assert (largest / "adapters.safetensors").stat().st_size <= bound
 
 
-def test_a_weights_file_over_the_bound_is_refused_on_its_size(made, tmp_path):
+def test_a_weights_file_over_the_bound_is_refused_on_its_size(made, tmp_path, monkeypatch):
     huge = shutil.copytree(made["A"], tmp_path / "huge")
     weights = huge / "adapters.safetensors"
     with open(weights, "r+b") as f:
         f.truncate(3 * 2**30)  # sparse: no disk, but a read and a hash would take seconds
-    began = time.monotonic()
+    opened = record_opens(monkeypatch)
     with pytest.raises(AdapterLoadError) as refused:
         read_adapter_files("huge", huge, 10_000)
-    assert time.monotonic() - began < 1.0
+    assert weights.resolve() not in opened  # refused on its size, never read
     assert str(weights) in str(refused.value) and "3,221,225,472 bytes" in str(refused.value) and "10,000" in str(refused.value)
     # One byte over is over; the file's own size is not.
     size = (made["A"] / "adapters.safetensors").stat().st_size
     with pytest.raises(AdapterLoadError, match="over the"):
         read_adapter_files("A", made["A"], size - 1)
     assert read_adapter_files("A", made["A"], size).digest == adapter_digest(made["A"])
+    assert (made["A"] / "adapters.safetensors").resolve() in opened  # (a file read is seen)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])

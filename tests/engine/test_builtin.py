@@ -254,6 +254,7 @@ def test_the_runtime_root_comes_from_mlxrt_home(tmp_path: Path, monkeypatch: pyt
     assert env.home() == Path.home() / ".cache" / "mlxrt"
 
 
+@pytest.mark.slow
 def test_concurrent_builders_both_get_a_valid_directory(built: Built, tmp_path: Path) -> None:
     script = "import sys; from engine.builtin import ensure_builtin; print(ensure_builtin('tiny', root=sys.argv[1], progress=lambda m: print('progress:', m)))"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}

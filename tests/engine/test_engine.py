@@ -4,18 +4,14 @@ gated-delta state with experts (`tiny-qwen3next`)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from engine.engine import Engine, EngineInvariantError
 from engine.kv.layout import probe_layout
 from policies.layout import with_kv_blocks
-from protocols.api import SamplingParams
-from protocols.model import AdmitRequest, PrefillWork, StepPlan
-from tests.integration.reference import greedy_tokens, load_reference
-
-CHUNK = 8
+from protocols.model import PrefillWork, StepPlan
+from tests.support.engine_driver import Driver, admit_request, random_prompts
+from tests.support.mlx_reference import greedy_ids, greedy_tokens, load_reference
 
 
 # "-paged": the model's float full-attention layers in a block pool (`kv.block_size`).
@@ -36,78 +32,10 @@ def engine(model_and_tokenizer, block_size):
     return Engine(model, with_kv_blocks(layout, block_size) if block_size else layout)
 
 
-def _admit(rid: str, prompt: list[int], max_tokens: int = 12, stop: list[int] | None = None, **kw) -> AdmitRequest:
-    return AdmitRequest(request_id=rid, prompt_ids=prompt, max_tokens=max_tokens, sampling=SamplingParams(), seed=0, stop_token_ids=stop or [], **kw)
-
-
-class Driver:
-    """Plans like the scheduler does: chunked prefill, then decode every step."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.left: dict[str, int] = {}
-        self.tokens: dict[str, list[int]] = {}
-        self.finish: dict[str, str] = {}
-        self.saved = []
-
-    def admit(self, *admits: AdmitRequest) -> None:
-        for a in admits:
-            self.left[a.request_id] = len(a.prompt_ids) - 1
-            self.tokens[a.request_id] = []
-        self.step(StepPlan(admit=list(admits)))
-
-    def plan(self, release: list[str] = ()) -> StepPlan:
-        work = []
-        for rid, left in self.left.items():
-            if left > 0 and rid not in release:
-                n = min(CHUNK, left)
-                self.left[rid] -= n
-                work.append(PrefillWork(request_id=rid, num_tokens=n))
-        return StepPlan(release=list(release), prefill=work, decode=True)
-
-    def step(self, plan: StepPlan):
-        outcome = self.engine.step(plan)
-        for row in outcome.outputs:
-            self.tokens[row.request_id] += row.token_ids
-            if row.finish_reason:
-                self.finish[row.request_id] = row.finish_reason
-        for rid in outcome.released:
-            self.left.pop(rid, None)
-        self.saved += outcome.saved_prefixes
-        return outcome
-
-    def assert_only_prefixes_remain(self) -> None:
-        """Every request's KV is gone except the prefix entries it left, which drop cleanly."""
-        assert self.engine.kv_tokens() == {}
-        assert self.engine.kv_bytes() == sum(e.num_bytes for e in self.saved)
-        self.engine.drop_prefixes([e.entry_id for e in self.saved])
-        assert self.engine.kv_bytes() == 0
-
-    def run(self, max_steps: int = 200) -> None:
-        for _ in range(max_steps):
-            if all(rid in self.finish or rid not in self.left for rid in self.tokens):
-                return
-            self.step(self.plan())
-        raise AssertionError("did not finish")
-
-
-def _greedy_ids(model, prompt: list[int], n: int) -> list[int]:
-    """mlx-lm's first `n` greedy tokens, EOS or not (the driver's requests have no stops)."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
-    return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
-
-
-def _prompts(lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(3)
-    return [[rng.randrange(1000) for _ in range(n)] for n in lengths]
-
-
 def test_batched_engine_matches_mlx_lm(engine, model_and_tokenizer):
-    prompts = _prompts([1, 2, 7, 8, 9, 30, 17])
+    prompts = random_prompts([1, 2, 7, 8, 9, 30, 17])
     driver = Driver(engine)
-    driver.admit(*(_admit(str(i), p) for i, p in enumerate(prompts)))
+    driver.admit(*(admit_request(str(i), p) for i, p in enumerate(prompts)))
     driver.run()
     for i, p in enumerate(prompts):
         assert driver.tokens[str(i)] == greedy_tokens(*model_and_tokenizer, p, 12)
@@ -121,9 +49,9 @@ def test_batched_engine_matches_mlx_lm(engine, model_and_tokenizer):
 
 @pytest.mark.parametrize("when", ["prefill", "decode"])
 def test_release_frees_kv_and_leaves_others_unchanged(engine, model_and_tokenizer, when):
-    prompts = _prompts([40, 5, 11])
+    prompts = random_prompts([40, 5, 11])
     driver = Driver(engine)
-    driver.admit(*(_admit(str(i), p, max_tokens=16) for i, p in enumerate(prompts)))
+    driver.admit(*(admit_request(str(i), p, max_tokens=16) for i, p in enumerate(prompts)))
     victim = "0"
     for _ in range(3 if when == "prefill" else 8):
         driver.step(driver.plan())
@@ -141,9 +69,9 @@ def test_release_frees_kv_and_leaves_others_unchanged(engine, model_and_tokenize
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3])
 def test_short_generations_finish_by_length(engine, model_and_tokenizer, max_tokens):
-    prompt = _prompts([6])[0]
+    prompt = random_prompts([6])[0]
     driver = Driver(engine)
-    driver.admit(_admit("a", prompt, max_tokens=max_tokens))
+    driver.admit(admit_request("a", prompt, max_tokens=max_tokens))
     driver.run()
     expected = greedy_tokens(*model_and_tokenizer, prompt, max_tokens)
     assert driver.tokens["a"] == expected
@@ -151,11 +79,11 @@ def test_short_generations_finish_by_length(engine, model_and_tokenizer, max_tok
 
 
 def test_stop_token_ends_without_delivering_it(engine, model_and_tokenizer):
-    prompt = _prompts([9])[0]
+    prompt = random_prompts([9])[0]
     expected = greedy_tokens(*model_and_tokenizer, prompt, 12)
     stop = expected[3]
     driver = Driver(engine)
-    driver.admit(_admit("a", prompt, stop=[stop]))
+    driver.admit(admit_request("a", prompt, stop=[stop]))
     outcomes = []
     for _ in range(40):
         if "a" in driver.finish:
@@ -168,9 +96,9 @@ def test_stop_token_ends_without_delivering_it(engine, model_and_tokenizer):
 
 
 def test_logprobs_are_reported_for_requests_that_ask(engine):
-    prompts = _prompts([5, 5])
+    prompts = random_prompts([5, 5])
     driver = Driver(engine)
-    driver.admit(_admit("with", prompts[0], max_tokens=4, logprobs=True, top_logprobs=2), _admit("without", prompts[1], max_tokens=4))
+    driver.admit(admit_request("with", prompts[0], max_tokens=4, logprobs=True, top_logprobs=2), admit_request("without", prompts[1], max_tokens=4))
     rows = []
     for _ in range(20):
         if len(driver.finish) == 2:
@@ -183,9 +111,9 @@ def test_logprobs_are_reported_for_requests_that_ask(engine):
 
 
 def test_invariant_violations_raise(engine):
-    engine.step(StepPlan(admit=[_admit("a", [1, 2, 3])]))
+    engine.step(StepPlan(admit=[admit_request("a", [1, 2, 3])]))
     with pytest.raises(EngineInvariantError):
-        engine.step(StepPlan(admit=[_admit("a", [1, 2, 3])]))
+        engine.step(StepPlan(admit=[admit_request("a", [1, 2, 3])]))
     with pytest.raises(EngineInvariantError):
         engine.step(StepPlan(prefill=[PrefillWork(request_id="a", num_tokens=3)]))
     with pytest.raises(EngineInvariantError):
@@ -222,9 +150,9 @@ def test_requests_seeded_from_one_prefix_never_change_it(engine, model_and_token
         states = [c.state for c in engine._prefixes.caches_of(entry_id)]
         return [np.array(a) for _, a in tree_flatten(states) if a is not None]
 
-    prompt = _prompts([60])[0]
+    prompt = random_prompts([60])[0]
     driver = Driver(engine)
-    driver.admit(_admit("a", prompt, max_tokens=10))
+    driver.admit(admit_request("a", prompt, max_tokens=10))
     driver.run()
     if engine._trimmable:
         (entry,) = driver.saved
@@ -236,7 +164,7 @@ def test_requests_seeded_from_one_prefix_never_change_it(engine, model_and_token
     before = arrays(entry.entry_id)
     for i, n in enumerate(seeds):
         rid = f"b{i}"
-        driver.admit(msgspec.structs.replace(_admit(rid, prompt, max_tokens=10), prefix_entry=entry.entry_id, prefix_tokens=n))
+        driver.admit(msgspec.structs.replace(admit_request(rid, prompt, max_tokens=10), prefix_entry=entry.entry_id, prefix_tokens=n))
         driver.left[rid] = len(prompt) - 1 - n
         driver.run()
         assert driver.tokens[rid] == driver.tokens["a"]
@@ -246,9 +174,9 @@ def test_requests_seeded_from_one_prefix_never_change_it(engine, model_and_token
 
 def test_a_parked_row_resumes_exactly_where_it_stopped(engine, model_and_tokenizer):
     # Rows past tiny-gemma3's 80-position rings (window 16 + margin) before and after the park.
-    prompts = _prompts([70, 95])
+    prompts = random_prompts([70, 95])
     driver = Driver(engine)
-    driver.admit(_admit("a", prompts[0], max_tokens=20), _admit("b", prompts[1], max_tokens=20))
+    driver.admit(admit_request("a", prompts[0], max_tokens=20), admit_request("b", prompts[1], max_tokens=20))
     while len(driver.tokens["a"]) < 4:
         driver.step(driver.plan())
     driver.step(StepPlan(park=["a"], decode=True))
@@ -260,7 +188,7 @@ def test_a_parked_row_resumes_exactly_where_it_stopped(engine, model_and_tokeniz
     driver.step(StepPlan(unpark=["a"], decode=True))
     driver.run()
     for rid, prompt in zip("ab", prompts):
-        assert driver.tokens[rid] == _greedy_ids(model_and_tokenizer[0], prompt, 20)
+        assert driver.tokens[rid] == greedy_ids(model_and_tokenizer[0], prompt, 20)
 
 
 def _slot_batch(model, geometry, prompts: list[list[int]]):
@@ -379,7 +307,7 @@ def test_rows_appending_different_counts_equal_appending_one_at_a_time(name):
     else:
         model, _ = load_reference(f"builtin:{name}")
     layout = probe_layout(model)
-    prompts = _prompts([20, 33, 27])
+    prompts = random_prompts([20, 33, 27])
     spans = {0: [5, 6, 7], 2: [9, 10, 11, 12, 13, 14, 15, 16]}
     together, alone = _slot_batch(model, layout, prompts), _slot_batch(model, layout, prompts)
     together.forward_rows(model, list(spans), [[prompts[r][-1], *span[:-1]] for r, span in spans.items()])
@@ -402,15 +330,15 @@ def test_a_request_failing_at_admission_gives_back_everything_it_took(failure):
 
     model, _ = load_reference("builtin:tiny")
     engine = Engine(model, with_kv_blocks(probe_layout(model), 16))
-    prompt = _prompts([40])[0]
+    prompt = random_prompts([40])[0]
     driver = Driver(engine)
-    driver.admit(_admit("a", prompt, max_tokens=4))
+    driver.admit(admit_request("a", prompt, max_tokens=4))
     driver.run()
     (entry,) = driver.saved
     before = engine.pool_stats()
     cause = {"adapter": {"adapter": "gone", "adapter_digest": "x"}, "draft": {"spec": SpecPlan(method="draft")}}[failure]
     for i in range(4):
-        admit = msgspec.structs.replace(_admit(f"b{i}", [*prompt, 7]), prefix_entry=entry.entry_id, prefix_tokens=len(prompt) - 1, **cause)
+        admit = msgspec.structs.replace(admit_request(f"b{i}", [*prompt, 7]), prefix_entry=entry.entry_id, prefix_tokens=len(prompt) - 1, **cause)
         (output,) = engine.step(StepPlan(admit=[admit])).outputs
         assert output.finish_reason == "error"
     assert engine.pool_stats() == before

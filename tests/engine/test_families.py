@@ -42,6 +42,7 @@ def test_every_family_has_an_expected_cache_layout() -> None:
     assert all(name == spec.name for name, spec in FAMILIES.items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_loads_and_generates(root: Path, name: str) -> None:
     spec = FAMILIES[name]

@@ -26,7 +26,7 @@ from engine.model.gguf.tokenizer import tokenizer_digest
 from engine.model.weights import apply_cpu_policy
 from protocols.errors import ModelLoadError
 from runtime import env
-from tests.conftest import builtin_dir
+from tests.support.config import builtin_dir
 from tests.support.gguf_files import permute, write_gguf
 
 IDS = [[5, 17, 300, 42, 99, 7, 1000, 3, 1019, 250]]

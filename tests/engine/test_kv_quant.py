@@ -14,7 +14,7 @@ from engine.kv import caches
 from engine.kv.layout import probe_layout
 from engine.kv.quantized import QuantizedKV, new_caches
 from policies.layout import full_token_bytes, kv_format, with_kv_quantization
-from tests.integration.reference import load_reference
+from tests.support.mlx_reference import load_reference
 from tools.bench_kv import forced_logprobs_batch, forced_logprobs_mlx_lm, greedy_continuations, mean_abs_error
 
 PROMPT, FORCED = 40, 48

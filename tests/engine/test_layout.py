@@ -9,7 +9,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, ChunkedKVCache, KVCache,
 from engine.kv.layout import probe_layout
 from protocols.errors import ModelLoadError
 from runtime import Runtime, env
-from tests.conftest import make_config
+from tests.support.config import make_config
 from tests.support.families import UNSUPPORTED, build
 
 

@@ -17,7 +17,7 @@ from engine.model.weights import apply_cpu_policy
 from protocols import GenerateRequest, TokenDelta
 from runtime import ConfigError, Runtime, env
 from runtime.config import RuntimeConfig
-from tests.conftest import make_config
+from tests.support.config import make_config
 from tests.support.families import build
 
 QUANTIZED_FAMILIES = ["llama-4bit", "qwen3-8bit", "qwen3_moe-4bit"]

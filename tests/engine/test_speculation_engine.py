@@ -19,8 +19,8 @@ from protocols.config import ModelConfig, SpeculativeConfig
 from protocols.errors import ModelLoadError
 from protocols.model import SpecPlan, StepPlan
 from runtime import env
-from tests.engine.test_engine import Driver, _admit, _greedy_ids, _prompts
-from tests.integration.reference import load_reference
+from tests.support.engine_driver import Driver, admit_request, random_prompts
+from tests.support.mlx_reference import greedy_ids, load_reference
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +39,9 @@ PLAN = SpecPlan(method="draft", max_draft=3, adaptive=False)
 
 def test_a_parked_speculating_row_rejoins_exactly(pair):
     engine = _engine(pair)
-    prompts = _prompts([30, 45, 12])
+    prompts = random_prompts([30, 45, 12])
     driver = Driver(engine)
-    driver.admit(*[_admit(rid, p, max_tokens=40, spec=PLAN if rid != "c" else None) for rid, p in zip("abc", prompts)])
+    driver.admit(*[admit_request(rid, p, max_tokens=40, spec=PLAN if rid != "c" else None) for rid, p in zip("abc", prompts)])
     while len(driver.tokens["a"]) < 6:
         driver.step(driver.plan())
     driver.step(StepPlan(park=["a"], decode=True))
@@ -53,15 +53,15 @@ def test_a_parked_speculating_row_rejoins_exactly(pair):
     driver.step(StepPlan(unpark=["a"], decode=True))
     driver.run()
     for rid, prompt in zip("abc", prompts):
-        assert driver.tokens[rid] == _greedy_ids(pair[0][0], prompt, 40), rid
+        assert driver.tokens[rid] == greedy_ids(pair[0][0], prompt, 40), rid
     assert engine.kv_tokens() == {} and engine.kv_bytes() == sum(e.num_bytes for e in driver.saved), "draft KV left with its requests"
 
 
 def test_the_gate_stops_drafting_in_big_batches(pair):
     engine = _engine(pair, max_batch=2)
-    prompts = _prompts([20, 21, 22])
+    prompts = random_prompts([20, 21, 22])
     driver = Driver(engine)
-    driver.admit(*[_admit(rid, p, max_tokens=16, spec=PLAN) for rid, p in zip("abc", prompts)])
+    driver.admit(*[admit_request(rid, p, max_tokens=16, spec=PLAN) for rid, p in zip("abc", prompts)])
     outcome = None
     while not driver.finish:
         outcome = driver.step(driver.plan())
@@ -69,7 +69,7 @@ def test_the_gate_stops_drafting_in_big_batches(pair):
     stats = {row.request_id: row.spec for row in outcome.outputs}
     assert all(s is not None and s.rounds == 0 for s in stats.values()), "three rows over a gate of two: no rounds"
     for rid, prompt in zip("abc", prompts):
-        assert driver.tokens[rid] == _greedy_ids(pair[0][0], prompt, 16)
+        assert driver.tokens[rid] == greedy_ids(pair[0][0], prompt, 16)
 
 
 def test_drafts_that_cannot_be_served_are_refused_at_load():
@@ -89,13 +89,13 @@ def test_rows_admitted_into_a_big_batch_catch_up_when_it_shrinks(pair):
     """Admitted beside too many rows to speculate, a row's draft model has not prefilled its
     prompt; once the batch is small enough it catches up from the context and drafts."""
     engine = _engine(pair, max_batch=2)
-    prompts = _prompts([24, 24, 24])  # prefilled in the same steps: three rows join at once
+    prompts = random_prompts([24, 24, 24])  # prefilled in the same steps: three rows join at once
     driver = Driver(engine)
-    driver.admit(*[_admit(rid, p, max_tokens=n, spec=PLAN) for rid, p, n in zip("abc", prompts, (40, 40, 6))])
+    driver.admit(*[admit_request(rid, p, max_tokens=n, spec=PLAN) for rid, p, n in zip("abc", prompts, (40, 40, 6))])
     last = {}
     while len(driver.finish) < 3:
         for row in driver.step(driver.plan()).outputs:
             last[row.request_id] = row.spec
     assert last["a"].rounds > 0 and last["b"].rounds > 0 and last["c"].rounds == 0
     for rid, prompt, n in zip("abc", prompts, (40, 40, 6)):
-        assert driver.tokens[rid] == _greedy_ids(pair[0][0], prompt, n), rid
+        assert driver.tokens[rid] == greedy_ids(pair[0][0], prompt, n), rid

@@ -12,7 +12,7 @@ from engine.kv.layout import probe_layout
 from protocols.api import SamplingParams
 from protocols.model import AdmitRequest, GrammarSpec, PrefillWork, StepPlan
 from runtime.grammar import GrammarCache
-from tests.integration.reference import greedy_tokens, load_reference
+from tests.support.mlx_reference import greedy_tokens, load_reference
 
 
 @pytest.fixture(scope="module")

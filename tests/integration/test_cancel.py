@@ -9,8 +9,8 @@ import anyio
 
 from protocols import Finished, GenerateRequest, PrefillProgress, TokenDelta
 from runtime import Runtime
-from tests.conftest import CHUNK
-from tests.integration.reference import greedy_tokens, load_reference
+from tests.support.config import CHUNK
+from tests.support.mlx_reference import greedy_tokens, load_reference
 
 MAX_TOKENS = 20
 
@@ -103,7 +103,7 @@ async def test_abandoning_the_stream_cancels(tiny_config):
 
 
 async def test_cancel_while_waiting_in_the_queue():
-    from tests.conftest import make_config
+    from tests.support.config import make_config
 
     prompts = _prompts([10, 10])
     async with Runtime.open(make_config(max_batch_size=1)) as rt:

@@ -23,8 +23,10 @@ from protocols import Finished, GenerateRequest, TokenDelta
 from runtime import Runtime, env
 from runtime.checkpoints import path_for
 from runtime.config import CheckpointConfig, RuntimeConfig
-from tests.conftest import make_config
+from tests.support.config import make_config
 from tests.support.families import FAMILIES, build
+
+pytestmark = pytest.mark.slow
 
 NEAR_TIE = 1e-3
 NEW_TOKENS = 12

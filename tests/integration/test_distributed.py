@@ -29,11 +29,15 @@ from protocols.api import GenerateRequest, SamplingParams, TokenDelta
 from protocols.errors import ForeignCheckpointError, WorldUnavailableError
 from runtime.config import RuntimeConfig
 from runtime.runtime import Runtime
-from tests.conftest import CHUNK, builtin_dir, make_config
-from tests.integration.reference import greedy_tokens, load_reference
-from tests.integration.server_helpers import ServerProcess, collect, wait_idle, write_config
+from tests.support.config import CHUNK, builtin_dir, make_config
+from tests.support.events import collect
 from tests.support.gguf_files import write_gguf
+from tests.support.mlx_reference import greedy_tokens, load_reference
+from tests.support.serve import ServerProcess, wait_idle, write_config
+from tests.support.waiting import wait_until
 from tools.launch import free_ports
+
+pytestmark = [pytest.mark.distributed, pytest.mark.server]
 
 WORLD_READY_S = 120.0
 MAX_TOKENS = 24
@@ -178,13 +182,10 @@ def log_events(process: ServerProcess, event: str) -> list[dict]:
 
 
 def _follower_release(process: ServerProcess, request_id: str) -> dict:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        for found in log_events(process, "follower_released"):
-            if request_id in found["released"]:
-                return found
-        time.sleep(0.05)
-    raise AssertionError(f"rank 1 never logged releasing {request_id!r}:\n{process.stderr()}")
+    return wait_until(
+        lambda: next((found for found in log_events(process, "follower_released") if request_id in found["released"]), None),
+        message=lambda: f"rank 1 never logged releasing {request_id!r}:\n{process.stderr()}",
+    )
 
 
 async def test_checkpoint_sigkill_of_the_world_relaunch_and_resume_is_exact(tmp_path, references):
@@ -203,10 +204,7 @@ async def test_checkpoint_sigkill_of_the_world_relaunch_and_resume_is_exact(tmp_
                         break
         # Both ranks have written a checkpoint past 8 tokens: kill the whole world at once.
         rank1 = directory / "checkpoints" / "rank1"
-        deadline = time.monotonic() + 10
-        while not (list(rank1.glob("durable@*.ckpt")) and (directory / "checkpoints" / "durable.ckpt").exists()):
-            assert time.monotonic() < deadline, "no checkpoint on both ranks"
-            time.sleep(0.05)
+        wait_until(lambda: list(rank1.glob("durable@*.ckpt")) and (directory / "checkpoints" / "durable.ckpt").exists(), message="no checkpoint on both ranks")
         process.kill_group()
     # One process cannot resume a shard of a 2-rank world: refused, typed, naming the world.
     single = RuntimeConfig.from_tree({"model": {"path": MODELS["tensor"]}, "checkpoints": checkpoints}, source="<test>")

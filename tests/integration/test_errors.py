@@ -9,8 +9,8 @@ import pytest
 
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
 from runtime import ConfigError, InvalidRequestError, RequestTooLargeError, Runtime, RuntimeConfig, ServerBusyError
-from tests.conftest import make_config
-from tests.integration.reference import greedy_tokens, load_reference
+from tests.support.config import make_config
+from tests.support.mlx_reference import greedy_tokens, load_reference
 
 BAD_REQUESTS = {
     "empty prompt ids": GenerateRequest(prompt_ids=[]),
@@ -49,7 +49,7 @@ async def test_bad_requests_get_typed_errors_and_others_are_unaffected(tiny_conf
             async for event in rt.generate(GenerateRequest(prompt_ids=prompt, max_tokens=30)):
                 if isinstance(event, TokenDelta):
                     good_tokens.extend(event.token_ids)
-                    await anyio.sleep(0)
+                    await anyio.sleep(0)  # yield: the bad requests interleave with this stream
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(good)

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import shutil
 
 import anyio
 import jsonschema
 import msgspec
-import numpy as np
 import pytest
-import safetensors.numpy
 
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta, ToolCall
 from runtime import InvalidRequestError, Runtime
-from tests.conftest import builtin_dir, make_config
-from tests.integration.test_structured import CLOCK, WEATHER
+from tests.support.config import make_config
+from tests.support.damped_models import damped_model
+from tests.support.tool_schemas import CLOCK, WEATHER
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 ONE_ARG = {
@@ -57,31 +55,9 @@ async def test_strict_rows_append_the_scaffold_of_a_forced_tool_call(tiny_config
     jsonschema.validate(json.loads(call.arguments), tool["function"]["parameters"])
 
 
-# The output projections of each layer's token mixer (attention, gated delta, convolution).
-MIXER_OUTPUTS = ("self_attn.o_proj.weight", "self_attn.out_proj.weight", "linear_attn.out_proj.weight", "conv.out_proj.weight")
-
-
-def _damped(name: str, scale: float, target, head_scale: float = 1.0) -> str:
-    """A built-in model with its token mixers' outputs scaled by `scale`. At 0 each token's
-    logits depend on that token alone, so greedy decoding repeats text it has seen, as a model
-    asked to repeat earlier text does (a random model never copies anything); a small scale
-    keeps the context's (and the recurrent state's) influence, so copies break off somewhere.
-    `head_scale` multiplies the final norm's weights: its logits, so sampling follows them."""
-    source = builtin_dir(name)
-    for path in source.iterdir():
-        if path.suffix != ".safetensors":
-            shutil.copy(path, target / path.name)
-    for path in source.glob("*.safetensors"):
-        weights = safetensors.numpy.load_file(str(path))
-        factors = {key: scale if key.endswith(MIXER_OUTPUTS) else head_scale if key == "model.norm.weight" else 1.0 for key in weights}
-        damped = {key: w * np.asarray(factors[key], w.dtype) if factors[key] != 1.0 else w for key, w in weights.items()}
-        safetensors.numpy.save_file(damped, str(target / path.name), metadata={"format": "mlx"})
-    return str(target)
-
-
 @pytest.fixture(scope="module")
 def copying_model(tmp_path_factory) -> str:
-    return _damped("tiny", 0.0, tmp_path_factory.mktemp("copying"))
+    return damped_model("tiny", 0.0, tmp_path_factory.mktemp("copying"))
 
 
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
@@ -116,7 +92,7 @@ async def test_echo_spans_on_sliding_and_recurrent_layers_are_exact(name, tmp_pa
     """Accepted spans and rejected tails on a model with 16-token sliding windows and on
     hybrids whose recurrent layers cannot be trimmed (their state is restored from a snapshot
     and the accepted prefix replayed): the output equals plain decoding, token for token."""
-    config = make_config(_damped(name, PARTIAL_COPIERS[name], tmp_path))
+    config = make_config(damped_model(name, PARTIAL_COPIERS[name], tmp_path))
     config = msgspec.structs.replace(config, generation=msgspec.structs.replace(config.generation, fill_echo_k=2))
     async with Runtime.open(config) as rt:
         text = rt.tokenizer.encode("def add(a, b):\n    return a + b\n")

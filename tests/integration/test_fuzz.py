@@ -20,8 +20,12 @@ from net.client import Client
 from net.framing import HEADER, encode_frame
 from protocols.api import Finished, GenerateRequest
 from protocols.wire import PROTOCOL_VERSION, Error, GetStats, Hello
-from tests.integration.reference import greedy_tokens, load_reference
-from tests.integration.server_helpers import RawConnection, collect, running_server, wait_idle
+from tests.support.events import collect
+from tests.support.mlx_reference import greedy_tokens, load_reference
+from tests.support.serve import running_server, wait_idle
+from tests.support.wire import RawConnection
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 NUM_CONNECTIONS = 60
 FRAMES_PER_CONNECTION = 60  # 3,600 frames in all

@@ -9,8 +9,8 @@ import anyio
 
 from protocols import Finished, GenerateRequest, PrefillProgress, SamplingParams, TokenDelta
 from runtime import Runtime
-from tests.conftest import CHUNK
-from tests.integration.reference import greedy_tokens, load_reference
+from tests.support.config import CHUNK
+from tests.support.mlx_reference import greedy_tokens, load_reference
 
 
 def _prompt(n: int, seed: int = 21) -> list[int]:

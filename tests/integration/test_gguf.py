@@ -27,11 +27,13 @@ from protocols.errors import ModelLoadError
 from runtime import Runtime, env
 from runtime.config import CheckpointConfig, PoolModelConfig, SpeculativeConfig
 from runtime.pool import ModelPool
-from tests.conftest import CHUNK, builtin_dir, make_config
-from tests.integration.server_helpers import collect_all
 from tests.support import hf_reference
+from tests.support.config import CHUNK, builtin_dir, make_config
+from tests.support.events import collect_all
 from tests.support.families import build
 from tests.support.gguf_files import write_gguf
+
+pytestmark = pytest.mark.slow
 
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 CHATS = [

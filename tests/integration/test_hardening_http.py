@@ -12,12 +12,16 @@ import resource
 import socket
 
 import anyio
+import pytest
 
 from net.client import Client
 from protocols import GenerateRequest
-from tests.integration.reference import greedy_tokens, load_reference
-from tests.integration.server_helpers import collect, running_server
-from tests.net.http_support import raw_request
+from tests.support.events import collect
+from tests.support.http_serving import raw_request
+from tests.support.mlx_reference import greedy_tokens, load_reference
+from tests.support.serve import running_server
+
+pytestmark = pytest.mark.server
 
 NUM_CONNECTIONS = 2000
 CAP = 256

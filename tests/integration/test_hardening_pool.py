@@ -24,8 +24,8 @@ from runtime.checkpoints import path_for
 from runtime.config import CheckpointConfig, ModelPoolConfig, PoolModelConfig
 from runtime.errors import InvalidRequestError, ModelLoadError
 from runtime.pool import ModelPool
-from tests.conftest import builtin_dir, make_config
-from tests.integration.server_helpers import collect, collect_all
+from tests.support.config import builtin_dir, make_config
+from tests.support.events import collect, collect_all
 
 # Room for one of the two models (a copied directory is estimated from its files' sizes).
 ONE_MODEL = max(4 * parameter_count(BUILTIN_MODELS["tiny-qwen2"]), estimate_weight_bytes(str(builtin_dir("tiny-qwen2")))) + 1
@@ -118,6 +118,7 @@ async def test_stats_never_load_a_model(tmp_path):
         assert served.last.finish_reason == "length"
 
 
+@pytest.mark.slow
 async def test_a_zero_residence_pool_does_not_livelock(tmp_path):
     """(6) `min_resident_s = 0` under a one-model cap: three requests over two models all end
     (a model swapped in stays until its requests made progress)."""

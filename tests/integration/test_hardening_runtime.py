@@ -16,9 +16,9 @@ from runtime import Runtime
 from runtime import checkpoints as ck
 from runtime.config import CheckpointConfig, LimitsConfig, SchedulerConfig
 from runtime.errors import ConfigError, InvalidRequestError, RequestTooLargeError, RuntimeClosedError
-from tests.conftest import make_config
-from tests.integration.reference import greedy_tokens, load_reference
-from tests.integration.server_helpers import collect
+from tests.support.config import make_config
+from tests.support.events import collect
+from tests.support.mlx_reference import greedy_tokens, load_reference
 
 
 def _ids(n: int, seed: int) -> list[int]:

@@ -21,9 +21,13 @@ from net.framing import encode_frame
 from protocols.api import GenerateRequest, SamplingParams
 from protocols.wire import Error, Generate, GetStats, Resume
 from runtime import checkpoints as ck
-from tests.conftest import CHUNK, builtin_dir
-from tests.integration.reference import greedy_tokens, load_reference
-from tests.integration.server_helpers import RawConnection, collect, running_server, start_server, wait_idle
+from tests.support.config import CHUNK, builtin_dir
+from tests.support.events import collect
+from tests.support.mlx_reference import greedy_tokens, load_reference
+from tests.support.serve import running_server, start_server, wait_idle
+from tests.support.wire import RawConnection
+
+pytestmark = pytest.mark.server
 
 STALL_S = 1.0
 IDLE_S = 1.0
@@ -184,7 +188,8 @@ def _plant(directory: Path, request_id: str, data: bytes) -> None:
 def _with_digest(body: bytes) -> bytes:
     import hashlib
 
-    return ck.MAGIC + len(body).to_bytes(4, "big") + hashlib.sha256(body).digest() + body
+    framed = len(body).to_bytes(4, "big") + body
+    return ck.MAGIC + hashlib.sha256(framed).digest() + framed
 
 
 def _damaged(request_id: str) -> bytes | None:
@@ -315,7 +320,7 @@ def test_a_connection_with_a_live_request_is_not_idle(tmp_path):
     with running_server(tmp_path, server={"idle_timeout_s": IDLE_S}) as process, RawConnection(process.socket, timeout=30) as raw:
         raw.hello()
         raw.send(Generate(request=GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=1500, ignore_eos=True, request_id="long")))
-        time.sleep(3 * IDLE_S)
+        time.sleep(3 * IDLE_S)  # silent for longer than the idle timeout: the point of the test
         tokens, finished = raw.read_until_finished("long")
     assert finished.finish_reason == "length" and len(tokens) == 1500
 

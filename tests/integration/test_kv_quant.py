@@ -18,8 +18,8 @@ from protocols import Finished, GenerateRequest, TokenDelta
 from runtime import ModelLoadError, Runtime, env
 from runtime.checkpoints import ForeignCheckpointError, path_for
 from runtime.config import CheckpointConfig, KvConfig, SpeculativeConfig
-from tests.conftest import make_config
-from tests.integration.test_parity import _prompts, _run_all
+from tests.support.config import make_config
+from tests.support.parity import parity_prompts, run_all
 
 MAX_TOKENS = 24
 
@@ -32,7 +32,7 @@ def _config(model: str, bits: int, start: int = 0, **kv):
 async def _streams(config, prompts, max_batch_size: int):
     config = msgspec.structs.replace(config, scheduler=msgspec.structs.replace(config.scheduler, max_batch_size=max_batch_size))
     async with Runtime.open(config) as rt:
-        return [tokens for tokens, _ in await _run_all(rt, prompts)]
+        return [tokens for tokens, _ in await run_all(rt, prompts)]
 
 
 def _hybrid(name: str) -> str:
@@ -48,7 +48,11 @@ def _hybrid(name: str) -> str:
 CASES = [("tiny-kv", 8, 0), ("tiny-kv", 4, 20), ("tiny-gemma3-kv", 8, 0), ("tiny-lfm2", 8, 0), ("tiny-qwen3next", 4, 8)]
 
 
-@pytest.mark.parametrize(("model", "bits", "start"), CASES, ids=[f"{m}-{b}bit-start{s}" for m, b, s in CASES])
+# The first case stays in `make test-fast`; the other layer kinds and widths are marked slow.
+@pytest.mark.parametrize(
+    ("model", "bits", "start"),
+    [pytest.param(*case, id="{}-{}bit-start{}".format(*case), marks=() if i == 0 else pytest.mark.slow) for i, case in enumerate(CASES)],
+)
 async def test_batched_streams_equal_unbatched_ones(model, bits, start):
     model = _hybrid(model) if model in ("tiny-lfm2", "tiny-qwen3next") else f"builtin:{model}"
     config = _config(model, bits, start)
@@ -58,7 +62,7 @@ async def test_batched_streams_equal_unbatched_ones(model, bits, start):
     assert kv_format(layers) == f"int{bits}/g64/start{start}"
     # Full layers quantized; sliding windows (and recurrent states) kept float.
     assert all(bool(layer.kv_bits) == (layer.kind == "full") for layer in layers)
-    prompts = _prompts()
+    prompts = parity_prompts()
     batched = await _streams(config, prompts, 8)
     assert batched == await _streams(config, prompts, 1)
     assert all(len(tokens) > 0 for tokens in batched)
@@ -98,6 +102,7 @@ async def test_prefix_reuse_is_exact_relative_to_a_quantized_run_without_it():
         assert stats.prefix_hits == 2 and all(f.usage.cached_tokens >= len(system) for _, f in reused[1:])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "start"), [("tiny-kv", 16), ("tiny-gemma3-kv", 0)])
 async def test_resume_is_exact_and_another_kv_format_is_refused(tmp_path, model, start):
     prompt = [random.Random(3).randrange(1000) for _ in range(21)]
@@ -123,6 +128,7 @@ async def test_resume_is_exact_and_another_kv_format_is_refused(tmp_path, model,
     assert tokens == uninterrupted
 
 
+@pytest.mark.slow
 async def test_a_paused_row_leaves_and_rejoins_the_batch_exactly():
     """A caller that stops reading: its quantized row is taken out of the batch (extracted) and
     joins again later; both streams equal those of requests run alone."""
@@ -152,7 +158,7 @@ async def test_speculation_on_quantized_rows_keeps_the_stream():
     plain = await _streams(base, prompts, 8)
     spec = msgspec.structs.replace(base, speculative=SpeculativeConfig(lookup=True, adaptive=False))
     async with Runtime.open(spec) as rt:
-        results = await _run_all(rt, prompts)
+        results = await run_all(rt, prompts)
     assert [t for t, _ in results] == plain
     assert sum(f.spec.rounds for _, f in results if f.spec is not None) > 0
 

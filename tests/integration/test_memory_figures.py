@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from protocols import GenerateRequest
 from runtime import Runtime
-from tests.conftest import make_config
+from tests.support.config import make_config
 
 
 async def test_stats_and_metrics_report_the_devices_memory():

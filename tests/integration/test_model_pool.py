@@ -13,7 +13,7 @@ from runtime import Runtime
 from runtime.config import CheckpointConfig, ModelPoolConfig, PoolModelConfig
 from runtime.errors import ConfigError, InvalidRequestError, ModelLoadError, ModelNotFoundError
 from runtime.pool import ModelPool
-from tests.conftest import make_config
+from tests.support.config import make_config
 
 MODELS = {None: "builtin:tiny", "qwen": "builtin:tiny-qwen2"}
 
@@ -52,6 +52,7 @@ async def _collect(events) -> tuple[list[int], str, Finished | None]:
     return tokens, text, finished
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint_every", [16, 0])
 async def test_two_models_over_the_cap_alternate_and_preempted_streams_are_exact(tmp_path, checkpoint_every):
     sizes = _sizes()
@@ -127,9 +128,11 @@ async def test_a_request_waiting_for_its_model_can_be_cancelled(tmp_path):
         assert {m.name: m.state for m in pool.models()}["qwen"] == "unloaded"
 
 
+@pytest.mark.server
 async def test_several_models_over_the_socket(tmp_path):
     from net.client import Client
-    from tests.integration.server_helpers import collect, running_server
+    from tests.support.events import collect
+    from tests.support.serve import running_server
 
     sizes = _sizes()
     cap = max(sizes.values()) + min(sizes.values()) // 2
@@ -152,10 +155,11 @@ async def test_several_models_over_the_socket(tmp_path):
     assert states["qwen"].loads == 1 and states["builtin:tiny"].loads == 2, "one model resident at a time under the cap"
 
 
+@pytest.mark.server
 async def test_an_openai_client_picks_a_model_by_name(tmp_path):
     import openai
 
-    from tests.net.http_support import serving
+    from tests.support.http_serving import serving
 
     prompt = [7, 8, 9, 10, 11]
     expected = {}

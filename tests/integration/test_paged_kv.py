@@ -7,11 +7,12 @@ import random
 
 import anyio
 import msgspec
+import pytest
 
 from protocols import Finished, GenerateRequest, TokenDelta
 from runtime import Runtime
 from runtime.config import GenerationConfig, KvConfig, LoggingConfig, RuntimeConfig, SchedulerConfig
-from tests.integration.reference import greedy_tokens, load_reference
+from tests.support.mlx_reference import greedy_tokens, load_reference
 
 BLOCK = 16
 TOKEN_BYTES = 512  # builtin:tiny: 2 layers x 2 KV heads x (16 + 16) x float32
@@ -118,6 +119,7 @@ async def _streams(config: RuntimeConfig, prompts: list[list[int]]) -> list[list
         return [tokens for tokens, _ in await _run_all(rt, prompts, 20)]
 
 
+@pytest.mark.slow
 async def test_a_checkpoint_resumes_exactly_across_rows_and_blocks(tmp_path):
     """Checkpoints hold contiguous tensors whatever the layout: a paged runtime resumes a rows
     runtime's checkpoint, and the other way round, continuing the uninterrupted stream."""

@@ -10,7 +10,7 @@ import pytest
 from protocols import Finished, GenerateRequest, TokenDelta
 from runtime import Runtime
 from runtime.config import GenerationConfig, KvConfig, LoggingConfig, RuntimeConfig, SchedulerConfig
-from tests.integration.reference import greedy_tokens, load_reference
+from tests.support.mlx_reference import greedy_tokens, load_reference
 
 MAX_TOKENS = 16
 

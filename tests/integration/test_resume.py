@@ -59,7 +59,7 @@ async def test_a_client_cancel_deletes_the_checkpoint(tmp_path):
                 await anyio.sleep(0.01)
 
 
-@pytest.mark.parametrize("kind", list(SAMPLINGS))
+@pytest.mark.parametrize("kind", [pytest.param(kind, marks=pytest.mark.slow if kind == "seeded" else ()) for kind in SAMPLINGS])
 async def test_shutdown_keeps_the_checkpoint_and_resume_continues_exactly(tmp_path, kind):
     sampling = SAMPLINGS[kind]
     async with Runtime.open(_config(tmp_path / "a")) as rt:
@@ -108,6 +108,7 @@ async def test_resume_errors_are_typed(tmp_path):
         assert finished.finish_reason in ("length", "stop")
 
 
+@pytest.mark.slow
 async def test_bfloat16_models_checkpoint_and_resume_exactly(tmp_path):
     from msgspec.structs import replace
 

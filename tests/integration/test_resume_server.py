@@ -17,7 +17,9 @@ from net.client import Client, ConnectionLostError
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
 from runtime import Runtime, RuntimeConfig
 from runtime.checkpoints import path_for
-from tests.integration.server_helpers import ServerProcess
+from tests.support.serve import ServerProcess
+
+pytestmark = pytest.mark.server
 
 # model: (tokens to generate, prompt token range)
 MODELS = {

@@ -8,14 +8,18 @@ import socket
 import subprocess
 import sys
 
+import pytest
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from net.client import Client
 from protocols.api import GenerateRequest, SamplingParams
-from tests.conftest import REPO
-from tests.integration.server_helpers import collect, running_server, write_config
-from tests.net.http_support import raw_request
+from tests.support.config import REPO
+from tests.support.events import collect
+from tests.support.http_serving import raw_request
+from tests.support.serve import running_server, write_config
+
+pytestmark = pytest.mark.server
 
 
 async def test_serve_answers_over_http_and_the_socket_from_one_runtime(tmp_path):

@@ -24,8 +24,11 @@ from net.socket_path import SocketInUseError, SocketPathError
 from protocols.api import GenerateRequest
 from runtime import Runtime
 from runtime.config import ServerConfig
-from tests.conftest import REPO, make_config
-from tests.integration.server_helpers import collect, write_config
+from tests.support.config import REPO, make_config
+from tests.support.events import collect
+from tests.support.serve import write_config
+
+pytestmark = pytest.mark.server
 
 NOBODY = 65534
 

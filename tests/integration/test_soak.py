@@ -20,8 +20,12 @@ from net.client import Client
 from protocols.api import Finished, GenerateRequest, SamplingParams, TokenDelta
 from protocols.wire import Generate
 from runtime.errors import InvalidRequestError, ServerBusyError
-from tests.integration.reference import greedy_tokens, load_reference
-from tests.integration.server_helpers import RawConnection, collect, running_server, wait_idle
+from tests.support.events import collect
+from tests.support.mlx_reference import greedy_tokens, load_reference
+from tests.support.serve import running_server, wait_idle
+from tests.support.wire import RawConnection
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 SOAK_S = float(os.environ.get("MLXRT_SOAK_S", "20"))
 WORKERS = 12

@@ -16,12 +16,15 @@ import time
 from collections import Counter
 
 import anyio
+import pytest
 
 from net.client import Client
 from net.http.client import HttpConnection, HttpError
-from tests.conftest import builtin_dir
-from tests.integration.server_helpers import running_server, wait_idle
+from tests.support.config import builtin_dir
+from tests.support.serve import running_server, wait_idle
 from tools.lora_adapters import make_lora_adapter
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 SOAK_S = float(os.environ.get("MLXRT_SOAK_S", "10"))
 WORKERS = 8
@@ -71,7 +74,7 @@ async def _adapters_churn(url: str, paths: dict[str, str], deadline: float, tall
             status = await _post(url, "/v1/unload_lora_adapter", {"lora_name": name})
         assert status < 500, status
         tally[f"adapter-{status}"] += 1
-        await anyio.sleep(0.2)
+        await anyio.sleep(0.2)  # the churn's pace (not a wait for anything)
 
 
 async def _soak(url: str, models: list[str], adapters: dict[str, str] | None) -> Counter:

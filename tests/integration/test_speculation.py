@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
 from runtime import Runtime
 from runtime.config import RuntimeConfig, SpeculativeConfig
-from tests.conftest import make_config
-from tests.integration.test_fill import _damped
+from tests.support.config import make_config
+from tests.support.damped_models import damped_model
 
 # name: (target, draft)
 PAIRS = {
@@ -99,6 +99,7 @@ async def outputs(config: RuntimeConfig) -> dict[str, list[tuple[list[int], Fini
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pair", list(PAIRS))
 async def test_streams_with_speculation_equal_streams_without(pair):
     target, draft = PAIRS[pair]
@@ -133,7 +134,7 @@ async def test_streams_with_speculation_equal_streams_without(pair):
 def copying_model(tmp_path_factory) -> str:
     # Token mixers damped to 2% and logits scaled 4x: next tokens follow the current one,
     # sampled ones too, so text repeats.
-    return _damped("tiny", 0.02, tmp_path_factory.mktemp("copying-spec"), head_scale=4.0)
+    return damped_model("tiny", 0.02, tmp_path_factory.mktemp("copying-spec"), head_scale=4.0)
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.7, seed=11)], ids=["greedy", "temp0.7"])
@@ -151,6 +152,7 @@ async def test_prompt_lookup_is_exact_and_saves_target_forwards(copying_model, s
     assert s.target_forwards < s.generated == len(want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [GREEDY, SamplingParams(temperature=0.7, seed=5)], ids=["greedy", "temp0.7"])
 async def test_prompt_lookup_on_a_model_that_copies_its_context(sampling):
     """`tiny-copy` copies what it was shown (induction heads): lookup drafts long runs that
@@ -199,6 +201,7 @@ async def test_a_prefix_hit_on_speculated_output_is_exact():
     assert finished.spec is not None and finished.spec.rounds > 0
 
 
+@pytest.mark.slow
 async def test_cancel_mid_round_reports_only_verified_tokens_and_frees_kv():
     target, draft = PAIRS["llama"]
     ps = prompts(3, seed=9)

@@ -13,7 +13,8 @@ import pytest
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta, ToolCall
 from runtime import InvalidRequestError, Runtime
 from runtime.grammar import grammar_spec
-from tests.conftest import make_config
+from tests.support.config import make_config
+from tests.support.tool_schemas import CLOCK, WEATHER
 
 
 def _schema(rng: random.Random, depth: int = 0) -> dict:
@@ -52,6 +53,7 @@ async def _run(rt: Runtime, request: GenerateRequest) -> tuple[str, list[int], l
     return text, ids, calls, finished
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["builtin:tiny", "builtin:tiny-qwen2"])
 async def test_a_hundred_schemas_all_validate(model):
     rng = random.Random(11)
@@ -90,28 +92,6 @@ async def test_json_object_regex_and_ebnf(tiny_config):
         ebnf = 'root ::= "answer: " ("yes" | "no") "."'
         text, *_ = await _run(rt, GenerateRequest(prompt="x", max_tokens=20, response_format={"type": "grammar", "ebnf": ebnf}))
         assert text in ("answer: yes.", "answer: no.")
-
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather for a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["C", "F"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-CLOCK = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}}, "required": ["zone"]},
-    },
-}
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"])

@@ -8,6 +8,7 @@ import random
 
 import mlx.core as mx
 import msgspec
+import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 
@@ -17,7 +18,9 @@ from policies.layout import RING_MARGIN, leaves, request_bytes, token_bytes
 from protocols import Finished, GenerateRequest, TokenDelta
 from runtime import Runtime, env
 from runtime.config import KvConfig
-from tests.conftest import make_config
+from tests.support.config import make_config
+
+pytestmark = pytest.mark.slow
 
 WINDOW = 128
 PROMPT = 4088

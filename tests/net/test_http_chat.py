@@ -9,8 +9,8 @@ import jsonschema
 import pytest
 
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
-from tests.integration.test_structured import CLOCK, WEATHER
-from tests.net.http_support import serving
+from tests.support.http_serving import serving
+from tests.support.tool_schemas import CLOCK, WEATHER
 
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def parse(path):"}]
 
@@ -27,6 +27,7 @@ async def _native(rt, **request) -> tuple[list[int], str, Finished]:
     return ids, text, finished
 
 
+# Not marked `server` on purpose: the HTTP round trip that stays in `make test-fast` (docs/tests.md).
 async def test_streamed_greedy_tokens_equal_the_in_process_stream():
     async with serving() as served:
         client = served.client()
@@ -59,6 +60,7 @@ async def test_streamed_greedy_tokens_equal_the_in_process_stream():
         await client.close()
 
 
+@pytest.mark.server
 async def test_whole_chat_completion_and_cached_tokens_on_a_repeated_prompt():
     long_messages = [{"role": "user", "content": "Explain this code: " + "x = compute(y) + 1; " * 8}]
     async with serving() as served:
@@ -77,6 +79,7 @@ async def test_whole_chat_completion_and_cached_tokens_on_a_repeated_prompt():
     assert 16 <= second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
 
 
+@pytest.mark.server
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"])
 async def test_a_forced_tool_call_streams_as_tool_call_deltas_that_validate(choice):
     async with serving() as served:
@@ -96,16 +99,79 @@ async def test_a_forced_tool_call_streams_as_tool_call_deltas_that_validate(choi
                 calls += c.delta.tool_calls or []
                 reasons += [c.finish_reason] if c.finish_reason else []
         await client.close()
-    assert len(calls) == 1 and reasons == ["tool_calls"]
-    call = calls[0]
-    assert call.index == 0 and call.type == "function" and call.id
-    tool = {"get_weather": WEATHER, "get_time": CLOCK}[call.function.name]
+    assert reasons == ["tool_calls"]
+    # The call streams as it is generated: its id and name first, then its arguments in pieces.
+    assert calls[0].index == 0 and calls[0].type == "function" and calls[0].id and calls[0].function.name
+    assert len(calls) > 3 and all(c.index == 0 and c.id is None and c.function.name is None for c in calls[1:])
+    [(name, arguments)] = assembled(calls)
+    tool = {"get_weather": WEATHER, "get_time": CLOCK}[name]
     if isinstance(choice, dict):
-        assert call.function.name == "get_time"
-    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        assert name == "get_time"
+    jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
     assert "<tool_call>" not in content
 
 
+def assembled(deltas) -> list[tuple[str, str]]:
+    """Streamed tool-call deltas put together as a client does: by index, the name from the
+    first, the arguments concatenated."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        name, arguments = calls.setdefault(d.index, ["", ""])
+        calls[d.index] = [name + (d.function.name or ""), arguments + (d.function.arguments or "")]
+    return [(name, arguments) for name, arguments in calls.values()]
+
+
+@pytest.mark.server
+async def test_streamed_tool_call_arguments_add_up_to_the_whole_responses_arguments():
+    async with serving() as served:
+        client = served.client()
+        kwargs = dict(
+            model=served.model, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], tool_choice="required", max_tokens=200, temperature=0
+        )
+        whole = await client.chat.completions.create(**kwargs)
+        stream = await client.chat.completions.create(**kwargs, stream=True)
+        deltas = [d async for chunk in stream for c in chunk.choices for d in c.delta.tool_calls or []]
+        await client.close()
+    [call] = whole.choices[0].message.tool_calls
+    assert assembled(deltas) == [(call.function.name, call.function.arguments)]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_tool_call_cut_by_max_tokens_is_a_truncated_call_never_markup(stream):
+    """Cut inside its arguments: a tool call with what was generated, finish_reason length;
+    cut before its name: no call and no markup (the content stays empty)."""
+    async with serving() as served:
+        client = served.client()
+        kwargs = dict(model=served.model, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], tool_choice="required", temperature=0)
+        full = await client.chat.completions.create(**kwargs, max_tokens=200)
+        [complete] = full.choices[0].message.tool_calls
+        answers = []
+        for max_tokens in (full.usage.completion_tokens - 8, 3):
+            if not stream:
+                answer = (await client.chat.completions.create(**kwargs, max_tokens=max_tokens)).choices[0]
+                answers.append(
+                    (answer.message.content or "", [(c.function.name, c.function.arguments) for c in answer.message.tool_calls or []], answer.finish_reason)
+                )
+                continue
+            chunks = await client.chat.completions.create(**kwargs, max_tokens=max_tokens, stream=True)
+            content, deltas, reasons = "", [], []
+            async for chunk in chunks:
+                for c in chunk.choices:
+                    content += c.delta.content or ""
+                    deltas += c.delta.tool_calls or []
+                    reasons += [c.finish_reason] if c.finish_reason else []
+            answers.append((content, assembled(deltas), reasons[0]))
+        await client.close()
+    (cut_content, cut_calls, cut_reason), (early_content, early_calls, early_reason) = answers
+    assert "<tool_call>" not in cut_content + early_content and "{" not in cut_content + early_content
+    assert cut_reason == early_reason == "length"
+    [(name, arguments)] = cut_calls
+    assert name == complete.function.name and complete.function.arguments.startswith(arguments) and arguments != complete.function.arguments
+    assert early_calls == []
+
+
+@pytest.mark.server
 async def test_an_auto_tool_call_arrives_as_tool_calls_not_markup():
     # Random weights never choose a call on their own: a regex format makes this answer one.
     markup = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris", "unit": "C"\}\}\n</tool_call>'
@@ -124,11 +190,12 @@ async def test_an_auto_tool_call_arrives_as_tool_calls_not_markup():
     message = whole.choices[0].message
     assert whole.choices[0].finish_reason == "tool_calls" and not message.content
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("get_weather", {"city": "Paris", "unit": "C"})]
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "unit": "C"})]
-    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+    [(name, arguments)] = assembled(calls)
+    assert (name, json.loads(arguments)) == ("get_weather", {"city": "Paris", "unit": "C"})
     assert "<tool_call>" not in content
 
 
+@pytest.mark.server
 async def test_json_schema_strict_output_validates_and_json_object_parses():
     schema = {
         "type": "object",
@@ -161,6 +228,7 @@ async def test_json_schema_strict_output_validates_and_json_object_parses():
         assert isinstance(json.loads(response.choices[0].message.content), dict)
 
 
+@pytest.mark.server
 async def test_logprobs_and_top_logprobs_per_generated_token():
     async with serving() as served:
         client = served.client()
@@ -180,6 +248,7 @@ async def test_logprobs_and_top_logprobs_per_generated_token():
     assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in content]
 
 
+@pytest.mark.server
 async def test_stop_strings_end_the_text_before_them():
     async with serving() as served:
         client = served.client()
@@ -199,6 +268,7 @@ async def test_stop_strings_end_the_text_before_them():
     assert stopped.choices[0].finish_reason == "stop" and reasons == ["stop"]
 
 
+@pytest.mark.server
 async def test_a_seed_reproduces_sampled_output_and_penalties_pass_through():
     async with serving() as served:
         client = served.client()
@@ -225,6 +295,7 @@ async def test_a_seed_reproduces_sampled_output_and_penalties_pass_through():
     assert penalized[0] == penalized[1]
 
 
+@pytest.mark.server
 async def test_text_completions_from_text_and_token_ids():
     async with serving() as served:
         client = served.client()
@@ -249,6 +320,7 @@ async def test_text_completions_from_text_and_token_ids():
     assert choice.logprobs.text_offset[0] == 0 and choice.logprobs.text_offset == sorted(choice.logprobs.text_offset)
 
 
+@pytest.mark.server
 async def test_models_lists_the_served_model():
     async with serving() as served:
         client = served.client()
@@ -259,6 +331,7 @@ async def test_models_lists_the_served_model():
     assert models[0].owned_by == "mlxrt" and models[0].created > 0
 
 
+@pytest.mark.server
 async def test_reasoning_arrives_as_reasoning_content():
     pattern = "<think>plan it</think>done"
     async with serving() as served:
@@ -275,6 +348,7 @@ async def test_reasoning_arrives_as_reasoning_content():
     assert message.content == "done"
 
 
+@pytest.mark.server
 async def test_native_extras_pass_through_as_body_fields():
     async with serving() as served:
         client = served.client()

@@ -14,7 +14,8 @@ import uvicorn
 from uvicorn.server import ServerState
 
 from net.http.connections import ConnectionGuard, guarded_protocol
-from tests.net.http_support import raw_request, serving
+from tests.support.http_serving import raw_request, serving
+from tests.support.waiting import wait_until_async
 
 HEAD_TIMEOUT_S = 1.0
 
@@ -43,6 +44,7 @@ async def _closed_by_server(sock: socket.socket, within: float) -> bool:
     return False
 
 
+@pytest.mark.server
 async def test_silent_and_dripping_connections_are_closed_at_the_head_deadline():
     async with serving(http_header_timeout_s=HEAD_TIMEOUT_S) as served:
         silent, dripping = _open_silent(served.url, 2)
@@ -53,7 +55,7 @@ async def test_silent_and_dripping_connections_are_closed_at_the_head_deadline()
                 dripping.sendall(b"X")
             except OSError:
                 break
-            await anyio.sleep(0.25)
+            await anyio.sleep(0.25)  # a dripping client: the slowness is the point
         assert await _closed_by_server(dripping, within=HEAD_TIMEOUT_S + 3)
         assert served.http.guard.stats.head_timeouts >= 2
         status, _, _ = await raw_request(served.url, _get("/health"))
@@ -62,11 +64,12 @@ async def test_silent_and_dripping_connections_are_closed_at_the_head_deadline()
             sock.close()
 
 
+@pytest.mark.server
 async def test_idle_connections_beyond_the_cap_evict_each_other_not_health_or_the_api():
     """Finding 1: 40 silent sockets with room for 8 kept /health and the API answering 503."""
     async with serving(http_max_open_connections=8, http_max_connections=4) as served:
         idle = _open_silent(served.url, 40)
-        await anyio.sleep(0.3)
+        await wait_until_async(lambda: served.http.guard.stats.evicted >= 32)  # all 40 accepted
         assert len(served.http.guard.open) <= 8
         status, _, body = await raw_request(served.url, _get("/health"))
         assert status == 200 and b'"ok"' in body
@@ -78,6 +81,7 @@ async def test_idle_connections_beyond_the_cap_evict_each_other_not_health_or_th
             sock.close()
 
 
+@pytest.mark.server
 async def test_a_busy_connection_is_never_evicted():
     async with serving(http_max_open_connections=2) as served, served.client() as client:
         done: list[int] = []
@@ -86,11 +90,11 @@ async def test_a_busy_connection_is_never_evicted():
             chunks = await client.completions.create(model=served.model, prompt=[5, 6, 7], max_tokens=40, stream=True, extra_body={"ignore_eos": True})
             async for chunk in chunks:
                 done.append(len(chunk.choices))
-                await anyio.sleep(0.01)
+                await anyio.sleep(0.01)  # a slow reader keeps its connection busy for a while
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(stream)
-            await anyio.sleep(0.2)
+            await wait_until_async(lambda: done)  # the stream's connection is busy
             idle = _open_silent(served.url, 6)  # they evict each other, not the stream
         assert len(done) >= 20
         for sock in idle:
@@ -159,6 +163,7 @@ async def test_an_unread_answer_is_dropped_at_the_write_deadline_and_busy_ones_a
     assert fifth_transport.aborted and guard.stats.refused == 1
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     "head,status",
     [
@@ -178,6 +183,7 @@ async def test_what_a_browser_page_sends_is_refused(head, status):
         assert live.scheduler.num_finished == 0  # nothing ran
 
 
+@pytest.mark.server
 async def test_allowed_hosts_and_an_api_key_relax_the_browser_checks():
     async with serving(http_allowed_hosts=["models.internal"], api_key="k") as served:
         named, _, _ = await raw_request(served.url, _get("/health", host="models.internal:9000"))

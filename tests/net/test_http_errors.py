@@ -10,8 +10,8 @@ import pytest
 
 from net.http.server import HttpServer
 from protocols.errors import ERROR_KINDS
-from tests.conftest import make_config
-from tests.net.http_support import http_config, raw_request, serving
+from tests.support.config import make_config
+from tests.support.http_serving import http_config, raw_request, serving
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -27,6 +27,7 @@ async def _status_error(call) -> openai.APIStatusError:
     return info.value
 
 
+@pytest.mark.server
 async def test_invalid_requests_are_400s_naming_the_field():
     async with serving() as served:
         client = served.client()
@@ -36,14 +37,15 @@ async def test_invalid_requests_are_400s_naming_the_field():
             "messages[0].role": chat(model=served.model, messages=[{"role": "robot", "content": "x"}]),
             "messages": chat(model=served.model, messages=[]),
             "top_logprobs": chat(model=served.model, messages=MESSAGES, logprobs=True, top_logprobs=30),
-            "n": chat(model=served.model, messages=MESSAGES, n=2),
+            "n": chat(model=served.model, messages=MESSAGES, n=65),
             "seed": chat(model=served.model, messages=MESSAGES, seed=-1),
             "response_format": chat(model=served.model, messages=MESSAGES, response_format={"type": "xml"}),  # type: ignore[arg-type,typeddict-item]
             "tool_choice": chat(model=served.model, messages=MESSAGES, tool_choice="required"),
             "logit_bias": chat(model=served.model, messages=MESSAGES, logit_bias={"1": 5}),
             "max_tokens": chat(model=served.model, messages=MESSAGES, max_tokens=0),
-            "echo": client.completions.create(model=served.model, prompt="x", echo=True),
-            "prompt": client.completions.create(model=served.model, prompt=["a", "b"]),
+            "suffix": client.completions.create(model=served.model, prompt="x", suffix="y"),
+            "prompt": client.completions.create(model=served.model, prompt=[]),
+            "prompt[1]": client.completions.create(model=served.model, prompt=[[1, 2], []]),
         }
         for field, call in cases.items():
             error = await _status_error(call)
@@ -57,20 +59,25 @@ async def test_invalid_requests_are_400s_naming_the_field():
     assert status == 400 and b"invalid_request_error" in body
 
 
+@pytest.mark.server
 async def test_unknown_models_routes_and_methods():
     async with serving() as served:
         client = served.client()
         unknown = await _status_error(client.chat.completions.create(model="gpt-4o", messages=MESSAGES))
         card = await _status_error(client.models.retrieve("gpt-4o"))
         route, _, route_body = await raw_request(served.url, b"GET /v1/nothing HTTP/1.1\r\nHost: localhost\r\n")
-        method, _, _ = await raw_request(served.url, b"GET /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
+        method, method_headers, method_body = await raw_request(served.url, b"GET /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
+        read_only, read_only_headers, _ = await raw_request(served.url, _post("/v1/models", b"{}"), b"{}")
         await client.close()
     assert unknown.status_code == 404 and unknown.body["param"] == "model" and unknown.body["code"] == "model_not_found"
     assert card.status_code == 404
     assert route == 404 and b"not_found_error" in route_body
-    assert method == 405
+    # A 405 says which methods the route takes (RFC 9110 15.5.6).
+    assert method == 405 and method_headers.get("allow") == "POST" and b"method_not_allowed" in method_body
+    assert read_only == 405 and set(read_only_headers.get("allow", "").split(", ")) == {"GET", "HEAD"}
 
 
+@pytest.mark.server
 async def test_an_api_key_is_required_when_set_and_compared_exactly():
     async with serving(api_key="s3cret") as served:
         async with served.client("s3cret-not") as client:
@@ -88,6 +95,7 @@ async def test_an_api_key_is_required_when_set_and_compared_exactly():
     assert health == 200 and ok.choices[0].finish_reason == "length"
 
 
+@pytest.mark.server
 async def test_a_10_mb_body_is_refused_without_being_read():
     ten_mb = 10 * 1024 * 1024
     async with serving() as served:
@@ -129,6 +137,7 @@ async def test_a_10_mb_body_is_refused_without_being_read():
     assert stats.live_requests == 0
 
 
+@pytest.mark.server
 async def test_a_full_queue_answers_503_with_retry_after():
     config = make_config(max_batch_size=1, max_queued_requests=1)
     async with serving(config) as served:
@@ -154,6 +163,7 @@ async def test_a_full_queue_answers_503_with_retry_after():
     assert all(o in ("length", (503, "1", "server_overloaded")) for o in outcomes)
 
 
+@pytest.mark.server
 async def test_requests_past_the_http_limit_get_503_json_with_retry_after():
     """`server.http_max_connections` requests in flight: the next gets OpenAI's 503 JSON with
     Retry-After (not uvicorn's plain text), /health still answers, and once a stream ends a new
@@ -197,6 +207,7 @@ async def test_health_is_503_until_the_runtime_is_attached():
     assert chat == 503 and chat_headers["retry-after"] == "1"
 
 
+@pytest.mark.server
 async def test_cors_is_off_unless_configured():
     preflight = b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nOrigin: http://app.example\r\nAccess-Control-Request-Method: POST\r\n"
     get = b"GET /health HTTP/1.1\r\nHost: localhost\r\nOrigin: http://app.example\r\n"

@@ -11,8 +11,11 @@ import random
 from collections import Counter
 
 import anyio
+import pytest
 
-from tests.net.http_support import raw_request, serving, wait_idle
+from tests.support.http_serving import raw_request, serving, wait_runtime_idle
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 NUM_REQUESTS = 800
 MAX_TOKENS = 4
@@ -144,7 +147,7 @@ async def test_hundreds_of_hostile_http_requests_are_typed_refusals_and_leave_no
                 for _ in range(8):
                     tg.start_soon(one, *fuzzer.request())
         assert {200, 400, 404, 405, 415} <= set(statuses), statuses
-        stats = await wait_idle(served.runtime, timeout=60)
+        stats = await wait_runtime_idle(served.runtime, timeout=60)
         assert stats.kv.live_tokens == 0 and stats.kv.reserved_tokens == 0
         async with served.client() as client:
             after = await client.completions.create(model=served.model, prompt=prompt, max_tokens=8, temperature=0)

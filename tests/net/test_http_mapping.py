@@ -7,7 +7,18 @@ import msgspec
 import pytest
 
 from net.http import openai_types as oa
-from net.http.mapping import ChatOutput, CompletionOutput, HttpError, ResponseIds, chat_request, completion_request, decode_body, ending_error, param_of
+from net.http.mapping import (
+    ChatOutput,
+    CompletionOutput,
+    HttpError,
+    ResponseIds,
+    chat_request,
+    choices,
+    completion_requests,
+    decode_body,
+    ending_error,
+    param_of,
+)
 from protocols.api import Finished, TokenDelta, ToolCall, Usage
 
 IDS = ResponseIds(id="chatcmpl-r", created=1, model="m", fingerprint="fp")
@@ -67,7 +78,8 @@ def test_chat_bodies_map_onto_generate_requests():
 
 
 def test_what_has_no_equivalent_is_refused_naming_it():
-    assert _refused(lambda: chat_request(_chat(n=3))).param == "n"
+    assert len(choices([chat_request(_chat(n=3))], 3)) == 3
+    assert _refused(lambda: choices([chat_request(_chat())], 65)).param == "n"
     assert _refused(lambda: chat_request(_chat(top_logprobs=2))).param == "top_logprobs"
     image = [{"type": "text", "text": "x"}, {"type": "image_url"}]
     assert _refused(lambda: chat_request(_chat(messages=[{"role": "user", "content": image}]))).param == "messages[0].content[1].type"
@@ -75,12 +87,17 @@ def test_what_has_no_equivalent_is_refused_naming_it():
     assert _refused(lambda: chat_request(_chat(messages=bad_args))).param == "messages[0].tool_calls[0].function.arguments"
 
     def completion(**body):
-        return completion_request(decode_body(msgspec.json.encode({"model": "m", **body}), oa.CompletionRequest))
+        return completion_requests(decode_body(msgspec.json.encode({"model": "m", **body}), oa.CompletionRequest))
 
-    assert completion(prompt=["one"]).prompt == "one" and completion(prompt=[[5, 6]]).prompt_ids == [5, 6]
-    assert completion(prompt="x").max_tokens == 16  # OpenAI's default for this endpoint
+    assert completion(prompt=["one"])[0].prompt == "one" and completion(prompt=[[5, 6]])[0].prompt_ids == [5, 6]
+    assert [r.prompt for r in completion(prompt=["a", "b"])] == ["a", "b"]
+    assert completion(prompt="x")[0].max_tokens == 16  # OpenAI's default for this endpoint
+    echo = completion(prompt="x", echo=True, logprobs=2, max_tokens=0)[0]
+    assert echo.prompt_logprobs == 2 and echo.max_tokens == 1  # (the generated token is left out)
     assert _refused(lambda: completion(prompt=[True, 2])).param == "prompt"
-    assert _refused(lambda: completion(prompt="x", echo=True)).param == "echo"
+    assert _refused(lambda: completion(prompt="x", max_tokens=0)).param == "max_tokens"
+    seeded = choices([chat_request(_chat(seed=5))], 3)
+    assert [r.sampling.seed for r in seeded] == [5, 6, 7] and len({r.request_id for r in seeded}) == 3
 
 
 def _finished(reason: str = "stop", completion: int = 3) -> Finished:

@@ -4,10 +4,13 @@ some leave mid-stream: no server errors, no live requests, KV back where it star
 from __future__ import annotations
 
 import anyio
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import make_config
-from tests.net.http_support import raw_request, serving, wait_idle
+from tests.support.config import make_config
+from tests.support.http_serving import raw_request, serving, wait_runtime_idle
+
+pytestmark = pytest.mark.server
 
 MESSAGES = [{"role": "user", "content": "def parse(path):"}]
 
@@ -71,7 +74,7 @@ async def test_metrics_count_a_known_workload_exactly():
 
 async def test_32_streaming_clients_some_leaving_mid_stream_end_clean():
     async with serving(make_config(max_batch_size=8)) as served:
-        baseline = (await wait_idle(served.runtime)).kv
+        baseline = (await wait_runtime_idle(served.runtime)).kv
         client = served.client()
         completed, left = [], []
 
@@ -118,7 +121,7 @@ async def test_32_streaming_clients_some_leaving_mid_stream_end_clean():
                 for scope in scopes:
                     scope.cancel()
         await client.close()
-        after = (await wait_idle(served.runtime)).kv
+        after = (await wait_runtime_idle(served.runtime)).kv
         _, page = await _scrape(served.url)
     assert len(left) == 8 and completed == [["length"]] * 24
     assert after.live_requests == 0 and after.live_bytes == baseline.live_bytes and after.reserved_bytes == baseline.reserved_bytes
@@ -129,3 +132,35 @@ async def test_32_streaming_clients_some_leaving_mid_stream_end_clean():
     assert ended == 34 and ("mlxrt:request_success_total", frozenset({"model_name": "builtin:tiny", "finished_reason": "error"}.items())) not in page
     assert value(page, "mlxrt:request_success_total", finished_reason="length") >= 24
     assert value(page, "mlxrt:request_success_total", finished_reason="cancelled") >= 1  # those that left
+
+
+async def test_metrics_answer_while_a_step_is_running(monkeypatch):
+    """/metrics is served from the actors' last figures: a scrape during a long step (held here
+    until the scrape has answered) does not wait for it, and shows the request decoding."""
+    import threading
+
+    from engine.engine import Engine
+
+    in_step, release = threading.Event(), threading.Event()
+    step = Engine.step
+
+    def held_step(self, plan):
+        if plan.decode and not release.is_set():  # the first decode step waits for the scrape
+            in_step.set()
+            release.wait(30)
+        return step(self, plan)
+
+    monkeypatch.setattr(Engine, "step", held_step)
+    async with serving() as served:
+        client = served.client()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=4, temperature=0))
+            with anyio.fail_after(30):
+                while not in_step.is_set():
+                    await anyio.sleep(0.01)
+            _, page = await _scrape(served.url)
+            answered_during_step = not release.is_set()
+            release.set()
+        await client.close()
+    assert answered_during_step
+    assert value(page, "mlxrt:num_requests_running") == 1

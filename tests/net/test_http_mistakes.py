@@ -7,9 +7,11 @@ import json
 
 import pytest
 
-from tests.conftest import builtin_dir
-from tests.net.http_support import raw_request, serving
+from tests.support.config import builtin_dir
+from tests.support.http_serving import raw_request, serving
 from tools.lora_adapters import make_lora_adapter
+
+pytestmark = pytest.mark.server
 
 
 def _post(path: str, body: bytes) -> bytes:

@@ -7,8 +7,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from tests.support.http_serving import raw_request, serving
 from tests.support.tool_schemas import WEATHER
+
+pytestmark = pytest.mark.server
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a tokenizer?"}]
 

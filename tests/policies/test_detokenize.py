@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from policies.detokenize import make_detokenizer
-from tests.conftest import builtin_dir
+from tests.support.config import builtin_dir
 
 
 @pytest.fixture(scope="module")

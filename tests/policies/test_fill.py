@@ -8,8 +8,8 @@ from policies.fill_plan import compile_plan, echo_refusal, refusal
 from policies.fill_session import EchoSource, FillSession
 from protocols import FillStats, GenerateRequest, SamplingParams
 from protocols.model import FillPlan
-from tests.integration.reference import load_reference
-from tests.integration.test_structured import CLOCK, WEATHER
+from tests.support.mlx_reference import load_reference
+from tests.support.tool_schemas import CLOCK, WEATHER
 
 MESSAGES = [{"role": "user", "content": "weather?"}]
 

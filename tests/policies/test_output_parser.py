@@ -133,10 +133,55 @@ def test_a_call_without_a_name_is_an_error():
     ]
 
 
-def test_flush_with_an_unfinished_call_returns_the_marker_and_body_as_content():
+def test_a_call_cut_off_after_its_name_is_a_truncated_call_and_never_markup():
+    p = parser()
+    assert p.feed('ok <tool_call>{"name": "f", "arguments": {"city": "Par').content == "ok "
+    assert p.flush() == Parsed(calls=[{"name": "f", "arguments": '{"city": "Par', "truncated": True}])
+
+
+def test_a_call_cut_off_after_its_arguments_is_a_whole_call():
+    p = parser()
+    p.feed('<tool_call>{"name": "f", "arguments": {"city": "Paris"}}\n</tool_')
+    assert p.flush().calls == [{"name": "f", "arguments": '{"city": "Paris"}'}]
+
+
+def test_a_call_cut_off_before_its_name_leaves_nothing():
     p = parser()
     assert p.feed('ok <tool_call>{"name": "f"') == Parsed(content="ok ")
-    assert p.flush() == Parsed(content='<tool_call>{"name": "f"')
+    assert p.flush() == Parsed()
+
+
+def deltas_of(chunks: list[str]) -> tuple[list[dict], list[dict]]:
+    p = parser()
+    parts = [*(p.feed(chunk) for chunk in chunks), p.flush()]
+    return [d for part in parts for d in part.deltas], [c for part in parts for c in part.calls]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 120), max_size=12))
+def test_streamed_argument_fragments_add_up_to_the_calls_arguments(cuts):
+    text = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris",\n  "unit":"C", "days": [1, {"n": 2}]}}\n</tool_call> ok'
+    points = sorted({min(c, len(text)) for c in cuts})
+    chunks = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+    deltas, calls = deltas_of(chunks)
+    arguments = '{"city": "Paris",\n  "unit":"C", "days": [1, {"n": 2}]}'  # the model's own text
+    assert calls == [{"name": "get_weather", "arguments": arguments}]
+    assert deltas[0] == {"name": "get_weather"}
+    assert "".join(d["arguments"] for d in deltas[1:]) == arguments
+
+
+def test_arguments_stream_as_they_are_generated():
+    text = '<tool_call>{"name": "f", "arguments": {"path": "/tmp/a", "lines": 40}}</tool_call>'
+    deltas, _ = deltas_of(list(text))
+    fragments = [d["arguments"] for d in deltas[1:]]
+    assert len(fragments) > 20  # one per generated character, not one at the end
+    assert "".join(fragments) == '{"path": "/tmp/a", "lines": 40}'
+
+
+def test_arguments_that_are_not_an_object_arrive_whole():
+    text = '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    deltas, calls = deltas_of(list(text))
+    assert deltas == [{"name": "f"}, {"arguments": '{"a": 1}'}] and calls == [{"name": "f", "arguments": '{"a": 1}'}]
 
 
 def test_a_call_is_reported_by_the_feed_that_completes_it():

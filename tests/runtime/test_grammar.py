@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import threading
 
-import anyio
 import pytest
 from mlx_lm.utils import load_tokenizer
 
 from protocols.model import GrammarSpec
 from runtime.errors import InvalidRequestError, ServerBusyError
 from runtime.grammar import GrammarCache
-from tests.conftest import builtin_dir
+from tests.support.config import builtin_dir
+from tests.support.waiting import wait_until_async
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +91,7 @@ async def test_a_slow_compile_is_refused_at_its_deadline_and_kept_for_later(toke
     assert info.value.field == "response_format"
     release.set()
     # The compile that started finishes in the background; the next request finds it.
-    with anyio.fail_after(10):
-        while len(cache) == 0:
-            await anyio.sleep(0.01)
+    await wait_until_async(lambda: len(cache) > 0)
     await cache.acquire(schema(0))
 
 
@@ -112,3 +110,18 @@ async def test_errors_name_the_field_without_library_paths(tokenizer, spec, word
     message = str(info.value)
     assert info.value.field == "response_format" and words in message
     assert "/project/" not in message and ".cc:" not in message and "[" not in message.split(":")[0]
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "required", {"type": "function", "function": {"name": "f"}}])
+def test_tools_on_a_template_without_a_tool_call_format_are_refused_whatever_the_choice(choice):
+    """Under `auto` too: the model could call them, but its calls could not be told from text."""
+    from protocols.api import GenerateRequest
+    from runtime.grammar import grammar_spec
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    request = GenerateRequest(messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice=choice)
+    with pytest.raises(InvalidRequestError) as info:
+        grammar_spec(request, None)
+    assert info.value.field == "tools" and "tool-call format" in str(info.value)
+    assert grammar_spec(GenerateRequest(messages=request.messages, tools=tools, tool_choice="none"), None) is None
+    assert grammar_spec(request, ("<tool_call>", "</tool_call>")) is None or choice not in (None, "auto")

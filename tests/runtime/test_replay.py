@@ -41,3 +41,21 @@ def test_tool_calls_are_counted_not_repeated():
     replay = Replay(delivered)
     assert replay.new_tool_call() is False
     assert replay.new_tool_call() is True and delivered.tool_calls == 2
+
+
+def test_streamed_call_fragments_are_replayed_only_past_what_was_delivered():
+    from protocols.api import ToolCallDelta
+
+    def delta(**fields):
+        return ToolCallDelta(request_id="r", index=0, id="call-r-0", **fields)
+
+    delivered = Delivered()
+    first = Replay(delivered)
+    assert first.deliver(delta(name="f")) == [delta(name="f")]
+    assert first.deliver(delta(arguments='{"ci')) == [delta(arguments='{"ci')]
+    # The model is swapped out; the next run repeats the call from its start.
+    again = Replay(delivered)
+    assert again.deliver(delta(name="f")) == []
+    assert again.deliver(delta(arguments='{"c')) == []
+    assert again.deliver(delta(arguments='ity": ')) == [delta(arguments='ty": ')]
+    assert delivered.call_arguments == {0: '{"city": '}

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from protocols import Finished, GenerateRequest, SamplingParams
 from runtime import Runtime
 from runtime.config import TracingConfig
-from tests.conftest import CHUNK, make_config
+from tests.support.config import CHUNK, make_config
 
 
 async def _finish(rt: Runtime, request: GenerateRequest) -> Finished:

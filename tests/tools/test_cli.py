@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import REPO
+import pytest
+
+from tests.support.config import REPO
 
 
 def _mlxrt(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -29,6 +31,7 @@ def test_bad_config_exits_2_naming_file_and_key(tmp_path):
     assert "bad.toml" in result.stderr and "max_batch_size" in result.stderr
 
 
+@pytest.mark.slow
 def test_generate_json_events():
     result = _mlxrt("generate", "--config", "configs/tiny.toml", "--prompt-ids", "5,6,7,8", "--max-tokens", "6", "--json")
     assert result.returncode == 0, result.stderr
@@ -38,11 +41,13 @@ def test_generate_json_events():
     assert sum(len(e["token_ids"]) for e in deltas) == events[-1]["usage"]["completion_tokens"] - (events[-1]["finish_reason"] == "stop")
 
 
+@pytest.mark.slow
 def test_invalid_request_exits_3():
     result = _mlxrt("generate", "--config", "configs/tiny.toml", "--prompt-ids", "5,6", "--temperature", "-1")
     assert result.returncode == 3 and "temperature" in result.stderr
 
 
+@pytest.mark.slow
 def test_bench_runs_and_reports_ratios(tmp_path):
     out = tmp_path / "bench.json"
     result = _mlxrt(
@@ -73,6 +78,8 @@ def test_bench_runs_and_reports_ratios(tmp_path):
     assert "throughput_tok_s" in result.stdout
 
 
+@pytest.mark.server
+@pytest.mark.slow
 def test_bench_http_times_every_face(tmp_path):
     out = tmp_path / "bench-http.json"
     result = _mlxrt("bench-http", "--config", "configs/tiny.toml", "--requests", "3", "--prompt-tokens", "20", "--json", str(out))
@@ -83,6 +90,7 @@ def test_bench_http_times_every_face(tmp_path):
     assert "HTTP - socket" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_request_for_another_model_or_an_unknown_adapter_exits_3():
     for flag, value in (("--model", "other"), ("--adapter", "missing")):
         result = _mlxrt("generate", "--config", "configs/tiny.toml", "--prompt-ids", "5,6", flag, value)

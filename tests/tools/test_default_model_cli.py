@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
-from tests.integration.server_helpers import ServerProcess
+from tests.support.config import REPO
+from tests.support.serve import ServerProcess
 
 CONFIG = str(REPO / "configs" / "default.toml")
 QUESTION = "What is the capital of France?"
@@ -41,6 +41,7 @@ def server(tmp_path_factory):
         process.stop()
 
 
+@pytest.mark.server
 def test_the_printed_client_line_answers_as_printed(server, tmp_path):
     line = server.wait_for_output("mlxrt: try  ")
     command = line.split("mlxrt: try  ", 1)[1].strip()
@@ -55,6 +56,7 @@ def _stats(stderr: str) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in re.findall(r"\[(\d+) prompt tokens \((\d+) cached\)", stderr)]
 
 
+@pytest.mark.server
 def test_chat_over_the_socket_remembers_the_conversation_and_reuses_its_kv(server):
     command = server.wait_for_output("mlxrt: chat ").split("mlxrt: chat ", 1)[1].strip()
     turns = f"{QUESTION}\nWhat is its population, roughly?\n/reset\n/nonsense\nWhat is the capital of Germany?\n"
@@ -68,6 +70,7 @@ def test_chat_over_the_socket_remembers_the_conversation_and_reuses_its_kv(serve
     assert "forgotten" in result.stderr and "unknown command /nonsense" in result.stderr
 
 
+@pytest.mark.server
 def test_chat_over_http(server):
     url = re.search(r"OpenAI-compatible HTTP on (\S+)/v1", server.wait_for_output("OpenAI-compatible HTTP")).group(1)
     result = _run(["chat", "--http", url, "--temperature", "0"], stdin=QUESTION + "\n")
@@ -75,18 +78,21 @@ def test_chat_over_http(server):
     assert "Paris" in result.stdout
 
 
+@pytest.mark.slow
 def test_chat_in_process_answers():
     result = _run(["chat", "--config", CONFIG, "--temperature", "0", "--system", "Answer in one short sentence."], stdin=QUESTION + "\n")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout and "{" not in result.stderr
 
 
+@pytest.mark.slow
 def test_generate_renders_the_chat_template_and_prints_only_the_answer():
     chat = _run(["generate", "--config", CONFIG, "--prompt", QUESTION])
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout.strip().startswith("The capital of France is Paris") and chat.stderr == ""
 
 
+@pytest.mark.server
 def test_a_refused_turn_is_reported_and_the_chat_goes_on(server):
     url = re.search(r"OpenAI-compatible HTTP on (\S+)/v1", server.wait_for_output("OpenAI-compatible HTTP")).group(1)
     result = _run(["chat", "--http", url, "--temperature", "-1"], stdin=f"{QUESTION}\n{QUESTION}\n")

@@ -1,5 +1,9 @@
-"""Helpers for the HTTP tests: a runtime served over HTTP in the test's own event loop, an
-`openai` client for it, and raw requests for what no client would send."""
+"""A runtime served over HTTP in the test's own event loop, an `openai` client for it, and raw
+requests for what no client would send.
+
+`serving(config)` opens a `Runtime` (or a `ModelPool`) and its `HttpServer` on a free loopback
+port; `wait_runtime_idle` polls the runtime's stats until no request is live; `raw_request`
+sends bytes over a fresh connection and parses the answer."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from openai import AsyncOpenAI
 
 from net.http.server import HttpServer
 from runtime import Runtime, RuntimeConfig
-from tests.conftest import make_config
+from tests.support.config import make_config
 
 
 @dataclass
@@ -51,7 +55,7 @@ async def serving(config: RuntimeConfig | None = None, *, pool: bool = False, **
                 http.stop()
 
 
-async def wait_idle(rt: Runtime, timeout: float = 10.0):
+async def wait_runtime_idle(rt: Runtime, timeout: float = 10.0):
     """The runtime's stats once no request is live (within `timeout`)."""
     with anyio.fail_after(timeout):
         while True:

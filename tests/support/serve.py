@@ -1,10 +1,9 @@
-"""Shared helpers for the `mlxrt serve` integration tests.
+"""`mlxrt serve` subprocesses for the server tests, and waiting for a server to go idle.
 
-`running_server` starts `python -m tools.cli serve` as a subprocess on a fresh
-socket directory and stops it afterwards (SIGTERM, then SIGKILL). `RawConnection`
-speaks the wire protocol over a plain blocking socket, for tests that must send
-frames no `Client` would. The async helpers collect event streams and wait for a
-server to become idle, always with a deadline.
+`running_server` starts `python -m tools.cli serve` on a fresh socket directory (a config for the
+tiny built-in model written by `write_config`) and stops it afterwards (SIGTERM, then SIGKILL);
+`start_server` and `stop_all` let several start and stop at once. `wait_idle` polls a client's
+stats until nothing is live, with a deadline.
 """
 
 from __future__ import annotations
@@ -12,29 +11,26 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
 import msgspec
 
-from net.framing import HEADER, encode_frame
-from protocols.api import Finished, PrefillProgress, TokenDelta
-from protocols.wire import PROTOCOL_VERSION, Hello, ServerMessage, Stats, Welcome
-from tests.conftest import CHUNK, REPO
+from protocols.wire import Stats
+from tests.support.config import CHUNK, REPO
+from tests.support.waiting import wait_until
 
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 5.0
 
 
 def write_config(directory: Path, *, scheduler: dict | None = None, server: dict | None = None, name: str = "server.toml", **sections: dict) -> Path:
-    """A config for the tiny built-in model, matching `tests.conftest.make_config` unless overridden
+    """A config for the tiny built-in model, matching `tests.support.config.make_config` unless overridden
     (other sections, e.g. `checkpoints={...}`, by keyword)."""
     tree = {
         "model": {"path": "builtin:tiny"},
@@ -93,14 +89,11 @@ class ServerProcess:
 
     def wait_for_output(self, text: str, timeout: float = 10.0) -> str:
         """The first stdout line containing `text`, polled for up to `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for line in list(self.stdout_lines):
-                if text in line:
-                    return line
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the server never printed {text!r}; stdout: {self.stdout_lines}")
-            time.sleep(0.01)
+        return wait_until(
+            lambda: next((line for line in list(self.stdout_lines) if text in line), None),
+            timeout,
+            message=lambda: f"the server never printed {text!r}; stdout: {self.stdout_lines}",
+        )
 
     @property
     def alive(self) -> bool:
@@ -186,54 +179,6 @@ def running_server(directory: Path, *, scheduler: dict | None = None, server: di
         process.stop()
 
 
-# -- event streams -----------------------------------------------------------------
-
-
-@dataclass
-class Outcome:
-    tokens: list[int] = field(default_factory=list)
-    finished: list[Finished] = field(default_factory=list)
-    events: list = field(default_factory=list)
-
-    @property
-    def last(self) -> Finished:
-        assert len(self.finished) == 1, f"expected exactly one Finished, got {self.finished}"
-        assert self.events[-1] is self.finished[0], "Finished must be the last event"
-        return self.finished[0]
-
-    @property
-    def text(self) -> str:
-        return "".join(e.text for e in self.events if isinstance(e, TokenDelta))
-
-
-async def collect(events) -> Outcome:
-    """Every event of a stream, tokens concatenated."""
-    outcome = Outcome()
-    async for event in events:
-        outcome.events.append(event)
-        if isinstance(event, TokenDelta):
-            outcome.tokens += event.token_ids
-        elif isinstance(event, Finished):
-            outcome.finished.append(event)
-        else:
-            assert isinstance(event, PrefillProgress), event
-    return outcome
-
-
-async def collect_all(generate, requests: list) -> list[Outcome]:
-    """The streams of `requests` submitted together through `generate` (a runtime's, a pool's or
-    a client's), in request order."""
-    outcomes: list[Outcome] = [Outcome() for _ in requests]
-
-    async def one(i: int) -> None:
-        outcomes[i] = await collect(generate(requests[i]))
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(requests)):
-            tg.start_soon(one, i)
-    return outcomes
-
-
 def is_idle(stats) -> bool:
     s = stats.scheduler
     return (
@@ -257,98 +202,3 @@ async def wait_idle(client, timeout: float = 10.0, connections: int | None = Non
                 await anyio.sleep(0.02)
     except TimeoutError:
         raise AssertionError(f"the server did not become idle within {timeout} s: {stats}") from None
-
-
-# -- raw frames --------------------------------------------------------------------
-
-_DECODER = msgspec.msgpack.Decoder(ServerMessage)
-
-
-def frame_of(body: bytes) -> bytes:
-    return HEADER.pack(len(body)) + body
-
-
-class RawConnection:
-    """A blocking Unix-socket connection that sends whatever bytes it is told to."""
-
-    def __init__(self, path: Path | str, timeout: float = 5.0):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        self.sock.connect(str(path))
-        self._buffer = bytearray()
-        self.reset = False
-
-    def __enter__(self) -> RawConnection:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def send_bytes(self, data: bytes) -> bool:
-        """False if the server had already closed the connection."""
-        try:
-            self.sock.sendall(data)
-            return True
-        except (BrokenPipeError, ConnectionResetError):
-            return False
-
-    def send(self, message: msgspec.Struct) -> bool:
-        return self.send_bytes(encode_frame(message))
-
-    def send_body(self, body: bytes) -> bool:
-        return self.send_bytes(frame_of(body))
-
-    def shutdown_write(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_WR)
-
-    def hello(self) -> Welcome:
-        self.send(Hello(protocol_version=PROTOCOL_VERSION, client="raw-test"))
-        welcome = self.read()
-        assert isinstance(welcome, Welcome), welcome
-        return welcome
-
-    def _fill(self, n: int) -> bool:
-        while len(self._buffer) < n:
-            try:
-                chunk = self.sock.recv(65536)
-            except ConnectionResetError:
-                # Linux reports ECONNRESET instead of EOF when the server closed with our bytes unread.
-                self.reset = True
-                chunk = b""
-            if not chunk:
-                return False
-            self._buffer += chunk
-        return True
-
-    def read(self):
-        """The next server message, or None at end of stream (raises `TimeoutError` on a silent server)."""
-        if not self._fill(HEADER.size):
-            assert not self._buffer, f"the server closed mid-frame: {bytes(self._buffer)!r}"
-            return None
-        (size,) = HEADER.unpack(self._buffer[: HEADER.size])
-        if not self._fill(HEADER.size + size):
-            raise AssertionError("the server closed mid-frame")
-        body = bytes(self._buffer[HEADER.size : HEADER.size + size])
-        del self._buffer[: HEADER.size + size]
-        return _DECODER.decode(body)
-
-    def read_until_eof(self, limit: int = 100_000) -> list:
-        messages = []
-        while (message := self.read()) is not None:
-            messages.append(message)
-            assert len(messages) < limit
-        return messages
-
-    def read_until_finished(self, request_id: str) -> tuple[list[int], Finished]:
-        tokens = []
-        while True:
-            message = self.read()
-            assert message is not None, "the server closed the connection before Finished"
-            if isinstance(message, TokenDelta) and message.request_id == request_id:
-                tokens += message.token_ids
-            elif isinstance(message, Finished) and message.request_id == request_id:
-                return tokens, message

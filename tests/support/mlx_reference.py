@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.generate import stream_generate
+from mlx_lm.generate import generate_step, stream_generate
 from mlx_lm.utils import load
 
 from engine.builtin import builtin_name
-from tests.conftest import builtin_dir
+from tests.support.config import builtin_dir
 
 
 def load_reference(model: str):
+    """mlx-lm's model (in float32) and tokenizer for a `builtin:` model."""
     model_obj, tokenizer = load(str(builtin_dir(builtin_name(model))))
     model_obj.set_dtype(mx.float32)
     return model_obj, tokenizer
@@ -24,3 +25,8 @@ def greedy_tokens(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> l
             break
         tokens.append(response.token)
     return tokens
+
+
+def greedy_ids(model, prompt: list[int], n: int) -> list[int]:
+    """mlx-lm's first `n` greedy tokens, EOS or not (for requests without stops)."""
+    return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
