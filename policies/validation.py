@@ -46,6 +46,8 @@ def validate(request: GenerateRequest, info: ModelInfo, limits: LimitsConfig = L
         raise InvalidRequestError(f"max_tokens must be a positive integer, got {request.max_tokens!r}", field="max_tokens")
     if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", field="top_logprobs")
+    if request.truncate_prompt_tokens is not None and (not isinstance(request.truncate_prompt_tokens, int) or request.truncate_prompt_tokens < 1):
+        raise InvalidRequestError("truncate_prompt_tokens must be a positive integer", field="truncate_prompt_tokens")
     if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidRequestError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", field="prompt_logprobs")
     if any(not isinstance(s, str) or not s for s in request.stop):
@@ -170,7 +172,7 @@ def render_prompt(request: GenerateRequest, tokenizer: Any, max_bytes: int) -> l
         ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise InvalidRequestError("the prompt is empty", field="prompt")
-    return ids
+    return ids[-request.truncate_prompt_tokens :] if request.truncate_prompt_tokens else ids
 
 
 def effective_max_tokens(request: GenerateRequest, num_prompt: int, info: ModelInfo, default: int) -> int:

@@ -53,6 +53,8 @@ class GenerateRequest(Record, frozen=True):
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    # Keep only the prompt's last this many tokens (after the chat template; vLLM's option).
+    truncate_prompt_tokens: int | None = None
     # Score the prompt: each prompt token's log-probability given those before it, with this
     # many most likely alternatives (0-20), in the first `TokenDelta` (`prompt_logprobs`).
     # None: not scored. Such a request prefills its whole prompt (no prefix cache hit).

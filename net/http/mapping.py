@@ -152,7 +152,8 @@ def _common(body: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, 
         "ignore_eos": body.ignore_eos,
         "request_id": body.request_id or new_request_id(),
         "priority": body.priority,
-        "response_format": body.response_format,
+        "response_format": _response_format(body),
+        "truncate_prompt_tokens": body.truncate_prompt_tokens,
         "jump_forward": body.jump_forward,
         "snapshot_at": body.snapshot_at,
         "checkpoint_every": body.checkpoint_every,
@@ -160,6 +161,35 @@ def _common(body: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, 
         "speculative": body.speculative,
         "acceptance": body.acceptance,
     }
+
+
+def _response_format(body: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, Any] | None:
+    """`response_format`, or vLLM's structured outputs (`structured_outputs`, `guided_*`) as one."""
+    given = dict(body.structured_outputs or {})
+    for key in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{key}")
+        if value is not None:
+            given[key] = value
+    if not given:
+        return body.response_format
+    if body.response_format is not None or len(given) != 1:
+        raise HttpError(
+            "invalid_request", "give one structured output: response_format, or one of structured_outputs' json, regex, choice, grammar", "structured_outputs"
+        )
+    ((kind, value),) = given.items()
+    if kind == "json":
+        try:
+            schema = json.loads(value) if isinstance(value, str) else value
+        except (ValueError, RecursionError):
+            raise HttpError("invalid_request", "structured_outputs.json must be a JSON schema", "structured_outputs.json") from None
+        return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    if kind == "regex" and isinstance(value, str):
+        return {"type": "regex", "pattern": value}
+    if kind == "grammar" and isinstance(value, str):
+        return {"type": "grammar", "ebnf": value}
+    if kind == "choice" and isinstance(value, list) and value and all(isinstance(c, str) and c for c in value):
+        return {"type": "regex", "pattern": "(" + "|".join(re.escape(c) for c in value) + ")"}
+    raise HttpError("invalid_request", f"structured_outputs.{kind} has the wrong type", f"structured_outputs.{kind}")
 
 
 def chat_request(body: oa.ChatCompletionRequest) -> GenerateRequest:

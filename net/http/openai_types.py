@@ -39,6 +39,14 @@ class NativeExtras(msgspec.Struct, kw_only=True):
     request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     # Each choice (and streamed chunk) carries the generated `token_ids` too.
     return_token_ids: bool = False
+    # vLLM's structured outputs ({"json": schema} | {"regex": ...} | {"choice": [...]} |
+    # {"grammar": ebnf}), and its older spellings; an alternative to `response_format`.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    truncate_prompt_tokens: PositiveInt | None = None
     # vLLM's: each prompt token's log-probability given those before it, with this many
     # alternatives, in the choice's `prompt_logprobs` (the first token's is null).
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
