@@ -7,6 +7,10 @@ client (h11, one kept-alive connection, `/v1/completions` with `stream` and toke
 prompts) that stops its clock at the first server-sent event. The prefix cache is off, so
 every request prefills its whole prompt; the order of the three faces rotates per request.
 Prints p50/p90 TTFT per face and the HTTP-minus-socket difference, and writes JSON.
+
+Then `/metrics` latency, as a scraper sees it: one scraper GETs it back to back, on its own
+connection, while `scrape_streams` greedy streams decode (`scrape_tokens` tokens each), and
+again with nothing running; p50/p99 of each.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class HttpBenchOptions:
     prompt_tokens: int = 128
     new_tokens: int = 4
     seed: int = 0
+    scrape_streams: int = 16
+    scrape_tokens: int = 64
 
 
 async def _ttft_in_process(rt, prompt: list[int], options: HttpBenchOptions) -> float:
@@ -106,9 +112,50 @@ async def run_http_bench(config: RuntimeConfig, options: HttpBenchOptions) -> di
                         ttft = await faces[face](prompt)
                         if i >= 2:  # the first two warm every path up
                             times[face].append(ttft)
+            scrape_prompts = [[rng.randrange(100, vocab) for _ in range(options.prompt_tokens)] for _ in range(options.scrape_streams)]
+            scrapes = await _scrape_latencies(rt, url, scrape_prompts, options)
             http.stop()
             socket.stop()
-    return _summary(config, options, times)
+    return {**_summary(config, options, times), "metrics_scrape": scrapes}
+
+
+async def _scrape_latencies(rt, url: str, prompts: list[list[int]], options: HttpBenchOptions) -> dict:
+    """`/metrics` round trips while the streams decode, and idle."""
+
+    async def scrape(until: anyio.Event, out: list[float], at_least: int = 1) -> None:
+        async with HttpConnection.connect(url) as connection:
+            while not until.is_set() or len(out) < at_least:
+                start = time.perf_counter()
+                page = await connection.get("/metrics")
+                out.append(time.perf_counter() - start)
+                assert b"num_requests_running" in page
+
+    busy: list[float] = []
+    idle: list[float] = []
+    done = anyio.Event()
+    request = GenerateRequest(max_tokens=options.scrape_tokens, ignore_eos=True, sampling=SamplingParams(temperature=0.0))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scrape, done, busy)
+        async with anyio.create_task_group() as streams:
+            for prompt in prompts:
+                streams.start_soon(_drain, rt, msgspec.structs.replace(request, prompt_ids=prompt))
+        done.set()
+    await scrape(done, idle, 50)
+    return {"streams": options.scrape_streams, "busy": _percentiles(busy), "idle": _percentiles(idle)}
+
+
+async def _drain(rt, request: GenerateRequest) -> None:
+    async for _ in rt.generate(request):
+        pass
+
+
+def _percentiles(values: list[float]) -> dict:
+    ordered = sorted(values)
+    return {
+        "scrapes": len(ordered),
+        "p50_ms": 1000 * statistics.median(ordered),
+        "p99_ms": 1000 * ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+    }
 
 
 def _summary(config: RuntimeConfig, options: HttpBenchOptions, times: dict[str, list[float]]) -> dict:
@@ -133,6 +180,13 @@ def format_http_table(results: dict) -> str:
     for face, r in results["faces"].items():
         rows.append(f"{face:<12}{r['p50_ttft_ms']:14.2f}{r['p90_ttft_ms']:14.2f}")
     rows.append(f"HTTP - socket: p50 {results['http_minus_socket_p50_ms']:+.2f} ms, paired median {results['http_minus_socket_paired_median_ms']:+.2f} ms")
+    scrape = results.get("metrics_scrape")
+    if scrape:
+        busy, idle = scrape["busy"], scrape["idle"]
+        rows.append(
+            f"/metrics while {scrape['streams']} streams decode: p50 {busy['p50_ms']:.1f} ms, p99 {busy['p99_ms']:.1f} ms ({busy['scrapes']} scrapes);"
+            f" idle: p50 {idle['p50_ms']:.1f} ms, p99 {idle['p99_ms']:.1f} ms"
+        )
     return "\n".join(rows)
 
 

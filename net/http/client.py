@@ -49,8 +49,11 @@ class HttpConnection:
 
     async def get_json(self, target: str) -> dict:
         """GET `target`; its JSON body."""
-        body = b"".join([chunk async for chunk in self._exchange("GET", target, None)])
-        return json.loads(body)
+        return json.loads(await self.get(target))
+
+    async def get(self, target: str) -> bytes:
+        """GET `target`; its body."""
+        return b"".join([chunk async for chunk in self._exchange("GET", target, None)])
 
     def post(self, target: str, body: bytes) -> AsyncIterator[bytes]:
         """POST `body` (JSON) to `target`; yields the response body as it arrives."""
