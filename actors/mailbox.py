@@ -69,6 +69,13 @@ def answer(reply: Reply[R], value: R) -> None:
         pass
 
 
+def abandoned(reply: Reply) -> bool:
+    """Whether the asker has gone away (`ask` closes its end when its caller leaves), so work
+    still to do for this reply may stop."""
+    statistics = getattr(reply, "statistics", None)
+    return statistics is not None and statistics().open_receive_streams == 0
+
+
 class CoalescingInbox(Generic[T]):
     """An inbox that never blocks its sender and stays small: a new message may
     merge into the last queued one (`merge` returns the merged message, or None

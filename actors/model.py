@@ -5,6 +5,9 @@ config names, builds the engine there, then executes `RunStep` plans one at a ti
 answering each with a `StepOutcome` (or `StepFailed`, after which the engine holds no
 requests), and `AdapterCall`s (load, unload, list adapters) between steps.
 
+`Embed` calls (`engine.embed`) run a forward at a time on the MLX thread, so the scheduler's steps
+go on between their forwards; a call whose asker left stops at the next forward.
+
 Adapter files are read in worker threads, never on the MLX thread: a load reads its files
 while steps go on, then installs them there; a step that admits requests for evicted adapters
 first has their files read, and hands them to the bank for that step (`AdapterBank.staged`).
@@ -25,22 +28,26 @@ from typing import Any, assert_never
 
 import anyio
 import anyio.to_thread
+import msgspec
 import structlog
 
-from actors.mailbox import Mailbox, answer
+from actors.mailbox import Mailbox, abandoned, answer
 from actors.mlx_thread import MlxThread
 from engine.build import BuiltEngine, EngineSpec, MakeGrammars, build_engine
+from engine.embed import Embedder
 from engine.engine import Engine, Grammars
 from engine.lora import AdapterBank, AdapterFiles, read_adapter_files, read_staged
 from engine.model.world import Leader, World
 from protocols.api import AdapterInfo
 from protocols.config import AdapterConfig, DistributedConfig, KvConfig, LoraConfig, ModelConfig, SpeculativeConfig
-from protocols.errors import AdapterLoadError, InternalError, MlxrtError, RuntimeClosedError
-from protocols.model import AdapterCall, DropPrefixes, ModelInbox, ModelInfo, RunStep, StepFailed, StepOutcome, StepPlan, WorldStats
+from protocols.errors import AdapterLoadError, InternalError, InvalidRequestError, MlxrtError, RuntimeClosedError, ServerBusyError
+from protocols.model import AdapterCall, DropPrefixes, Embed, ModelInbox, ModelInfo, RunStep, StepFailed, StepOutcome, StepPlan, WorldStats
 
 # A clean shutdown tells the followers to stop; a world that does not take the message in
 # this long is already gone.
 WORLD_STOP_S = 5.0
+# Embedding calls served at once; more are refused busy (the runtime lets fewer through).
+MAX_EMBEDS = 4
 
 log = structlog.get_logger(actor="model")
 
@@ -105,6 +112,7 @@ class ModelActor:
         self._world_secret = world_secret
         self.world: WorldState | None = None
         self.inbox: Mailbox[ModelInbox] = Mailbox(16)
+        self._embeds = 0
 
     async def run(self, *, task_status) -> None:
         with self.inbox:  # closed however this ends, a failed load included
@@ -126,9 +134,12 @@ class ModelActor:
                 await self._thread.run(lambda a=adapter, f=files: bank.register(f, pinned=a.pinned))
             log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
             adapters = await self._thread.run(bank.infos)
-            task_status.started(ModelReady(info=loaded.info, tokenizer=loaded.tokenizer, grammars=grammars, adapters=adapters, world=self.world))
+            # (A world's body is sharded: a forward on this rank alone would wait for the others.)
+            embedder = await self._thread.run(Embedder, loaded.model, loaded.info.vocab_size) if built.world is None else None
+            info = msgspec.structs.replace(loaded.info, embedding_size=embedder.width) if embedder is not None else loaded.info
+            task_status.started(ModelReady(info=info, tokenizer=loaded.tokenizer, grammars=grammars, adapters=adapters, world=self.world))
             try:
-                await self._serve(engine, bank)
+                await self._serve(engine, bank, embedder)
             finally:
                 if self.world is not None and self.world.error is None:
                     with anyio.CancelScope(shield=True), anyio.move_on_after(WORLD_STOP_S):
@@ -137,7 +148,7 @@ class ModelActor:
                         except Exception as exc:  # a rank already gone: nothing to stop
                             log.warning("world_stop_failed", error=f"{type(exc).__name__}: {exc}")
 
-    async def _serve(self, engine: Engine | Leader, bank: AdapterBank) -> None:
+    async def _serve(self, engine: Engine | Leader, bank: AdapterBank, embedder: Embedder | None) -> None:
         # One load's files in memory at a time (each up to `bank.max_file_bytes`).
         reading = anyio.Lock()
         async with anyio.create_task_group() as tg:
@@ -155,6 +166,11 @@ class ModelActor:
                         tg.start_soon(self._load_adapter, bank, message, reading)
                     case AdapterCall(reply=reply):
                         answer(reply, await self._adapter_call(bank, message))
+                    case Embed() if embedder is not None and self._embeds < MAX_EMBEDS:
+                        self._embeds += 1
+                        tg.start_soon(self._embed, embedder, message)
+                    case Embed(reply=reply):
+                        answer(reply, self._embed_refusal(embedder))
                     case _:
                         assert_never(message)
 
@@ -192,6 +208,32 @@ class ModelActor:
         except Exception:
             log.exception("adapter_call_failed", op=call.op, name=call.name)
             return InternalError(f"the adapter call failed ({call.op} {call.name!r}); the server log has the details")
+
+    async def _embed(self, embedder: Embedder, call: Embed) -> None:
+        """One embedding call, a forward per MLX-thread job: steps run between its forwards."""
+        result: list[list[float]] | Exception = RuntimeClosedError("the runtime closed during the embedding call")
+        try:
+            job = await self._thread.run(embedder.job, call.inputs, call.pooling, call.normalize, call.batch_tokens)
+            while (vectors := await self._thread.run(job.step)) is None:
+                if abandoned(call.reply):
+                    await self._thread.run(job.close)
+                    return
+            result = vectors
+        except MlxrtError as exc:
+            result = exc
+        except Exception:
+            log.exception("embed_failed", inputs=len(call.inputs))
+            result = InternalError("the embedding call failed; the server log has the details")
+        finally:
+            self._embeds -= 1
+            answer(call.reply, result)
+
+    def _embed_refusal(self, embedder: Embedder | None) -> MlxrtError:
+        if self.world is not None:
+            return InvalidRequestError("a distributed world serves no embeddings (the model is sharded over its ranks)", field="model")
+        if embedder is None:
+            return InternalError("the model's embedder is missing")
+        return ServerBusyError(f"{MAX_EMBEDS} embedding calls are running; retry later")
 
     async def _step(self, engine: Engine | Leader, bank: AdapterBank, plan: StepPlan) -> StepOutcome | StepFailed:
         if self.world is not None:

@@ -6,7 +6,8 @@ across modules: `tests/engine/test_structure.py`):
 - the step, at this level: `engine` (the `Engine` that executes step plans), `prefill`,
   `batch` (the decode batch), `forward`, `known` (jump-forward and fast-forward spans),
   `sampler`, `compiled` (a lone row's compiled step), `speculation` and `draft`, `lora`
-  (the adapter bank), `sequence` (one request's state), `build` (one engine, built in one call);
+  (the adapter bank), `sequence` (one request's state), `build` (one engine, built in one call),
+  `embed` (embeddings: the model's body without its LM head, between steps);
 - `kv/`: where each layer keeps a request's positions (slots, paged and quantized KV, block
   tables, per-request caches, prefix entries, the layout probe);
 - `model/`: a model before any request (the loader, GGUF files, the CPU policy for quantized

@@ -411,8 +411,17 @@ class Engine:
             # Everything the cache lacks is fed next: usually the last token, more after a park
             # (the sampler counts those when they are appended, like any appended token).
             seq.extra = context[seq.num_prefilled + 1 :]
-            row = RowSampling(admit.sampling, admit.seed, admit.logprobs, admit.top_logprobs, num_sampled=len(seq.generated) - len(seq.extra))
-            self._sampler.add_row(row, context=context[: seq.num_prefilled + 1])
+            sampled = len(seq.generated) - len(seq.extra)
+            row = RowSampling(
+                admit.sampling,
+                admit.seed,
+                admit.logprobs,
+                admit.top_logprobs,
+                num_sampled=sampled,
+                stop_ids=tuple(admit.stop_token_ids) if admit.sampling.min_tokens else (),
+                bad_words=tuple(tuple(word) for word in admit.bad_words_ids),
+            )
+            self._sampler.add_row(row, context=context[: seq.num_prefilled + 1], generated=seq.generated[: max(0, sampled)])
             last = mx.array([context[seq.num_prefilled]], dtype=mx.uint32)
             self._pending = last if self._pending is None else mx.concatenate([self._pending, last])
             seq.cache = None
@@ -467,12 +476,16 @@ class Engine:
         logprobs = read_logprobs(result, tokens)
         choices = dict(zip(map(id, in_flight.appended), host(in_flight.choices))) if in_flight.choices is not None else {}
         accepted = dict(zip(map(id, in_flight.verified), host(in_flight.accepted))) if in_flight.accepted is not None else {}
+        exhausted = host(result.exhausted) if result.exhausted is not None else [False] * len(tokens)
         for sampling, seq in zip(in_flight.verified_sampling, in_flight.verified):
             sampling.num_sampled += accepted[id(seq)]  # a checked span's kept tokens were sampled too
         outputs = []
         for i, seq in enumerate(in_flight.rows):
             if self._sequences.get(seq.request_id) is not seq:
                 continue  # released since the dispatch (its id may even be reused by now)
+            if exhausted[i]:
+                outputs.append(self._exhausted(seq))
+                continue
             try:
                 if seq.failure is not None:
                     raise RuntimeError(seq.failure)
@@ -528,6 +541,13 @@ class Engine:
             self._release(seq.request_id)
             return output([*agreed, token, *forced], finish_reason="length")
         return output([*agreed, token, *forced], logprobs=wanted)
+
+    def _exhausted(self, seq: Sequence) -> RowOutput:
+        """The request's own logits controls (with its grammar) left no token to sample: it ends
+        with an `invalid_request` error, its KV not kept."""
+        self._release(seq.request_id, save_prefix=False)
+        why = "no token is left to sample: the request's allowed_token_ids, bad_words and min_tokens (with its grammar) exclude every token"
+        return RowOutput(request_id=seq.request_id, token_ids=[], finish_reason="error", error=why, error_code="invalid_request")
 
     def _fail(self, seq: Sequence, exc: Exception) -> RowOutput:
         """End one request with `error`; its KV is not kept (its state is suspect)."""

@@ -8,6 +8,13 @@ Gumbel-max draw at the row's temperature), but one batch is one set of array
 ops instead of a Python loop over rows. Random draws are keyed by
 `(seed, tokens sampled so far)`, so a row's draws do not depend on which other
 rows share its batch, and a resumed request can continue its sequence.
+
+Per-request logits controls: `logit_bias` is added first (mlx-lm's processor
+order), then after the penalties `allowed_token_ids`, `bad_words` and `min_tokens`
+set what a row may not sample to -inf. Their arrays are built only while some row
+has them, and rows without them keep their logits exactly. Rows with them never
+check a span (admission refuses them speculation and fast-forwarding), so
+`SpanCheck` positions see penalties and grammar masks only.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from xgrammar.kernels.apply_token_bitmask_mlx import apply_token_bitmask_mlx
 
 from protocols.api import SamplingParams
@@ -46,6 +54,10 @@ class RowSampling:
     logprobs: bool = False
     top_logprobs: int = 0
     num_sampled: int = 0
+    # The ids `params.min_tokens` keeps from being sampled early (EOS and the request's stop
+    # ids), and `bad_words` as token sequences (`AdmitRequest.bad_words_ids`).
+    stop_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -59,6 +71,16 @@ class RowSampling:
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs or self.top_logprobs > 0
+
+    @property
+    def history_width(self) -> int:
+        """Generated tokens its bad words look back over (the longest word's tokens but one)."""
+        return max((len(word) - 1 for word in self.bad_words), default=0)
+
+    @property
+    def bans_stops(self) -> bool:
+        """Its stop ids may not be sampled yet (`min_tokens`)."""
+        return self.num_sampled < self.params.min_tokens and bool(self.stop_ids)
 
 
 @dataclass
@@ -84,16 +106,19 @@ class SpanCheck:
 @dataclass
 class SampleResult:
     """Device arrays of one step; rows in batch order. For a `SpanCheck`'s rows, `tokens` is the
-    token after their kept span, and `accepted` how many span tokens were kept."""
+    token after their kept span, and `accepted` how many span tokens were kept. `exhausted`
+    (while some row's controls ban tokens): rows whose controls and grammar left no token at
+    all (their token is meaningless: the request ends with an error)."""
 
     tokens: mx.array
     logprobs: mx.array | None = None
     top_ids: mx.array | None = None
     top_logprobs: mx.array | None = None
     accepted: mx.array | None = None
+    exhausted: mx.array | None = None
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs, self.accepted) if a is not None]
+        return [a for a in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs, self.accepted, self.exhausted) if a is not None]
 
 
 # Draws that decide whether a proposed token is kept come from their own stream.
@@ -103,6 +128,24 @@ _ACCEPT_STREAM = 0x5BD1E995
 _RESIDUAL_STREAM = 0x27D4EB2F
 
 
+@dataclass
+class _Controls:
+    """The batch's logits controls as device arrays (None: no row has that kind)."""
+
+    # logit_bias: (rows, token ids, biases), one entry per biased token.
+    bias: tuple[mx.array, mx.array, mx.array] | None = None
+    # [rows, vocab]: False where allowed_token_ids leaves a token out or a one-token bad word bans it.
+    allowed: mx.array | None = None
+    # Longer bad words: (rows, prefixes right-aligned to the history's width with _ANY before
+    # them, last tokens), one entry per word.
+    words: tuple[mx.array, mx.array, mx.array] | None = None
+    # Rows with min_tokens (whose stop ids are banned while they are below it).
+    min_tokens: list[int] = field(default_factory=list)
+
+
+_ANY = -2  # a bad word's prefix position that matches any history token
+
+
 class BatchSampler:
     """Samples one token per row from `[rows, vocab]` logits."""
 
@@ -110,52 +153,117 @@ class BatchSampler:
         self.rows: list[RowSampling] = []
         self._window: mx.array | None = None
         self._params: dict[str, mx.array] | None = None
+        # Logits controls, rebuilt when the rows change; and each row's last generated tokens
+        # (-1 before the first) while some row has a bad word of several tokens.
+        self._controls: _Controls | None = None
+        self._history: mx.array | None = None
 
-    def add_row(self, row: RowSampling, context: list[int]) -> None:
-        """Append a row; `context` is its token history so far (prompt, generated)."""
+    def add_row(self, row: RowSampling, context: list[int], generated: list[int] | None = None) -> None:
+        """Append a row; `context` is its token history so far (prompt, generated), `generated`
+        the part of it the row generated (bad words look back over only that)."""
         self.rows.append(row)
         self._params = None
+        self._controls = None
         if row.has_penalty or self._window is not None:
             self._rebuild_window(extra_context=context)
+        if row.history_width or self._history is not None:
+            self._rebuild_history(generated or [])
 
     def reorder(self, order: list[int]) -> None:
         """Keep rows `order` (old indices, in their new order)."""
         self.rows = [self.rows[i] for i in order]
         self._params = None
+        self._controls = None
         if self._window is not None:
             self._window = self._window[mx.array(order, dtype=mx.int32)] if order else None
             if not any(r.has_penalty for r in self.rows):
                 self._window = None
+        if self._history is not None:
+            keep = order and any(r.history_width for r in self.rows)
+            self._history = self._history[mx.array(order, dtype=mx.int32)] if keep else None
 
     def advance(self, appended: dict[int, list[int]]) -> None:
         """Rows `i` appended tokens they did not sample (forced, fast-forwarded): penalties
         count them, and draws stay keyed by the number of tokens generated."""
         for i, tokens in appended.items():
             self.rows[i].num_sampled += len(tokens)
+        if self._history is not None and any(self.rows[i].history_width for i in appended):
+            self._history = _pushed(self._history, appended)
         if self._window is None or not any(self.rows[i].has_penalty for i in appended):
             return
-        width = self._window.shape[1]
-        rows = []
-        for i in range(len(self.rows)):
-            tokens = appended.get(i, [])[-width:]
-            row = self._window[i]
-            rows.append(mx.concatenate([row[len(tokens) :], mx.array(tokens, dtype=mx.int32)]) if tokens else row)
-        self._window = mx.stack(rows)
+        self._window = _pushed(self._window, appended)
 
     def process(self, logits: mx.array) -> mx.array:
-        """Logits after each row's penalties (mlx-lm's logits processors)."""
+        """Logits after each row's logit bias, penalties (mlx-lm's logits processors, in its
+        order) and bans (allowed_token_ids, bad_words, min_tokens)."""
         logits = logits.astype(mx.float32)
-        return self._penalize(logits, self._window, self.rows) if self._window is not None else logits
+        controls = self._controls_for(logits.shape[-1])
+        if controls.bias is not None:
+            rows, ids, values = controls.bias
+            logits = logits.at[rows, ids].add(values)
+        if self._window is not None:
+            logits = self._penalize(logits, self._window, self.rows)
+        return self._ban(logits, controls)
+
+    def _ban(self, logits: mx.array, controls: _Controls) -> mx.array:
+        """-inf where a row's controls forbid a token this step."""
+        if controls.allowed is not None:
+            logits = mx.where(controls.allowed, logits, -math.inf)
+        if controls.words is not None and self._history is not None:
+            rows, prefixes, last = controls.words
+            match = mx.all((prefixes == _ANY) | (self._history[rows] == prefixes), axis=1)
+            logits = logits.at[rows, last].add(mx.where(match, -math.inf, 0.0))
+        stops = [(i, t) for i in controls.min_tokens if self.rows[i].bans_stops for t in self.rows[i].stop_ids]
+        if stops:
+            stop_rows, stop_ids = zip(*stops)
+            banned = mx.full((len(stops),), -math.inf, mx.float32)
+            logits = logits.at[mx.array(stop_rows, dtype=mx.int32), mx.array(stop_ids, dtype=mx.int32)].add(banned)
+        return logits
+
+    def _controls_for(self, vocab: int) -> _Controls:
+        """The rows' logits controls as device arrays (cached until the rows change)."""
+        if self._controls is not None:
+            return self._controls
+        controls = _Controls(min_tokens=[i for i, r in enumerate(self.rows) if r.params.min_tokens > 0 and r.stop_ids])
+        bias = [(i, t, v) for i, r in enumerate(self.rows) for t, v in (r.params.logit_bias or {}).items()]
+        if bias:
+            rows, ids, values = zip(*bias)
+            controls.bias = (mx.array(rows, dtype=mx.int32), mx.array(ids, dtype=mx.int32), mx.array(values, dtype=mx.float32))
+        masked = [i for i, r in enumerate(self.rows) if r.params.allowed_token_ids is not None or any(len(w) == 1 for w in r.bad_words)]
+        if masked:
+            allowed = np.ones((len(self.rows), vocab), dtype=np.bool_)
+            for i in masked:
+                r = self.rows[i]
+                if r.params.allowed_token_ids is not None:
+                    allowed[i] = False
+                    allowed[i, r.params.allowed_token_ids] = True
+                allowed[i, [w[0] for w in r.bad_words if len(w) == 1]] = False
+            controls.allowed = mx.array(allowed)
+        width = self._history.shape[1] if self._history is not None else 0
+        words = [(i, w) for i, r in enumerate(self.rows) for w in r.bad_words if len(w) > 1]
+        if words and width:
+            prefixes = [[_ANY] * (width - len(w) + 1) + list(w[:-1]) for _, w in words]
+            controls.words = (
+                mx.array([i for i, _ in words], dtype=mx.int32),
+                mx.array(prefixes, dtype=mx.int32),
+                mx.array([w[-1] for _, w in words], dtype=mx.int32),
+            )
+        self._controls = controls
+        return controls
 
     def sample(self, logits: mx.array, mask: mx.array | None = None, check: SpanCheck | None = None) -> SampleResult:
         """One token per row; `mask` is an xgrammar bitmask ([rows, ceil(vocab / 32)] int32).
         Rows of `check` get the token after the part of their span that is kept instead."""
         rows = self.rows
+        controls = self._controls_for(logits.shape[-1])
+        bans = controls.allowed is not None or controls.words is not None or any(rows[i].bans_stops for i in controls.min_tokens)
         logits = self.process(logits)
         if mask is not None:
             logits = apply_token_bitmask_mlx(mask, logits, logits.shape[-1])
         tokens = self._choose(logits, rows, [0] * len(rows))
         result = SampleResult(tokens=tokens)
+        if bans:
+            result.exhausted = mx.max(logits, axis=-1) == -math.inf
         if any(r.wants_logprobs for r in rows):
             self._attach_logprobs(result, logits)
         new_windows = None
@@ -166,6 +274,8 @@ class BatchSampler:
             self._window = mx.concatenate([self._window[:, 1:], tokens[:, None].astype(mx.int32)], axis=1)
             if new_windows is not None and check is not None:
                 self._window[mx.array(check.rows, dtype=mx.int32)] = new_windows
+        if self._history is not None:  # (a checked row has no bad words: its history is unused)
+            self._history = mx.concatenate([self._history[:, 1:], tokens[:, None].astype(mx.int32)], axis=1)
         for r in rows:
             r.num_sampled += 1
         return result
@@ -271,6 +381,23 @@ class BatchSampler:
                 rows.append(mx.full((width,), -1, mx.int32))
         self._window = mx.stack(rows)
 
+    def _rebuild_history(self, generated: list[int]) -> None:
+        """Recreate the bad-word histories on a join: the new row's from its generated tokens,
+        the others' kept (rows without longer bad words keep -1s)."""
+        width = max(r.history_width for r in self.rows)
+        old = self._history
+        rows = []
+        for i, r in enumerate(self.rows):
+            if i == len(self.rows) - 1:
+                tail = generated[-width:] if r.history_width else []
+                rows.append(mx.array([-1] * (width - len(tail)) + tail, dtype=mx.int32))
+            elif old is not None and r.history_width:
+                row = old[i, max(0, old.shape[1] - width) :]
+                rows.append(mx.concatenate([mx.full((width - row.shape[0],), -1, mx.int32), row]))
+            else:
+                rows.append(mx.full((width,), -1, mx.int32))
+        self._history = mx.stack(rows)
+
     def _penalize(self, logits: mx.array, window: mx.array, rows: list[RowSampling]) -> mx.array:
         params = self._params_for(rows)
         num_rows, width = window.shape
@@ -314,6 +441,17 @@ def _penalty_params(rows: list[RowSampling]) -> dict[str, mx.array]:
         "frequency": mx.array([x.frequency_penalty for x in p])[:, None],
         "context": mx.array([x.penalty_context_size if r.has_penalty else 0 for x, r in zip(p, rows)]),
     }
+
+
+def _pushed(windows: mx.array, appended: dict[int, list[int]]) -> mx.array:
+    """`windows` ([rows, width] token windows) after rows `i` appended `appended[i]`."""
+    width = windows.shape[1]
+    rows = []
+    for i in range(windows.shape[0]):
+        tokens = appended.get(i, [])[-width:]
+        row = windows[i]
+        rows.append(mx.concatenate([row[len(tokens) :], mx.array(tokens, dtype=mx.int32)]) if tokens else row)
+    return mx.stack(rows)
 
 
 def draft_draws(logits: mx.array, rows: list[RowSampling], offset: int) -> tuple[mx.array, mx.array]:

@@ -41,6 +41,8 @@ def refusal(request: GenerateRequest, grammar_kind: str | None) -> str | None:
         return "a grammar produces the forced tokens of this request (jump-forward)"
     if request.logprobs or request.top_logprobs:
         return "logprobs: appended tokens are not sampled and have no distribution"
+    if request.sampling.has_logit_controls:
+        return "logit_bias, min_tokens, allowed_token_ids or bad_words: appended tokens are not sampled, so they would bypass them"
     if request.sampling.seed is not None and request.sampling.temperature > 0:
         return "an explicit seed at temperature > 0: appended tokens bypass the seeded sampler, so the seed would not reproduce the output"
     return None

@@ -51,7 +51,8 @@ def plan_speculation(request: GenerateRequest, config: SpeculativeConfig, has_dr
     With a draft model configured, requests speculate unless they opt out; with
     `speculative.lookup`, by prompt lookup. A request that asks for speculation
     (`speculative=True`) where neither is configured gets prompt lookup. A request that wants
-    log-probabilities does not speculate (a refusal in its `Finished.spec`)."""
+    log-probabilities, or has logits controls (`logit_bias`, `min_tokens`, `allowed_token_ids`,
+    `bad_words`), does not speculate (a refusal in its `Finished.spec`)."""
     if request.acceptance is not None and request.acceptance not in ACCEPTANCES:
         raise InvalidRequestError(f"acceptance must be one of {', '.join(ACCEPTANCES)}, got {request.acceptance!r}", field="acceptance")
     if request.speculative is False or not (has_draft or config.lookup or request.speculative):
@@ -60,6 +61,9 @@ def plan_speculation(request: GenerateRequest, config: SpeculativeConfig, has_dr
     acceptance = cast(Literal["exact", "rejection"], request.acceptance or config.acceptance)
     if request.logprobs or request.top_logprobs:
         return None, SpecStats(method=method, acceptance=acceptance, refused="logprobs: a kept draft token's distribution is not reported")
+    if request.sampling.has_logit_controls:
+        reason = "logit_bias, min_tokens, allowed_token_ids or bad_words: drafts are not checked under the request's logits processing"
+        return None, SpecStats(method=method, acceptance=acceptance, refused=reason)
     plan = SpecPlan(
         method=method,
         acceptance=acceptance,

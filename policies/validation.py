@@ -25,6 +25,11 @@ MAX_PENALTY_CONTEXT = 4096
 MAX_MESSAGE_DEPTH = 32
 MAX_SEED = (1 << 64) - 1
 MAX_ADAPTER_NAME = 200
+# Per-request logits controls: OpenAI's limits for logit_bias; bad words (each tokenized twice).
+MAX_LOGIT_BIAS = 300
+MAX_BIAS = 100
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_BYTES = 8192
 # Request ids: safe in an HTTP header, a log line and a checkpoint file name, on every front.
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:@-]{1,200}")
 
@@ -78,6 +83,7 @@ def validate(request: GenerateRequest, info: ModelInfo, limits: LimitsConfig = L
     if request.messages is not None and (not request.messages or not all(isinstance(m, dict) for m in request.messages)):
         raise InvalidRequestError("messages must be a non-empty list of objects", field="messages")
     validate_sampling(request.sampling)
+    validate_logit_controls(request.sampling, info.vocab_size, request.max_tokens)
 
 
 def validate_sampling(s: SamplingParams) -> None:
@@ -99,6 +105,45 @@ def validate_sampling(s: SamplingParams) -> None:
     for name, ok, expected in checks:
         if not ok:
             raise InvalidRequestError(f"sampling.{name} must be {expected}, got {getattr(s, name)!r}", field=f"sampling.{name}")
+
+
+def validate_logit_controls(s: SamplingParams, vocab_size: int, max_tokens: int | None = None) -> None:
+    """`logit_bias`, `min_tokens`, `allowed_token_ids`, `bad_words`: types, ranges and sizes."""
+    bias = s.logit_bias
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"sampling.logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases", field="sampling.logit_bias")
+        check_ids(list(bias), vocab_size, "sampling.logit_bias")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and -MAX_BIAS <= v <= MAX_BIAS for v in bias.values()):
+            raise InvalidRequestError(f"sampling.logit_bias values must be numbers in [-{MAX_BIAS}, {MAX_BIAS}]", field="sampling.logit_bias")
+    if not isinstance(s.min_tokens, int) or isinstance(s.min_tokens, bool) or s.min_tokens < 0:
+        raise InvalidRequestError(f"sampling.min_tokens must be an integer >= 0, got {s.min_tokens!r}", field="sampling.min_tokens")
+    if max_tokens is not None and s.min_tokens > max_tokens:
+        raise InvalidRequestError(f"sampling.min_tokens ({s.min_tokens}) must be at most max_tokens ({max_tokens})", field="sampling.min_tokens")
+    if s.allowed_token_ids is not None:
+        check_ids(s.allowed_token_ids, vocab_size, "sampling.allowed_token_ids")
+        if not 0 < len(s.allowed_token_ids) <= vocab_size:
+            raise InvalidRequestError(f"sampling.allowed_token_ids must hold 1-{vocab_size} token ids", field="sampling.allowed_token_ids")
+    words = s.bad_words
+    if words is not None:
+        if not isinstance(words, list) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise InvalidRequestError("sampling.bad_words must be a list of non-blank strings", field="sampling.bad_words")
+        if len(words) > MAX_BAD_WORDS or sum(len(w.encode()) for w in words) > MAX_BAD_WORD_BYTES:
+            raise InvalidRequestError(f"at most {MAX_BAD_WORDS} bad_words of {MAX_BAD_WORD_BYTES} bytes in all", field="sampling.bad_words")
+
+
+def bad_words_ids(words: list[str], tokenizer: Any) -> list[list[int]]:
+    """Each bad word's token ids as vLLM forms them (blocking; run in a worker thread): the word
+    without leading spaces, and with one leading space where that makes a new first token of the
+    same length (so the word is banned at the start of the text and after a space)."""
+    found: list[list[int]] = []
+    for word in words:
+        bare = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        for ids in (bare, spaced):
+            if ids and ids not in found and (ids is bare or (bare and ids[0] != bare[0] and len(ids) == len(bare))):
+                found.append(ids)
+    return found
 
 
 def check_ids(ids: Any, vocab_size: int, field: str) -> None:

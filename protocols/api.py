@@ -36,10 +36,35 @@ class SamplingParams(Record, frozen=True):
     # Tokens (prompt included) the three penalties look back over, as in mlx-lm.
     penalty_context_size: int = 20
     seed: int | None = None
+    # Logits processing (vLLM's and OpenAI's per-request controls). A request with any of these
+    # does not speculate, fast-forward or jump forward (reasons in `Finished.spec`/`fill`), so
+    # every token it generates is sampled under them. With a grammar they narrow its mask. When
+    # they (and the grammar) leave no token at all, the request ends with an `invalid_request` error.
+    # {token id: bias in [-100, 100]} added to the logits before penalties and sampling
+    # (OpenAI's semantics, mlx-lm's order; at most 300 entries).
+    logit_bias: dict[int, float] | None = None
+    # End-of-sequence and `stop_token_ids` cannot be sampled before this many tokens were
+    # generated (vLLM's semantics; stop strings still end the request). At most max_tokens.
+    min_tokens: int = 0
+    # Only these token ids may be sampled (a non-empty list of ids in the vocabulary).
+    allowed_token_ids: list[int] | None = None
+    # Strings whose tokens may not be generated (vLLM's semantics: each word is tokenized with
+    # and without a leading space; a one-token word is banned outright, a longer word's last
+    # token right after the generated tokens end with its others). At most 128 words.
+    bad_words: list[str] | None = None
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether any of logit_bias, min_tokens, allowed_token_ids, bad_words is set."""
+        return bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None or bool(self.bad_words)
 
 
 class GenerateRequest(Record, frozen=True):
-    """One generation. Exactly one of `prompt`, `prompt_ids`, `messages` is set."""
+    """One generation. Exactly one of `prompt`, `prompt_ids`, `messages` is set.
+
+    `sampling` holds the sampler's settings and the per-request logits controls
+    (`logit_bias`, `min_tokens`, `allowed_token_ids`, `bad_words`; see `SamplingParams`).
+    """
 
     prompt: str | None = None
     prompt_ids: list[int] | None = None
@@ -76,7 +101,8 @@ class GenerateRequest(Record, frozen=True):
     # the last two constrain the output to the model's tool-call format.
     tool_choice: str | dict[str, Any] | None = None
     # Append tokens the grammar forces in one forward instead of sampling them one by one
-    # (None: the runtime's default; never while logprobs are requested).
+    # (None: the runtime's default; never while logprobs or `sampling`'s logits controls are
+    # requested: forced tokens would bypass them).
     jump_forward: bool | None = None
     # Keep the KV of the first `snapshot_at` prompt tokens as a prefix entry as soon as
     # prefill passes them (e.g. the end of a shared system prompt).
@@ -88,10 +114,11 @@ class GenerateRequest(Record, frozen=True):
     # request's tools is appended without sampling it) or "echo" (strict, plus spans copied
     # from earlier in the context, kept only as far as the model's own greedy choice agrees).
     # None: the runtime's `generation.fill`. Refused (reason in `Finished.fill`) with a
-    # grammar or logprobs.
+    # grammar, logprobs or `sampling`'s logits controls.
     fill: str | None = None
     # Speculative decoding: None follows the runtime (on when `[speculative]` has a draft
-    # model or prompt lookup); False opts out. Never with logprobs (reason in `Finished.spec`).
+    # model or prompt lookup); False opts out. Never with logprobs or `sampling`'s logits
+    # controls (reason in `Finished.spec`).
     speculative: bool | None = None
     # How drafted tokens are kept: "exact" (while they equal the tokens the request's own
     # sampler draws: the output is the one decoding without speculation gives, seeded sampling

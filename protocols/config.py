@@ -288,3 +288,22 @@ class LoggingConfig(Section, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     # "auto": human-readable on a terminal, JSON lines otherwise.
     format: Literal["auto", "json", "console"] = "auto"
+
+
+# How one input's final hidden states become its embedding: the last token's, or their mean.
+Pooling = Literal["last", "mean"]
+
+
+class EmbeddingsConfig(Section, frozen=True):
+    """`POST /v1/embeddings` and `Runtime.embed`: the model's final hidden states, pooled."""
+
+    # "last" suits decoder LMs (the last position has seen the whole input); "mean" averages.
+    pooling: Pooling = "last"
+    # Scale each vector to unit L2 length.
+    normalize: bool = True
+    # Inputs per call, and their tokens in all.
+    max_inputs: Annotated[int, msgspec.Meta(ge=1, le=2048)] = 256
+    max_tokens: Positive = 65536
+    # Tokens one forward takes: inputs are batched (right-padded) up to it and longer ones go in
+    # chunks of it, each forward between two engine steps (the longest stall decoding streams see).
+    batch_tokens: Annotated[int, msgspec.Meta(ge=16)] = 1024

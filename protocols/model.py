@@ -12,6 +12,7 @@ import msgspec
 
 from protocols.api import AdapterInfo, FillStats, SamplingParams, SpecStats, TokenLogprob
 from protocols.base import Message, Record, Reply
+from protocols.config import Pooling
 
 
 class GrammarSpec(Record, frozen=True):
@@ -93,6 +94,10 @@ class AdmitRequest(Record, frozen=True):
     seed: int
     # Sampling one of these ends the request (EOS ids plus the request's own).
     stop_token_ids: list[int]
+    # `sampling.bad_words` as token-id sequences (each word with and without a leading space,
+    # tokenized at admission): a one-token sequence is never sampled, a longer one's last
+    # token not right after the generated tokens end with the rest.
+    bad_words_ids: list[list[int]] = msgspec.field(default_factory=list)
     logprobs: bool = False
     top_logprobs: int = 0
     # Score the prompt in its prefill: each prompt token's log-probability given the tokens
@@ -318,6 +323,9 @@ class ModelInfo(Record, frozen=True):
     world: str = ""
     # Whether the tokenizer renders `messages` (a chat template came with the model).
     has_chat_template: bool = False
+    # The width of the final hidden states (`Embed`'s vectors); 0: the model's body (the model
+    # without its LM head) was not found, or a distributed world (embeddings are refused).
+    embedding_size: int = 0
 
 
 class StepFailed(Record, frozen=True):
@@ -350,7 +358,20 @@ class AdapterCall(Message, frozen=True):
     pinned: bool = False
 
 
-ModelInbox = RunStep | DropPrefixes | AdapterCall
+class Embed(Message, frozen=True):
+    """The final hidden states of these token-id lists, pooled per input (and L2-normalized),
+    as float32 values; computed between steps on fresh state (never a request's KV). Answered
+    with one vector per input, in order, or the typed error that refused the call."""
+
+    inputs: list[list[int]]
+    pooling: Pooling
+    normalize: bool
+    reply: Reply[list[list[float]] | Exception]
+    # Tokens one forward takes (`embeddings.batch_tokens`).
+    batch_tokens: int = 1024
+
+
+ModelInbox = RunStep | DropPrefixes | AdapterCall | Embed
 
 
 # -- a distributed world: rank 0's calls, made by every rank (`engine.model.world`) ------------------

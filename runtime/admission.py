@@ -3,7 +3,8 @@
 `Admission.prepare` turns a `GenerateRequest` into what the engine runs (`AdmitRequest`):
 validation against the model and `[limits]`, the prompt rendered and tokenized (refused
 by size first), max_tokens fitted to the context, the seed, stop ids, the grammar
-(compiled and pinned), jump-forward, the fast-forward plan and the checkpoint cadence.
+(compiled and pinned), jump-forward, the fast-forward plan, bad words as token ids and the
+checkpoint cadence.
 `prepare_resume` does the same from a checkpoint file, re-validating everything it holds.
 
 Any failure is that request's typed error (`InvalidRequestError` naming the field when the
@@ -170,25 +171,31 @@ class Admission:
 
     async def _with_features(self, prepared: Prepared, grammar: GrammarSpec | None, fill_mode: str) -> Prepared:
         """Add the grammar (compiled and pinned: bad grammars are refused before any compute),
-        jump-forward and the fast-forwarding plan; the grammar is released if this fails."""
+        jump-forward, the fast-forwarding plan and the bad words' token ids; the grammar is
+        released if this fails."""
         request, admit = prepared.request, prepared.admit
         spec_plan, spec_stats = plan_speculation(request, self._config.speculative, has_draft=bool(self._config.speculative.draft))
         if spec_plan is not None and spec_stats is not None and self._config.distributed.backend:
             spec_plan, spec_stats = None, msgspec.structs.replace(spec_stats, refused="a distributed world does not speculate")
         if grammar is not None:
             await self._grammars.acquire(grammar)
+        words = request.sampling.bad_words
         try:
             fill_plan, fill_stats = await self._fill_plan(request, fill_mode, grammar, admit.prompt_ids, admit.stop_token_ids)
+            # Bad words as token sequences, tokenized once here (off the event loop).
+            bad_words_ids = await anyio.to_thread.run_sync(requests.bad_words_ids, words, self._tokenizer) if words else []
         except BaseException:
             if grammar is not None:
                 self._grammars.release(grammar)
             raise
-        admit = msgspec.structs.replace(admit, grammar=grammar, jump_forward=self._jump_forward(request, grammar, fill_plan), fill=fill_plan, spec=spec_plan)
+        jump_forward = self._jump_forward(request, grammar, fill_plan)
+        admit = msgspec.structs.replace(admit, grammar=grammar, jump_forward=jump_forward, fill=fill_plan, spec=spec_plan, bad_words_ids=bad_words_ids)
         return Prepared(admit=admit, request=request, checkpoint_every=prepared.checkpoint_every, fill_stats=fill_stats, spec_stats=spec_stats, grammar=grammar)
 
     def _jump_forward(self, request: GenerateRequest, grammar: GrammarSpec | None, fill_plan) -> bool:
         # Strict fast-forward rows, where a forced tool call has some, take jump-forward's place.
-        if grammar is None or (fill_plan and fill_plan.rows) or request.logprobs or request.top_logprobs:
+        # Forced tokens are not sampled: no jump-forward under logprobs or logits controls.
+        if grammar is None or (fill_plan and fill_plan.rows) or request.logprobs or request.top_logprobs or request.sampling.has_logit_controls:
             return False
         return request.jump_forward if request.jump_forward is not None else self._config.generation.jump_forward
 

@@ -18,6 +18,7 @@ from protocols.config import (
     AdapterConfig,
     CheckpointConfig,
     DistributedConfig,
+    EmbeddingsConfig,
     GenerationConfig,
     KvConfig,
     LimitsConfig,
@@ -39,6 +40,7 @@ __all__ = [
     "AdapterConfig",
     "CheckpointConfig",
     "DistributedConfig",
+    "EmbeddingsConfig",
     "GenerationConfig",
     "KvConfig",
     "LimitsConfig",
@@ -68,6 +70,7 @@ SECTIONS = (
     "lora",
     "model_pool",
     "distributed",
+    "embeddings",
 )
 
 
@@ -89,6 +92,7 @@ class RuntimeConfig(Section, frozen=True):
     models: list[PoolModelConfig] = msgspec.field(default_factory=list)
     model_pool: ModelPoolConfig = ModelPoolConfig()
     distributed: DistributedConfig = DistributedConfig()
+    embeddings: EmbeddingsConfig = EmbeddingsConfig()
 
     @classmethod
     def load(cls, path: str | Path, *, environ: Mapping[str, str] | None = None, overrides: Mapping[str, object] | None = None) -> RuntimeConfig:

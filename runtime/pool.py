@@ -32,6 +32,7 @@ from actors.mlx_thread import MlxThread
 from engine.model.memory import DTYPE_BYTES, estimate_weight_bytes, release_memory
 from policies.validation import check_request_id
 from protocols.api import AdapterInfo, Event, Finished, GenerateRequest, ModelStatus, TokenDelta, new_request_id
+from protocols.config import Pooling
 from protocols.model import ModelInfo
 from protocols.stats import Stats
 from runtime.admission import checkpoint_directory_problem
@@ -198,6 +199,21 @@ class ModelPool:
             return await rt.prompt_token_ids(msgspec.structs.replace(request, model=None))
         finally:
             self._release(model)
+
+    async def embed(
+        self, inputs: list[list[int]] | list[str], *, model: str | None = None, pooling: Pooling | None = None, normalize: bool | None = None
+    ) -> tuple[list[list[float]], int]:
+        """As `Runtime.embed`, on the model named (loaded, as a request for it would be, if it
+        is not resident)."""
+        if self._closed:
+            raise RuntimeClosedError("the pool is shutting down")
+        entry = self._model(model)
+        rt = await self._acquire(entry)
+        assert rt is not None  # (None only for a cancelled request id)
+        try:
+            return await rt.embed(inputs, pooling=pooling, normalize=normalize)
+        finally:
+            self._release(entry)
 
     def submit_resume(self, request_id: str) -> PoolStream:
         raise InvalidRequestError("resuming a checkpoint by id is not available with several models", field="request_id")

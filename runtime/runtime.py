@@ -24,21 +24,31 @@ from actors.scheduler import SchedulerActor
 from actors.session import SessionActor
 from policies.adapters import AdapterRegistry, AdapterSlots
 from policies.detokenize import make_detokenizer
+from policies.embeddings import embedding_ids, embedding_options
 from policies.layout import checkpoint_format
 from policies.ledger import KvLedger
 from policies.output_parser import OutputParser
 from policies.scheduling import SchedulePolicy
 from policies.validation import check_request_id
 from protocols.api import AdapterInfo, Event, GenerateRequest, new_request_id
+from protocols.config import Pooling
 from protocols.kv import DrainFiles, GetKvStats
-from protocols.model import AdapterCall, ModelInbox, ModelInfo
+from protocols.model import AdapterCall, Embed, ModelInbox, ModelInfo
 from protocols.scheduler import GetSchedulerStats
 from protocols.stats import Stats
 from runtime import blas, env
 from runtime.admission import Admission, Prepared, checkpoint_directory_problem
 from runtime.checkpoints import CheckpointStore
 from runtime.config import RuntimeConfig
-from runtime.errors import ConfigError, InvalidRequestError, RuntimeClosedError, WorldUnavailableError, single_errors
+from runtime.errors import (
+    ConfigError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    RuntimeClosedError,
+    ServerBusyError,
+    WorldUnavailableError,
+    single_errors,
+)
 from runtime.grammar import GrammarCache
 from runtime.logging import configure_logging
 from runtime.metrics import RuntimeMetrics
@@ -51,6 +61,8 @@ log = structlog.get_logger(actor="runtime")
 EVENT_BUFFER = 16
 # Time live requests' callers get to receive their `Finished(cancelled)` at shutdown.
 SHUTDOWN_GRACE_S = 2.0
+# Embedding calls the model actor runs at once (their forwards take turns with engine steps).
+EMBED_CALLS = 2
 
 
 class Runtime:
@@ -85,6 +97,9 @@ class Runtime:
         )
         self._closed = False
         self._world = ready.world
+        self._embed_calls = anyio.Semaphore(EMBED_CALLS)
+        # Embedding calls in progress (tokenizing, waiting for a turn, running): past the queue's size, busy.
+        self._embed_waiting = 0
 
     @classmethod
     @asynccontextmanager
@@ -181,6 +196,44 @@ class Runtime:
         too many requests are being prepared, `RuntimeClosedError` during shutdown."""
         self._check_open()
         return await self._admission.prompt_token_ids(request)
+
+    async def embed(
+        self, inputs: list[list[int]] | list[str], *, model: str | None = None, pooling: Pooling | None = None, normalize: bool | None = None
+    ) -> tuple[list[list[float]], int]:
+        """Each input's embedding, and the tokens the inputs had in all: the model's final hidden
+        states (the model without its LM head) pooled (`last` token or `mean`; default
+        `embeddings.pooling`) and scaled to unit length (default `embeddings.normalize`), float32
+        values. Texts are tokenized as a completion prompt is, in a worker thread; the forwards
+        run between engine steps on fresh state, so running requests' streams are unchanged.
+
+        Raises `InvalidRequestError` naming the input at fault (`input[2]`: empty, a token id
+        outside the vocabulary; `input`: none or too many), `RequestTooLargeError` for an input
+        over the context or too many tokens in all (`embeddings.max_tokens`), `ServerBusyError`
+        when too many calls wait, `RuntimeClosedError` during shutdown; a distributed world, and
+        a model whose body cannot be found (`ModelInfo.embedding_size` 0), refuse them."""
+        self._check_open()
+        if model is not None and model != self.config.model_name:
+            raise ModelNotFoundError(f"no model named {model!r}; this runtime serves {self.config.model_name!r}", field="model")
+        if self._world is not None:
+            raise InvalidRequestError("a distributed world serves no embeddings (the model is sharded over its ranks)", field="model")
+        settings = self.config.embeddings
+        options = embedding_options(pooling, normalize, settings)
+        if self._embed_waiting >= self.config.scheduler.max_queued_requests:
+            raise ServerBusyError("too many embedding calls are waiting; retry later")
+        self._embed_waiting += 1
+        try:
+            ids = await anyio.to_thread.run_sync(embedding_ids, inputs, self._tokenizer, self.model_info, settings, self.config.limits)
+            async with self._embed_calls:
+                self._check_open()
+                fields = {"inputs": ids, "pooling": options[0], "normalize": options[1], "batch_tokens": settings.batch_tokens}
+                result = await ask(self._model, Embed, **fields)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
+            raise RuntimeClosedError("the runtime is closed") from None
+        finally:
+            self._embed_waiting -= 1
+        if isinstance(result, Exception):
+            raise result
+        return result, sum(len(tokens) for tokens in ids)
 
     async def checkpointed_request(self, request_id: str) -> GenerateRequest | None:
         """The request a usable checkpoint of `request_id` holds (None when there is none):

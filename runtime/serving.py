@@ -11,6 +11,7 @@ from types import TracebackType
 from typing import Any, Protocol, Self
 
 from protocols.api import AdapterInfo, Event, GenerateRequest
+from protocols.config import Pooling
 from protocols.model import ModelInfo
 from protocols.stats import Stats
 from runtime.config import RuntimeConfig
@@ -65,6 +66,13 @@ class Serving(Protocol):
     async def prompt_token_ids(self, request: GenerateRequest) -> list[int]:
         """The tokens the request's prompt renders to (chat template, tools), as `submit` renders
         it, without running it (tokenized off the event loop)."""
+        ...
+
+    async def embed(
+        self, inputs: list[list[int]] | list[str], *, model: str | None = None, pooling: Pooling | None = None, normalize: bool | None = None
+    ) -> tuple[list[list[float]], int]:
+        """The embedding of each input (texts or token ids) from the named model's final hidden
+        states, and the tokens the inputs had in all (`Runtime.embed`)."""
         ...
 
     async def cancel(self, request_id: str) -> None: ...

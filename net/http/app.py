@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API as a Starlette app over one `Runtime`.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models[/{model}]`,
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/embeddings`, `GET /v1/models[/{model}]`,
 `GET /health` (503 until the runtime is attached, and once the server drains), `GET
 /metrics` (Prometheus text). A request body is read within `server.max_body_bytes` and
 `server.body_timeout_s`, decoded into a typed request (`openai_types`), mapped onto a
@@ -39,6 +39,7 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from net.http import anthropic_types as at
+from net.http import embeddings as emb
 from net.http import openai_types as oa
 from net.http import responses_api_types as ra
 from net.http import tokens
@@ -222,6 +223,23 @@ class Api:
         self.stored_responses.get(response_id)  # (a 404 for an unknown id)
         self.stored_responses.delete(response_id)
         return json_response(ra.DeletedResponse(id=response_id))
+
+    async def embeddings(self, request: Request) -> Response:
+        """One vector per input from the model's final hidden states (`embeddings`); a client that
+        leaves cancels the call at its next forward."""
+        runtime = self._ready()
+        body = decode_body(await self._read_body(request), emb.EmbeddingRequest)
+        model, adapter = self._check_model(body.model)
+        if adapter is not None:
+            raise HttpError("invalid_request", f"`{body.model}` is a LoRA adapter; embeddings come from the base model", "model")
+        emb.inputs_of(body)  # (its shape refused before waiting for anything)
+        if model is None:
+            emb.check_dimensions(body, runtime.model_info.embedding_size)
+        got = await _unless_disconnected(request.receive, lambda: emb.embed(runtime, body, model))
+        if not got:
+            return Response(status_code=CLIENT_LEFT)
+        vectors, num_tokens = got[0]
+        return Response(await anyio.to_thread.run_sync(emb.encode_response, body, vectors, num_tokens), media_type=JSON)
 
     async def tokenize(self, request: Request) -> Response:
         body = decode_body(await self._read_body(request), tokens.TokenizeRequest)
@@ -554,6 +572,7 @@ def build_app(api: Api) -> Starlette:
         Route("/v1/models/{model:path}", _endpoint(api, api.model, "models"), methods=["GET"]),
         Route("/v1/load_lora_adapter", _endpoint(api, api.load_lora_adapter, "adapters"), methods=["POST"]),
         Route("/v1/unload_lora_adapter", _endpoint(api, api.unload_lora_adapter, "adapters"), methods=["POST"]),
+        Route("/v1/embeddings", _endpoint(api, api.embeddings, "embeddings"), methods=["POST"]),
         Route("/tokenize", _endpoint(api, api.tokenize, "tokenize"), methods=["POST"]),
         Route("/detokenize", _endpoint(api, api.detokenize, "tokenize"), methods=["POST"]),
         Route("/tokenizer_info", _endpoint(api, api.tokenizer_info, "tokenize"), methods=["GET"]),

@@ -3,7 +3,7 @@ responses and stream chunks.
 
 `decode_body` turns a body into a typed request or an `HttpError` naming the field;
 `chat_request` / `completion_requests` map it onto `GenerateRequest`s (one per prompt; `choices`
-makes `n` of each; refusing what has no equivalent: `logit_bias`, `suffix`); `ChatOutput` and
+makes `n` of each; refusing what has no equivalent: `suffix`); `ChatOutput` and
 `CompletionOutput` take a request's events one at a time, returning the stream chunks each
 becomes and keeping what the whole response needs, and how their chunks and errors go on
 the wire (`OpenAIWire`; `net.http.anthropic` has the Anthropic routes' own). Synchronous and
@@ -131,8 +131,6 @@ def decode_body(body: bytes, kind: type[T]) -> T:
 
 def _common(body: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, Any]:
     """The GenerateRequest fields both endpoints share."""
-    if body.logit_bias:
-        raise HttpError("invalid_request", "logit_bias is not supported", "logit_bias")
     sampling = SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -142,7 +140,8 @@ def _common(body: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, 
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         seed=body.seed,
-        **({"penalty_context_size": body.penalty_context_size} if body.penalty_context_size is not None else {}),
+        logit_bias=_logit_bias(body.logit_bias),
+        **native_sampling(body),
     )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return {
@@ -161,6 +160,24 @@ def _common(body: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, 
         "speculative": body.speculative,
         "acceptance": body.acceptance,
     }
+
+
+def _logit_bias(given: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token ids as JSON object keys) with integer keys; ranges and
+    sizes are the runtime's checks."""
+    if not given:
+        return None
+    try:
+        return {int(key): value for key, value in given.items()}
+    except ValueError:
+        raise HttpError("invalid_request", "logit_bias keys must be token ids (integers)", "logit_bias") from None
+
+
+def native_sampling(body: oa.NativeExtras) -> dict[str, Any]:
+    """`SamplingParams` fields among the extras that have defaults of their own there:
+    `penalty_context_size` when given, vLLM's logits controls."""
+    given = {"penalty_context_size": body.penalty_context_size} if body.penalty_context_size is not None else {}
+    return {**given, "min_tokens": body.min_tokens, "allowed_token_ids": body.allowed_token_ids, "bad_words": body.bad_words}
 
 
 def _response_format(body: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, Any] | None:

@@ -14,7 +14,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from net.http.mapping import HttpError
 from net.http.responses import anthropic_route, error_body_for, error_response
 
-PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/v1/models", "/health", "/metrics")
+PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+    "/v1/models",
+    "/health",
+    "/metrics",
+)
 # Routes with a parameter, counted under their pattern (not one label per id).
 PATTERNS = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
 

@@ -50,6 +50,11 @@ class NativeExtras(msgspec.Struct, kw_only=True):
     # vLLM's: each prompt token's log-probability given those before it, with this many
     # alternatives, in the choice's `prompt_logprobs` (the first token's is null).
     prompt_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    # vLLM's logits controls (`protocols.api.SamplingParams`; their ranges are checked there):
+    # no end of sequence or stop token before this many tokens, only these ids, no such words.
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -96,6 +101,7 @@ class _Sampling(NativeExtras, kw_only=True):
     n: PositiveInt = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # OpenAI's: {token id as a string: bias in [-100, 100]} (checked by the runtime).
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
 

@@ -31,7 +31,7 @@ import msgspec
 
 from net.http import openai_types as oa
 from net.http import responses_api_types as ra
-from net.http.mapping import HttpError, chat_messages, ending_error, openai_error
+from net.http.mapping import HttpError, chat_messages, ending_error, native_sampling, openai_error
 from net.http.response_store import ResponseStore
 from protocols.api import Event, Finished, GenerateRequest, SamplingParams, TokenDelta, ToolCall, ToolCallDelta, new_request_id
 
@@ -77,7 +77,7 @@ def responses_request(body: ra.ResponsesRequest, store: ResponseStore) -> Turn:
         min_p=body.min_p,
         repetition_penalty=body.repetition_penalty,
         seed=body.seed,
-        **({"penalty_context_size": body.penalty_context_size} if body.penalty_context_size is not None else {}),
+        **native_sampling(body),
     )
     generate = GenerateRequest(
         messages=system + history,

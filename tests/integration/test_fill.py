@@ -87,6 +87,7 @@ async def test_echo_spans_never_change_greedy_output_and_save_forwards(copying_m
 PARTIAL_COPIERS = {"tiny-gemma3": 0.1, "tiny-lfm2": 0.1, "tiny-qwen3next": 0.3}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PARTIAL_COPIERS))
 async def test_echo_spans_on_sliding_and_recurrent_layers_are_exact(name, tmp_path):
     """Accepted spans and rejected tails on a model with 16-token sliding windows and on

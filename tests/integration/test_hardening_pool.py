@@ -75,6 +75,7 @@ async def test_a_new_request_never_overwrites_or_deletes_another_requests_checkp
         assert again.last.finish_reason == "length"
 
 
+@pytest.mark.slow
 async def test_a_pool_request_never_resumes_another_requests_checkpoint(tmp_path):
     """(2) A stale checkpoint of `job-42` on the model a new `job-42` runs on: the new request is
     swapped out and back and still gets its own tokens; the stale file is left alone."""

@@ -549,6 +549,7 @@ async def test_client_survives_a_cancelled_stats_call(tmp_path):
     """
     from net.client import MAX_FRAME_BYTES
     from protocols.api import Usage
+    from protocols.metrics import MetricsSnapshot
     from protocols.wire import ClientMessage
 
     path = tmp_path / "fake.sock"
@@ -559,6 +560,7 @@ async def test_client_survives_a_cancelled_stats_call(tmp_path):
             scheduler=SchedulerStats(waiting=0, prefilling=0, decoding=0, steps=0, num_finished=0),
             kv=KvStats(live_requests=0, live_tokens=0, live_bytes=0, reserved_tokens=0, physical_bytes=0, bytes_per_token=1, budget_bytes=None),
             live_requests=0,
+            metrics=MetricsSnapshot(model_name="fake"),
             connections=n,
         )
 

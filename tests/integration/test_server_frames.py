@@ -13,7 +13,7 @@ import pytest
 from net.client import Client
 from net.framing import HEADER
 from protocols.api import Finished, GenerateRequest, TokenDelta
-from protocols.wire import Cancel, Error, Generate, GetStats, Hello, Stats
+from protocols.wire import PROTOCOL_VERSION, Cancel, Error, Generate, GetStats, Hello, Stats
 from tests.support.config import CHUNK
 from tests.support.events import collect
 from tests.support.mlx_reference import greedy_tokens, load_reference
@@ -127,7 +127,7 @@ NOT_HELLO_FIRST = [
     pack({"type": "Generate", "request": {"prompt_ids": [1, 2, 3], "request_id": "early"}}),
     pack({"type": "GetStats"}),
     pack({"type": "Cancel", "request_id": "x"}),
-    pack({"type": "Hello", "protocol_version": 2}),
+    pack({"type": "Hello", "protocol_version": PROTOCOL_VERSION + 1}),
     pack({"type": "Hello", "protocol_version": 0}),
     pack({"type": "Hello"}),
     pack({"type": "Launch"}),

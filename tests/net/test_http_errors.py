@@ -41,7 +41,7 @@ async def test_invalid_requests_are_400s_naming_the_field():
             "seed": chat(model=served.model, messages=MESSAGES, seed=-1),
             "response_format": chat(model=served.model, messages=MESSAGES, response_format={"type": "xml"}),  # type: ignore[arg-type,typeddict-item]
             "tool_choice": chat(model=served.model, messages=MESSAGES, tool_choice="required"),
-            "logit_bias": chat(model=served.model, messages=MESSAGES, logit_bias={"1": 5}),
+            "logit_bias": chat(model=served.model, messages=MESSAGES, logit_bias={"99999": 5}),  # not in the vocabulary
             "max_tokens": chat(model=served.model, messages=MESSAGES, max_tokens=0),
             "suffix": client.completions.create(model=served.model, prompt="x", suffix="y"),
             "prompt": client.completions.create(model=served.model, prompt=[]),
