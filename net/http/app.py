@@ -306,13 +306,7 @@ class Api:
             await _close(stream)
             raise
         await _close(stream)
-        if not done:
-            return Response(status_code=CLIENT_LEFT)
-        assert output.finished is not None
-        error = ending_error(output.finished)
-        if error is not None:
-            return error_response(error, output.error_body)
-        return json_response(output.response(), headers=headers)
+        return _whole(done, output, headers)
 
     async def _respond_choices(
         self, request: Request, runtime: Serving, generates: list[GenerateRequest], outputs: list[Output], *, endpoint: str, include_usage: bool
@@ -367,13 +361,7 @@ class Api:
             done = await _unless_disconnected(request.receive, collect)
         finally:
             await _close(merged)
-        if not done:
-            return Response(status_code=CLIENT_LEFT)
-        assert output.finished is not None
-        error = ending_error(output.finished)
-        if error is not None:
-            return error_response(error, output.error_body)
-        return json_response(output.response(), headers=headers)
+        return _whole(done, output, headers)
 
     async def _read_body(self, request: Request) -> bytes:
         """The body, refused by its Content-Length before reading, or as soon as it passes the limit."""
@@ -454,6 +442,17 @@ async def _sse_body(stream, first: Event | None, events: AsyncIterator[Event], o
         yield b"".join(pending) + output.sse_error(error_of(exc, endpoint=endpoint))
     finally:
         await _close(stream)
+
+
+def _whole(done: bool, output: Output, headers: dict[str, str]) -> Response:
+    """A collected response: the whole of it, its error, or nothing for a client that left."""
+    if not done:
+        return Response(status_code=CLIENT_LEFT)
+    assert output.finished is not None
+    error = ending_error(output.finished)
+    if error is not None:
+        return error_response(error, output.error_body)
+    return json_response(output.response(), headers=headers)
 
 
 async def _collect(first: Event, events: AsyncIterator[Event], output: Output) -> bool:
