@@ -444,8 +444,9 @@ async def _sse_body(stream, first: Event | None, events: AsyncIterator[Event], o
         await _close(stream)
 
 
-def _whole(done: bool, output: Output, headers: dict[str, str]) -> Response:
-    """A collected response: the whole of it, its error, or nothing for a client that left."""
+def _whole(done: list[bool], output: Output, headers: dict[str, str]) -> Response:
+    """A collected response (`done`: what `_unless_disconnected` gave): the whole of it, its error,
+    or nothing for a client that left."""
     if not done:
         return Response(status_code=CLIENT_LEFT)
     assert output.finished is not None
