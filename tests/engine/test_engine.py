@@ -13,12 +13,15 @@ from protocols.model import PrefillWork, StepPlan
 from tests.support.engine_driver import Driver, admit_request, random_prompts
 from tests.support.mlx_reference import greedy_ids, greedy_tokens, load_reference
 
+# "-paged": the model's float full-attention layers in a block pool (`kv.block_size`). Full,
+# paged, sliding and convolution-state layers stay in `make test-fast`; paged windows and
+# gated-delta state with experts are slow-marked.
+SLOW = pytest.mark.slow
 
-# "-paged": the model's float full-attention layers in a block pool (`kv.block_size`). Paged
-# sliding-window models are slow-marked: paging and windows each stay in `make test-fast`.
+
 @pytest.fixture(
     scope="module",
-    params=["tiny", "tiny-paged", "tiny-gemma3", pytest.param("tiny-gemma3-paged", marks=pytest.mark.slow), "tiny-lfm2-paged", "tiny-qwen3next"],
+    params=["tiny", "tiny-paged", "tiny-gemma3", pytest.param("tiny-gemma3-paged", marks=SLOW), "tiny-lfm2-paged", pytest.param("tiny-qwen3next", marks=SLOW)],
 )
 def model_and_tokenizer(request):
     return load_reference(f"builtin:{request.param.removesuffix('-paged')}")

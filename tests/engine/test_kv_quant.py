@@ -29,7 +29,7 @@ def tiny_kv():
     return model, probe_layout(model), prompts, greedy_continuations(model, prompts, FORCED)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])
 def test_logprob_error_is_within_twice_mlx_lms_quantized_cache(tiny_kv, bits):
     model, float_layout, prompts, forced = tiny_kv
     layout, kept_float = with_kv_quantization(float_layout, bits, 64, 0)

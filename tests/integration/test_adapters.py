@@ -179,6 +179,7 @@ async def test_prefix_cache_keeps_adapters_apart(adapters):
     assert hits_after == hits_before + 1, "a request of the same adapter reuses its KV"
 
 
+@pytest.mark.slow
 async def test_checkpoint_resume_needs_the_same_adapter(adapters, tmp_path):
     from runtime.checkpoints import path_for
     from runtime.config import CheckpointConfig

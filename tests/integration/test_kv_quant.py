@@ -87,6 +87,7 @@ async def _generate(rt: Runtime, request: GenerateRequest) -> tuple[list[int], F
     return tokens, finished
 
 
+@pytest.mark.slow
 async def test_prefix_reuse_is_exact_relative_to_a_quantized_run_without_it():
     rng = random.Random(4)
     system = [rng.randrange(4, 1000) for _ in range(50)]
@@ -179,6 +180,7 @@ async def test_a_fixed_budget_admits_several_times_the_conversations():
     assert counts[8] >= 1.9 * counts[0] and counts[4] >= 3.5 * counts[0], counts
 
 
+@pytest.mark.slow
 async def test_streams_end_cleanly_under_a_quantized_budget():
     """Many requests against a budget that holds a few at a time: all finish, none errors."""
     layers_config = _config("builtin:tiny-kv", 4)

@@ -81,6 +81,7 @@ async def test_sixteen_requests_sharing_a_system_prompt_hold_it_once():
     assert row_after.peak_physical_bytes > 8 * after.peak_physical_bytes
 
 
+@pytest.mark.slow
 async def test_a_long_request_beside_short_ones_stays_within_the_budget():
     prompts = [_ids(1800, 7)] + [_ids(60, 10 + i) for i in range(7)]
     new = 40

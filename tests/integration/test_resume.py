@@ -156,7 +156,8 @@ async def _checkpointed(directory, request_id: str) -> None:
             await anyio.sleep(0.02)
 
 
-@pytest.mark.parametrize("jump_forward", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("jump_forward", [False, True])
 async def test_a_resumed_request_keeps_its_grammar(tmp_path, jump_forward):
     """The seeds' rule: a resume replays the output through a fresh matcher, never runs unconstrained."""
     request = GenerateRequest(

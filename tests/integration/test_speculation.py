@@ -260,6 +260,7 @@ async def test_grammar_constrained_speculation_produces_valid_json():
     jsonschema.validate(json.loads(text), schema)
 
 
+@pytest.mark.slow
 async def test_rejection_acceptance_serves_sampled_rows_and_keeps_greedy_rows_exact():
     """`rejection` keeps more drafts of sampled rows (their distribution, not their stream, is
     the target's: see tests/engine/test_speculation_sampling.py); greedy rows stay exact."""

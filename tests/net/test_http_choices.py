@@ -10,6 +10,8 @@ import pytest
 from protocols.api import GenerateRequest, TokenDelta
 from tests.support.http_serving import serving
 
+pytestmark = pytest.mark.server
+
 LONG = [{"role": "user", "content": "Tell me a long story about a dragon and a knight in a castle by the sea."}]
 
 

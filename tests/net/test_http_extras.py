@@ -10,6 +10,8 @@ import pytest
 
 from tests.support.http_serving import serving
 
+pytestmark = pytest.mark.server
+
 MESSAGES = [{"role": "user", "content": "Pick one."}]
 
 

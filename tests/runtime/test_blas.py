@@ -31,6 +31,7 @@ def _run(code: str, env: dict | None = None) -> list[str]:
     return result.stdout.split()
 
 
+@pytest.mark.slow  # two Python processes that load MLX and time matmuls
 @pytest.mark.skipif(blas.status().state != "loaded", reason="no OpenBLAS on this machine")
 def test_import_runtime_loads_openblas_and_matmul_is_fast():
     import os
