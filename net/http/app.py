@@ -138,9 +138,16 @@ class Api:
         ids = self._ids("chatcmpl", generates[0], body.model)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         several = len(generates) > 1
+        counts = await _continuous_usage(runtime, generates, body)
         outputs: list[Output] = [
             ChatOutput(
-                ids, self._texts(model), include_usage=include_usage and not several, return_token_ids=body.return_token_ids, stream=body.stream, index=i
+                ids,
+                self._texts(model),
+                include_usage=include_usage and not several,
+                return_token_ids=body.return_token_ids,
+                stream=body.stream,
+                index=i,
+                usage_prompt_tokens=counts[i],
             )
             for i in range(len(generates))
         ]
@@ -161,6 +168,7 @@ class Api:
         ids = self._ids("cmpl", generates[0], body.model)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         several = len(generates) > 1
+        counts = await _continuous_usage(runtime, generates, body)
         outputs: list[Output] = []
         for i, generate in enumerate(generates):
             prompt_index = i // body.n
@@ -177,6 +185,7 @@ class Api:
                     echo_ids=generate.prompt_ids if body.echo else None,
                     discard=body.max_tokens == 0,
                     want_prompt_logprobs=body.prompt_logprobs is not None,
+                    usage_prompt_tokens=counts[i],
                 )
             )
         return await self._respond_choices(request, runtime, generates, outputs, endpoint="completions", include_usage=include_usage)
@@ -413,6 +422,21 @@ class Api:
 
 
 # -- responses ---------------------------------------------------------------------
+
+
+async def _continuous_usage(runtime: Serving, generates: list[GenerateRequest], body: oa.ChatCompletionRequest | oa.CompletionRequest) -> list[int | None]:
+    """Each choice's prompt tokens when a stream's chunks carry the usage so far (vLLM's
+    `stream_options.continuous_usage_stats`); the prompt is rendered for it first."""
+    if not (body.stream and body.stream_options is not None and body.stream_options.continuous_usage_stats):
+        return [None] * len(generates)
+    counts: dict[bytes, int] = {}
+    out: list[int | None] = []
+    for generate in generates:
+        key = msgspec.json.encode(msgspec.structs.replace(generate, request_id=None, sampling=SamplingParams()))
+        if key not in counts:
+            counts[key] = len(await runtime.prompt_token_ids(generate))
+        out.append(counts[key])
+    return out
 
 
 def _prompt_list(prompt: Any) -> list[Any]:

@@ -334,6 +334,16 @@ class TokenTexts:
         return text
 
 
+def running_usage(prompt_tokens: int, completion_tokens: int) -> oa.UsageInfo:
+    """A streamed chunk's usage so far (vLLM's `continuous_usage_stats`; cached tokens are known at the end)."""
+    return oa.UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=oa.PromptTokensDetails(cached_tokens=0),
+    )
+
+
 def usage_of(finished: Finished) -> oa.UsageInfo:
     u = finished.usage
     return oa.UsageInfo(
@@ -375,6 +385,8 @@ class ChatOutput(OpenAIWire):
     stream: bool = False
     # Its position among the response's choices (`n`).
     index: int = 0
+    # With `stream_options.continuous_usage_stats`: the prompt's tokens (every chunk's usage so far).
+    usage_prompt_tokens: int | None = None
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     calls: list[oa.ToolCallOut] = field(default_factory=list)
@@ -472,6 +484,8 @@ class ChatOutput(OpenAIWire):
         chunk = oa.ChatCompletionChunk(**self._ids(), choices=[choice])
         if self.include_usage:
             chunk.usage = None
+        if self.usage_prompt_tokens is not None:
+            chunk.usage = running_usage(self.usage_prompt_tokens, len(self.token_ids))
         return chunk
 
 
@@ -502,6 +516,8 @@ class CompletionOutput(OpenAIWire):
     discard: bool = False
     # vLLM's `prompt_logprobs` in the choice.
     want_prompt_logprobs: bool = False
+    # With `stream_options.continuous_usage_stats`: the prompt's tokens (every chunk's usage so far).
+    usage_prompt_tokens: int | None = None
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: oa.CompletionLogprobs | None = None
@@ -599,6 +615,8 @@ class CompletionOutput(OpenAIWire):
         chunk = oa.Completion(**self._ids(), choices=[choice])
         if self.include_usage:
             chunk.usage = None
+        if self.usage_prompt_tokens is not None:
+            chunk.usage = running_usage(self.usage_prompt_tokens, len(self.token_ids))
         return chunk
 
 

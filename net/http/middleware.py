@@ -22,6 +22,9 @@ PATHS = (
     "/v1/messages/count_tokens",
     "/v1/responses",
     "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
     "/health",
     "/metrics",
 )

@@ -59,6 +59,8 @@ class NativeExtras(msgspec.Struct, kw_only=True):
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (the prompt's tokens, those generated yet).
+    continuous_usage_stats: bool = False
 
 
 class ContentPart(msgspec.Struct, kw_only=True):

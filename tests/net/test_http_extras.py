@@ -50,3 +50,24 @@ async def test_truncate_prompt_tokens_keeps_the_prompts_end():
         await client.close()
     assert full.usage.prompt_tokens == 50 and cut.usage.prompt_tokens == 8
     assert cut.choices[0].text == tail.choices[0].text
+
+
+async def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk():
+    async with serving() as served:
+        client = served.client()
+        stream = await client.chat.completions.create(
+            model=served.model,
+            messages=MESSAGES,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        )
+        chunks = [chunk async for chunk in stream]
+        await client.close()
+    final = chunks[-1].usage
+    running = [c.usage for c in chunks[:-1]]
+    assert chunks[-1].choices == [] and all(u is not None for u in running)
+    assert {u.prompt_tokens for u in running} == {final.prompt_tokens}
+    generated = [u.completion_tokens for u in running]
+    assert generated == sorted(generated) and generated[0] == 0 and generated[-1] == final.completion_tokens

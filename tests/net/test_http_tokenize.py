@@ -86,8 +86,11 @@ async def test_bad_tokenizer_requests_are_typed_400s_and_404s():
         }
         unknown = await http.post("/tokenize", {"model": "gpt-4o", "prompt": "x"})
         wrong_method = await http.get("/tokenize")
+        metrics = (await http.get("/metrics")).text
     for field, answer in cases.items():
         assert answer.status_code == 400, (field, answer.text)
         assert answer.json()["error"]["param"] == field.strip(), (field, answer.json())
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    # Counted under their own routes in /metrics.
+    assert 'route="/tokenize",status="400"' in metrics and 'route="/detokenize",status="400"' in metrics
