@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from net.http.mapping import HttpError, OpenAIWire, Output, ending_error, usage_of
+from net.http.mapping import OpenAIWire, Output, ending_error, usage_of
 from protocols.api import Event, Finished, Usage
 from runtime.serving import EventStream
 
@@ -134,14 +134,3 @@ class Choices(OpenAIWire):
         whole.choices = [o.response().choices[0] for o in self.outputs]
         whole.usage = usage_of(self.finished)
         return whole
-
-
-def indexed(outputs: list[Output]) -> None:
-    """Number the choices in order (their chunks and the response carry it)."""
-    for i, output in enumerate(outputs):
-        output.index = i  # type: ignore[attr-defined]
-
-
-def check_unique(request_ids: list[str]) -> None:
-    if len(set(request_ids)) != len(request_ids):
-        raise HttpError("invalid_request", "choices need distinct request ids", "request_id")
