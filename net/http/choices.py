@@ -89,6 +89,7 @@ class Choices(OpenAIWire):
         self.stream = outputs[0].stream
         self.include_usage = include_usage
         self.finished: Finished | None = None
+        self._opened: set[int] = set()  # the outputs whose first chunk went out
 
     def first_chunk(self) -> Any | None:
         return None  # each choice's own opens it (`on_event`)
@@ -96,8 +97,8 @@ class Choices(OpenAIWire):
     def on_event(self, event: Event) -> list[Any]:
         output = self.by_request[event.request_id]
         chunks = []
-        if self.stream and not getattr(output, "opened", False):
-            output.opened = True  # type: ignore[attr-defined]
+        if self.stream and id(output) not in self._opened:
+            self._opened.add(id(output))
             first = output.first_chunk()
             chunks += [first] if first is not None else []
         chunks += [c for c in output.on_event(event) if c.choices]  # (usage chunks: one for all, below)
