@@ -23,8 +23,6 @@ from typing import Any
 
 # The head of a call body in the common JSON shape, up to where its arguments' value begins.
 _JSON_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
-# What may still close the body after the arguments' value: held back while streaming.
-_BODY_TAIL = re.compile(r"\s*\}?\s*$")
 
 
 @dataclass
@@ -147,8 +145,7 @@ class OutputParser:
         arguments = body[call.args_start :]
         assert self._tools is not None
         arguments = arguments[: len(arguments) - _partial_suffix(arguments, self._tools[1])]
-        tail = _BODY_TAIL.search(arguments)
-        ready = arguments[: tail.start()] if tail is not None else arguments
+        ready = _without_body_tail(arguments)
         if len(ready) > len(call.sent) and ready.startswith(call.sent):
             out.deltas.append({"arguments": ready[len(call.sent) :]})
             call.sent = ready
@@ -189,6 +186,12 @@ class OutputParser:
 
 def _arguments(arguments) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments)
+
+
+def _without_body_tail(arguments: str) -> str:
+    """The arguments' text without what may still close the call's body (trailing space, one `}`)."""
+    text = arguments.rstrip()
+    return (text[:-1] if text.endswith("}") else text).rstrip()
 
 
 def _value_text(body: str, start: int) -> str | None:
