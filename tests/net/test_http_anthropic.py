@@ -20,6 +20,7 @@ from protocols.api import ToolCall, Usage
 from runtime.config import CheckpointConfig, PoolModelConfig
 from tests.support.config import make_config
 from tests.support.http_serving import raw_request, serving, wait_runtime_idle
+from tests.support.sse import named_events
 from tests.support.tool_schemas import CLOCK, WEATHER
 
 pytestmark = pytest.mark.server
@@ -64,13 +65,7 @@ async def _raw_events(client: anthropic.AsyncAnthropic, **body) -> list[tuple[st
     async with client.messages.with_streaming_response.create(**body, stream=True) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         text = "".join([chunk async for chunk in response.iter_text()])
-    assert "[DONE]" not in text and text.endswith("\n\n")
-    events = []
-    for frame in text.removesuffix("\n\n").split("\n\n"):
-        name_line, data_line = frame.split("\n")
-        name, data = name_line.removeprefix("event: "), json.loads(data_line.removeprefix("data: "))
-        assert name_line.startswith("event: ") and data_line.startswith("data: ") and data["type"] == name
-        events.append((name, data))
+    events = named_events(text)
     return events
 
 

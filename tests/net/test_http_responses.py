@@ -22,6 +22,7 @@ from protocols import Finished, TokenDelta
 from protocols.api import ToolCall, ToolCallDelta, Usage
 from protocols.config import ServerConfig
 from tests.support.http_serving import raw_request, serving, wait_runtime_idle
+from tests.support.sse import named_events
 from tests.support.tool_schemas import CLOCK, WEATHER
 
 pytestmark = pytest.mark.server
@@ -50,13 +51,7 @@ async def _raw_events(client: openai.AsyncOpenAI, **body) -> list[tuple[str, dic
     async with client.responses.with_streaming_response.create(**body, stream=True) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         text = "".join([chunk async for chunk in response.iter_text()])
-    assert "[DONE]" not in text and text.endswith("\n\n")
-    events = []
-    for frame in text.removesuffix("\n\n").split("\n\n"):
-        name_line, data_line = frame.split("\n")
-        name, data = name_line.removeprefix("event: "), json.loads(data_line.removeprefix("data: "))
-        assert name_line.startswith("event: ") and data_line.startswith("data: ") and data["type"] == name
-        events.append((name, data))
+    events = named_events(text)
     assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
     return events
 
