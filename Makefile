@@ -5,7 +5,7 @@ STAMP := $(VENV)/.mlxrt-setup
 # AIPerf's own venv (its pins conflict with the project's), built by bootstrap.sh too.
 LOADGEN := .venv-loadgen/bin/aiperf
 
-.PHONY: setup serve demo test test-fast lint bench clean
+.PHONY: setup serve demo test test-all test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -23,13 +23,22 @@ serve: setup
 demo: setup
 	$(PY) -m tools.cli demo --config configs/default.toml
 
+# Two pytest-xdist workers (the machine's two cores), a test module to each at a time (module
+# fixtures are built once); the `exhaustive` cases (more models, modes or formats of a behaviour
+# whose other cases run here) are left to `make test-all`. docs/tests.md says what runs where.
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile
+
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST) -m "not exhaustive"
+
+test-all: setup
+	$(PY) -m pytest -q $(XDIST)
 
 # The inner loop: the suite without the tests marked slow, server or distributed (pyproject's
-# [tool.pytest.ini_options] markers; docs/tests.md). `make test` still runs everything.
+# [tool.pytest.ini_options] markers; docs/tests.md).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not server and not distributed"
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not server and not distributed and not exhaustive"
 
 # ruff (lint and format), mypy, and the layering contract (pyproject's [tool.importlinter]:
 # each package imports only those below it; protocols and policies never import mlx or anyio).

@@ -95,7 +95,11 @@ def references():
     return out
 
 
-@pytest.mark.parametrize(("mode", "road"), [("tensor", "socket"), ("pipeline", "socket"), ("tensor", "collectives")])
+@pytest.mark.parametrize(
+    ("mode", "road"),
+    [pytest.param("tensor", "socket", marks=pytest.mark.exhaustive), ("pipeline", "socket"), ("tensor", "collectives")],
+    ids=["tensor-socket", "pipeline-socket", "tensor-collectives"],
+)
 async def test_eight_concurrent_greedy_streams_over_two_ranks_equal_mlx_lm(tmp_path, references, mode, road):
     # Plans reach the followers over the control socket, or (no `distributed.control`) in collectives.
     environ = {"MLXRT_DISTRIBUTED_CONTROL": ""} if road == "collectives" else None
@@ -145,6 +149,7 @@ async def test_grammar_prefix_hits_and_seeded_sampling_in_a_world_equal_one_proc
     assert got[2].last.usage.cached_tokens > 0  # the repeat was seeded from the prefix cache
 
 
+@pytest.mark.exhaustive  # GGUF files and worlds each run in make test
 async def test_a_gguf_file_in_a_world_equals_one_process(tmp_path):
     """Each rank reads the GGUF file whole, then keeps its shard: the tokens of one process."""
     path = write_gguf(builtin_dir("tiny"), tmp_path / "tiny.gguf", qtype="F32")

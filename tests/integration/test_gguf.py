@@ -151,7 +151,10 @@ MAX_SMOLLM2_TOKENS = 24
 
 
 # Quantized rows decode ~6x slower on this backend (MLX's CPU quantized matmul): fewer tokens.
-@pytest.mark.parametrize("cpu_dequantize,max_tokens", [("auto", MAX_SMOLLM2_TOKENS), ("never", 12)], ids=["dequantized", "quantized"])
+@pytest.mark.parametrize(
+    "cpu_dequantize,max_tokens",
+    [pytest.param("auto", MAX_SMOLLM2_TOKENS, id="dequantized"), pytest.param("never", 12, id="quantized", marks=pytest.mark.exhaustive)],
+)
 async def test_smollm2_concurrent_chats_equal_transformers(smollm2_case, cpu_dequantize, max_tokens):
     prompts, references = smollm2_case
     references = [hf_reference.Continuation(r.tokens[:max_tokens], r.margins[:max_tokens]) for r in references]

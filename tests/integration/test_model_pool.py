@@ -37,7 +37,7 @@ def _requests() -> list[GenerateRequest]:
     for i in range(8):
         sampling = SamplingParams() if i % 2 == 0 else SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i)
         prompt = [(13 * i + 7 * j) % 900 + 5 for j in range(9 + i)]
-        requests.append(GenerateRequest(prompt_ids=prompt, max_tokens=300, ignore_eos=True, sampling=sampling, model=(None, "qwen")[i % 2 == 1]))
+        requests.append(GenerateRequest(prompt_ids=prompt, max_tokens=100, ignore_eos=True, sampling=sampling, model=(None, "qwen")[i % 2 == 1]))
     return requests
 
 

@@ -75,7 +75,7 @@ def _reference_loglikelihood(model, tokenizer, context: str, continuation: str) 
     return sum(lp[i - 1, whole[i]].item() for i in range(ctx, len(whole))), whole
 
 
-@pytest.mark.parametrize("tokenized", [True, False], ids=["token-ids", "text"])
+@pytest.mark.parametrize("tokenized", [pytest.param(True, id="token-ids", marks=pytest.mark.exhaustive), pytest.param(False, id="text")])
 async def test_lm_eval_multiple_choice_loglikelihoods_equal_mlx_lms_forward(tmp_path, monkeypatch, tokenized):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

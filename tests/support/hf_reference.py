@@ -81,7 +81,11 @@ def greedy(path: Path, prompts: list[list[int]], max_tokens: int, eos: list[int]
                 tokens = tokens[:-1]
             results.append(Continuation(tokens, margins))
     cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps([asdict(r) for r in results]))
+    # Written whole, then renamed: a test running beside this one (pytest-xdist) reads either
+    # nothing or the whole file.
+    partial = cache.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(json.dumps([asdict(r) for r in results]))
+    os.replace(partial, cache)
     return results
 
 
