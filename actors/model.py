@@ -133,6 +133,11 @@ class ModelActor:
                 files = await anyio.to_thread.run_sync(read_adapter_files, adapter.name, adapter.path, bank.max_file_bytes)
                 await self._thread.run(lambda a=adapter, f=files: bank.register(f, pinned=a.pinned))
             log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
+            if built.world is None:  # (a world's ranks step together: a warm-up on one would wait for the others)
+                if self._progress is not None:
+                    self._progress("warming up (MLX compiles the kernels of each kind of step once)")
+                warm_s = await self._thread.run(built.engine.warm_up, loaded.info.vocab_size)
+                log.info("model_warmed_up", warm_up_s=round(warm_s, 3))
             adapters = await self._thread.run(bank.infos)
             # (A world's body is sharded: a forward on this rank alone would wait for the others.)
             embedder = await self._thread.run(Embedder, loaded.model, loaded.info.vocab_size) if built.world is None else None

@@ -15,8 +15,10 @@ that request with `error`; anything else fails the step. Every call returns plai
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -40,7 +42,7 @@ from engine.sequence import InFlight, Sequence, capture_checkpoints
 from engine.speculation import Speculator
 from policies.fill_session import FillSession
 from policies.layout import is_trimmable, paged_block_bytes
-from protocols.api import FillStats, TokenLogprob
+from protocols.api import FillStats, SamplingParams, TokenLogprob
 from protocols.config import LoraConfig
 from protocols.errors import MlxrtError, error_code
 from protocols.model import (
@@ -167,6 +169,41 @@ class Engine:
             adapter_bytes=self.adapters.nbytes,
             device=DeviceMemory(active=mx.get_active_memory(), peak=mx.get_peak_memory(), cache=mx.get_cache_memory()),
         )
+
+    @property
+    def batch_slots(self) -> list:
+        """Every layer's slots of the decode batch (what a profiler patches)."""
+        return self._batch.slots
+
+    def warm_up(self, vocab_size: int) -> float:
+        """Run the kinds of step serving runs (a batched first chunk, a lone row's step, a batch
+        of rows) on throwaway requests, so that MLX compiles their kernels now (with g++ on the
+        CPU backend, seconds on a fresh kernel cache) rather than during the first user's
+        request. Leaves no request, prefix entry or checkpoint behind; returns its seconds."""
+        started = time.perf_counter()
+        prompt = [i % vocab_size for i in range(1, 9)]
+        admits = [
+            AdmitRequest(
+                request_id=f"warm-up-{i}", prompt_ids=prompt, max_tokens=3 + 2 * i, sampling=SamplingParams(), seed=0, stop_token_ids=[], save_prefix=False
+            )
+            for i in range(2)
+        ]
+        self.step(StepPlan(admit=admits))
+        self.step(StepPlan(prefill=[PrefillWork(request_id=a.request_id, num_tokens=len(prompt) - 1) for a in admits], decode=True))
+        for _ in range(16):  # two rows, then the longer one alone (the lone-row step)
+            if not self._sequences:
+                break
+            self.step(StepPlan(decode=True))
+        self.step(StepPlan(release=[a.request_id for a in admits]))
+        if self._sequences:
+            raise EngineInvariantError("the warm-up requests did not finish")
+        self._peak_bytes = 0
+        return time.perf_counter() - started
+
+    def uncompiled(self) -> contextlib.AbstractContextManager[None]:
+        """Decode a lone row through the model's own code for a while (a profiler times its
+        pieces; a compiled step runs as one traced graph)."""
+        return _without_compiled_step(self)
 
     def _take_checkpoint_list(self) -> list[CheckpointData]:
         taken, self._checkpoints = self._checkpoints, []
@@ -553,3 +590,12 @@ class Engine:
         """End one request with `error`; its KV is not kept (its state is suspect)."""
         self._release(seq.request_id, save_prefix=False)
         return RowOutput(request_id=seq.request_id, token_ids=[], finish_reason="error", error=str(exc) or type(exc).__name__)
+
+
+@contextlib.contextmanager
+def _without_compiled_step(engine: Engine) -> Iterator[None]:
+    step, engine._decode_step = engine._decode_step, None
+    try:
+        yield
+    finally:
+        engine._decode_step = step

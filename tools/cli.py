@@ -141,6 +141,12 @@ def _add_bench(sub) -> None:
     bench.add_argument(
         "--adapters", action="store_true", help="16 streams with 8 distinct LoRA adapters in one batch against 16 base streams, and adapter load time"
     )
+    bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="where a decode step's time goes (forward by piece, sampling, the rest), mlxrt's engine against mlx-lm on one model object",
+    )
+    bench.add_argument("--profile-steps", type=int, default=24, help="with --profile: decode steps timed per run")
     bench.add_argument("--pool", action="store_true", help="two models in one process: swap latency, and alternating streams under a one-model cap")
     bench.add_argument(
         "--kv",
@@ -410,6 +416,8 @@ def _bench(args) -> int:
     if args.distributed:
         return _bench_world(args)
     config = _with_model(config, args.model)
+    if args.profile:
+        return _bench_profile(args, config)
     workloads = tuple(w for w in args.workloads.split(",") if w)
     unknown = set(workloads) - set(BenchOptions.workloads)
     if unknown:
@@ -428,6 +436,17 @@ def _bench(args) -> int:
     results = anyio.run(run_bench, config, options)
     print(format_table(results))
     print(json.dumps(results["ratios"], indent=2))
+    dump(results, args.json_path)
+    return EXIT_OK
+
+
+def _bench_profile(args, config: RuntimeConfig) -> int:
+    from tools.bench import dump
+    from tools.profile import ProfileOptions, format_profile, run_profile
+
+    options = ProfileOptions(concurrency=tuple(int(x) for x in args.concurrency.split(",")), prompt_tokens=args.prompt_tokens, steps=args.profile_steps)
+    results = anyio.run(run_profile, config, options)
+    print(format_profile(results))
     dump(results, args.json_path)
     return EXIT_OK
 

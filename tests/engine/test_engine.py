@@ -54,6 +54,19 @@ def test_batched_engine_matches_mlx_lm(engine, model_and_tokenizer):
         assert len(prompts[i]) - 1 <= len(entry.tokens) <= len(prompts[i]) + 12
 
 
+def test_the_warm_up_leaves_nothing_behind_and_changes_no_token(engine, model_and_tokenizer):
+    model, _ = model_and_tokenizer
+    assert engine.warm_up(model.args.vocab_size) > 0
+    assert engine.kv_tokens() == {} and engine.kv_bytes() == 0, "no request and no prefix entry is left"
+    prompts = random_prompts([1, 2, 7, 8, 9, 30, 17])  # (those of the test above: none meets an end token)
+    driver = Driver(engine)
+    driver.admit(*(admit_request(str(i), p) for i, p in enumerate(prompts)))
+    driver.run()
+    for i, p in enumerate(prompts):
+        assert driver.tokens[str(i)] == greedy_tokens(*model_and_tokenizer, p, 12)
+    driver.assert_only_prefixes_remain()
+
+
 @pytest.mark.parametrize("when", ["prefill", "decode"])
 def test_release_frees_kv_and_leaves_others_unchanged(engine, model_and_tokenizer, when):
     prompts = random_prompts([40, 5, 11])
