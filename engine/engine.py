@@ -36,6 +36,7 @@ from engine.kv.prefixes import PrefixEntries
 from engine.kv.quantized import is_quantized, packed_nbytes, quantized_start
 from engine.kv.tables import RequestBlocks
 from engine.lora import AdapterBank
+from engine.model.wired import WiredScope, model_bytes, recommended_working_set
 from engine.prefill import prefill_one, prefill_together
 from engine.sampler import BatchSampler, RowSampling
 from engine.sequence import InFlight, Sequence, capture_checkpoints
@@ -118,6 +119,10 @@ class Engine:
         together = not self._quantized or (self._trimmable and quantized_start(layout) == 0)
         self._batched_prefill_limit = float("inf") if together else quantized_start(layout)
         self._sampler = BatchSampler()
+        # Metal: the weights stay wired while requests run, for a model over half the working set.
+        self._wired = WiredScope(model_bytes(model), recommended_working_set())
+        if self._wired.wanted:
+            log.info("wired_limit_while_serving", weight_bytes=model_bytes(model), recommended_working_set=recommended_working_set())
         self._pending: mx.array | None = None
         self._in_flight: InFlight | None = None
         self._num_steps = 0
@@ -132,6 +137,8 @@ class Engine:
         started = time.perf_counter()
         released = [rid for rid in plan.release if self._release(rid)]
         outputs = [refused for admit in plan.admit if (refused := self._admit(admit)) is not None]
+        if self._sequences:
+            self._wired.hold()
         if self._in_flight is not None and self._in_flight.must_be_read_first and set(plan.park) & {s.request_id for s in self._in_flight.rows}:
             # A span being checked is settled before its row leaves the batch.
             outputs += self._collect(self._in_flight)
@@ -150,6 +157,7 @@ class Engine:
             outputs += self._decode()
         if not self._sequences:
             mx.clear_cache()
+            self._wired.release()
         self._blocks.after_step()
         kv_bytes = self.kv_bytes()
         self._peak_bytes = max(self._peak_bytes, kv_bytes)
@@ -223,6 +231,7 @@ class Engine:
             self._speculator.draft.reset()
         self._sampler = BatchSampler()
         self._pending = None
+        self._wired.release()
         self._in_flight = None
         self._checkpoints = []
         mx.clear_cache()
