@@ -125,6 +125,9 @@ def _add_bench(sub) -> None:
     bench.add_argument("--model", default=None, help="serve this model instead of the config's (a directory or builtin:<name>)")
     bench.add_argument("--workloads", default="concurrency,interference,constrained,prefix", help="comma-separated subset")
     bench.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    bench.add_argument(
+        "--plot", dest="plot_dir", default=None, metavar="DIR", help="also draw the results as PNG charts in DIR (tokens/s and TTFT against concurrency)"
+    )
     bench.add_argument("--text", default=None, help="cut prompts from this text file (tokenized by the model) instead of random token ids")
     bench.add_argument(
         "--real",
@@ -437,6 +440,13 @@ def _bench(args) -> int:
     print(format_table(results))
     print(json.dumps(results["ratios"], indent=2))
     dump(results, args.json_path)
+    if args.plot_dir:
+        from pathlib import Path
+
+        from tools.plots import plot_bench
+
+        for path in plot_bench(results, Path(args.plot_dir)):
+            print(f"wrote {path}")
     return EXIT_OK
 
 
