@@ -124,9 +124,7 @@ def run_follower(config: RuntimeConfig) -> None:
     progress = Progress(f"rank {world.rank}")
 
     def make_grammars(tokenizer, info: ModelInfo) -> CompilingGrammars:
-        limits = config.limits
-        cache = GrammarCache(tokenizer, info.vocab_size, info.eos_token_ids, max_bytes=limits.grammar_cache_bytes, timeout_s=limits.grammar_compile_timeout_s)
-        return CompilingGrammars(cache)
+        return CompilingGrammars(GrammarCache.for_model(tokenizer, info, config.limits))
 
     spec = EngineSpec(model=config.model, kv=config.kv, speculative=config.speculative, lora=config.lora)
     built = build_engine(spec, env.home(), make_grammars, world=world, progress=progress.step)

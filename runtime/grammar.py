@@ -28,7 +28,8 @@ import xgrammar as xgr
 from actors.mlx_thread import loop_caller
 from policies.tools import tool_function
 from protocols.api import GenerateRequest
-from protocols.model import GrammarSpec
+from protocols.config import LimitsConfig
+from protocols.model import GrammarSpec, ModelInfo
 from runtime.errors import InvalidRequestError, ServerBusyError
 
 log = structlog.get_logger(actor="grammar")
@@ -171,6 +172,11 @@ class GrammarCache:
         self._waiters: dict[GrammarSpec, int] = {}
         # Reentrant: a compile that is already done runs its callbacks in the submitting thread.
         self._lock = threading.RLock()
+
+    @classmethod
+    def for_model(cls, tokenizer: Any, info: ModelInfo, limits: LimitsConfig) -> GrammarCache:
+        """The cache for a loaded model's tokenizer, within the configured limits."""
+        return cls(tokenizer, info.vocab_size, info.eos_token_ids, max_bytes=limits.grammar_cache_bytes, timeout_s=limits.grammar_compile_timeout_s)
 
     @property
     def num_bytes(self) -> int:

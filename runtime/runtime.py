@@ -389,7 +389,7 @@ async def _start_model(config: RuntimeConfig, thread: MlxThread, tg) -> tuple[Mo
     limits = config.limits
 
     def make_grammars(tokenizer, info: ModelInfo) -> GrammarCache:
-        return GrammarCache(tokenizer, info.vocab_size, info.eos_token_ids, max_bytes=limits.grammar_cache_bytes, timeout_s=limits.grammar_compile_timeout_s)
+        return GrammarCache.for_model(tokenizer, info, limits)
 
     model = ModelActor(
         config.model,

@@ -39,7 +39,7 @@ def plot_bench(results: dict, directory: Path) -> list[Path]:
 
     directory.mkdir(parents=True, exist_ok=True)
     model = results.get("model", {}).get("path")
-    title_end = f" — {model}" if model else ""
+    title_end = f" — {Path(model).name}" if model else ""
     all_levels = sorted({n for runs in levels.values() for n, _ in runs})
 
     def chart(name: str, title: str, ylabel: str, draw: Callable[[Axes, Levels, str, str], None]) -> Path:

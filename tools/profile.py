@@ -380,10 +380,9 @@ async def run_profile(config, options: ProfileOptions) -> dict:
     from runtime.progress import Progress
 
     progress = Progress("profile")
-    limits = config.limits
 
     def make_grammars(tokenizer, info):
-        return GrammarCache(tokenizer, info.vocab_size, info.eos_token_ids, max_bytes=limits.grammar_cache_bytes, timeout_s=limits.grammar_compile_timeout_s)
+        return GrammarCache.for_model(tokenizer, info, config.limits)
 
     def run() -> dict:
         built = build_engine(EngineSpec(model=config.model, kv=config.kv), env.home(), make_grammars, progress=progress.step)

@@ -39,7 +39,9 @@ def engine(model_and_tokenizer, block_size):
     return Engine(model, with_kv_blocks(layout, block_size) if block_size else layout)
 
 
-def test_batched_engine_matches_mlx_lm(engine, model_and_tokenizer):
+def _run_and_check_parity(engine, model_and_tokenizer) -> tuple[Driver, list[list[int]]]:
+    """Seven prompts of several lengths (none meets an end token) batched through `engine`,
+    each stream equal to mlx-lm's greedy one; only their prefix entries remain."""
     prompts = random_prompts([1, 2, 7, 8, 9, 30, 17])
     driver = Driver(engine)
     driver.admit(*(admit_request(str(i), p) for i, p in enumerate(prompts)))
@@ -47,6 +49,11 @@ def test_batched_engine_matches_mlx_lm(engine, model_and_tokenizer):
     for i, p in enumerate(prompts):
         assert driver.tokens[str(i)] == greedy_tokens(*model_and_tokenizer, p, 12)
     driver.assert_only_prefixes_remain()
+    return driver, prompts
+
+
+def test_batched_engine_matches_mlx_lm(engine, model_and_tokenizer):
+    driver, prompts = _run_and_check_parity(engine, model_and_tokenizer)
     # Each saved entry holds exactly the tokens whose KV it covers: prompt + fed tokens.
     for entry in driver.saved:
         i = int(entry.entry_id.split("#")[0])
@@ -58,13 +65,7 @@ def test_the_warm_up_leaves_nothing_behind_and_changes_no_token(engine, model_an
     model, _ = model_and_tokenizer
     assert engine.warm_up(model.args.vocab_size) > 0
     assert engine.kv_tokens() == {} and engine.kv_bytes() == 0, "no request and no prefix entry is left"
-    prompts = random_prompts([1, 2, 7, 8, 9, 30, 17])  # (those of the test above: none meets an end token)
-    driver = Driver(engine)
-    driver.admit(*(admit_request(str(i), p) for i, p in enumerate(prompts)))
-    driver.run()
-    for i, p in enumerate(prompts):
-        assert driver.tokens[str(i)] == greedy_tokens(*model_and_tokenizer, p, 12)
-    driver.assert_only_prefixes_remain()
+    _run_and_check_parity(engine, model_and_tokenizer)
 
 
 @pytest.mark.parametrize("when", ["prefill", "decode"])
