@@ -51,13 +51,15 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 
 @contextlib.contextmanager
-def world(directory: Path, mode: str, environ: dict[str, str] | None = None, model: str | None = None, **sections) -> Iterator[ServerProcess]:
+def world(
+    directory: Path, mode: str, environ: dict[str, str] | None = None, model: str | None = None, step_timeout_s: float = STEP_TIMEOUT_S, **sections
+) -> Iterator[ServerProcess]:
     directory.mkdir(parents=True, exist_ok=True)
     directory.chmod(0o700)
     config = write_config(
         directory,
         model={"path": model or MODELS[mode]},
-        distributed={"backend": "ring", "mode": mode, "step_timeout_s": STEP_TIMEOUT_S},
+        distributed={"backend": "ring", "mode": mode, "step_timeout_s": step_timeout_s},
         logging={"level": "info", "format": "json"},
         **sections,
     )
@@ -254,12 +256,14 @@ async def test_a_stalled_rank_ends_requests_with_unavailable_within_the_timeout(
 
 
 async def test_a_killed_rank_ends_in_flight_requests_with_unavailable_and_the_world_exits(tmp_path):
-    with world(tmp_path / "kill", "tensor") as process:
+    # A long step timeout: the lost peer must be what ends the request, even on a machine so busy
+    # that a step takes seconds (a short one raced the ring's report beside a CPU hog).
+    with world(tmp_path / "kill", "tensor", step_timeout_s=60.0) as process:
         follower = rank_pid(process, 1)
         async with Client.connect(process.socket) as client:
             request = GenerateRequest(prompt_ids=prompts(1, 9)[0], max_tokens=4000, ignore_eos=True)
             events = []
-            with anyio.fail_after(STEP_TIMEOUT_S + 30):
+            with anyio.fail_after(60 + 30):
                 async for event in client.generate(request):
                     events.append(event)
                     if len(events) == 1:

@@ -141,17 +141,19 @@ async def test_metrics_answer_while_a_step_is_running(monkeypatch):
 
     from engine.engine import Engine
 
-    in_step, release = threading.Event(), threading.Event()
+    armed, in_step, release = threading.Event(), threading.Event(), threading.Event()
     step = Engine.step
 
     def held_step(self, plan):
-        if plan.decode and not release.is_set():  # the first decode step waits for the scrape
+        # The request's first decode step waits for the scrape (not the load's warm-up steps).
+        if armed.is_set() and plan.decode and not release.is_set():
             in_step.set()
             release.wait(30)
         return step(self, plan)
 
     monkeypatch.setattr(Engine, "step", held_step)
     async with serving() as served:
+        armed.set()
         client = served.client()
         async with anyio.create_task_group() as tg:
             tg.start_soon(lambda: client.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=4, temperature=0))
