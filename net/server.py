@@ -251,6 +251,7 @@ class Connection:
                 return False
             await self.send(self._server.welcome())
             return True
+        log.warning("handshake_timeout", seconds=self._server.config.handshake_timeout_s)
         return False
 
     async def _dispatch(self, message, tg: TaskGroup) -> None:

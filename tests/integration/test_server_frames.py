@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import sys
-import time
 from collections import Counter
 
 import msgspec
@@ -238,15 +237,14 @@ async def test_after_the_abuse_the_server_still_serves_correctly(server, referen
 
 
 def test_silent_connections_are_closed_after_the_handshake_timeout(server):
+    timeouts_before = server.log_text().count('"handshake_timeout"')
     with RawConnection(server.socket) as silent, RawConnection(server.socket) as partial, RawConnection(server.socket) as greeted:
-        start = time.monotonic()
         greeted.hello()
         partial.send_bytes(HEADER.pack(20) + b"\x81")  # a Hello that never completes
         assert silent.read_until_eof() == []  # the server closes without a word (move_on_after)
-        elapsed = time.monotonic() - start
-        # Not before the timeout (the socket's own read deadline bounds the wait from above).
-        assert elapsed >= HANDSHAKE_TIMEOUT_S * 0.8, elapsed
         assert codes(partial.read_until_eof()) in ([], ["protocol_error"])
+        # Both were closed by the handshake timeout (the server says so), not by anything sooner.
+        assert server.log_text().count('"handshake_timeout"') - timeouts_before >= 2, server.stderr()
         # A connection past its handshake may stay idle for longer than the timeout.
         greeted.send(GetStats())
         assert isinstance(greeted.read(), Stats)
