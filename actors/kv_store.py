@@ -8,7 +8,10 @@ from, indexes the prefixes the engine saves, and evicts least recently used
 ones (telling the model actor to drop them) when the budget needs the room.
 Checkpoints the engine captured are written atomically, in order, by one
 writer task off the event loop, deleted when their request ends for good, and
-expired when old.
+expired when old. With `kv.disk_cache_dir` it also runs the prefix cache's disk
+tier (`actors.disk_tier`): saved prefixes are written through to it, and a
+reservation whose prompt the disk holds more of than RAM is answered "loading"
+while the files are read, then granted with the KV read.
 """
 
 from __future__ import annotations
@@ -18,9 +21,12 @@ from dataclasses import dataclass
 from typing import Protocol, assert_never
 
 import anyio
+import anyio.abc
 import anyio.to_thread
+import msgspec
 import structlog
 
+from actors.disk_tier import DiskTier
 from actors.mailbox import Mailbox, answer
 from policies.ledger import KvLedger
 from protocols.base import Reply
@@ -28,6 +34,7 @@ from protocols.kv import (
     DrainFiles,
     GetKvStats,
     KvInbox,
+    KvReservation,
     KvStats,
     PrefixesSaved,
     ReleaseKv,
@@ -36,13 +43,15 @@ from protocols.kv import (
     SaveCheckpoint,
     UnpinPrefix,
 )
-from protocols.model import DropPrefixes
-from protocols.scheduler import CheckpointWritten
+from protocols.model import DiskPrefix, DropPrefixes
+from protocols.scheduler import CheckpointWritten, PrefixLoaded
 
 log = structlog.get_logger(actor="kv_store")
 
 CHECKPOINT_QUEUE = 64
 EXPIRE_EVERY_S = 3600.0
+# Disk reads in flight at once (each holds its files' bytes until its request is admitted).
+MAX_DISK_LOADS = 2
 
 
 class CheckpointFiles(Protocol):
@@ -82,6 +91,7 @@ class KvStoreActor:
         checkpoints: CheckpointFiles | None = None,
         max_age_s: float = 86400.0,
         capacity: int = 256,
+        disk: DiskTier | None = None,
     ):
         self.ledger = ledger
         self.inbox: Mailbox[KvInbox] = Mailbox(capacity)
@@ -95,13 +105,30 @@ class KvStoreActor:
         self._jobs_send, self._jobs_receive = anyio.create_memory_object_stream[_FileJob](CHECKPOINT_QUEUE)
         self._num_written = 0
         self._num_failed = 0
+        # The disk tier: reads in flight (a token per request, so a read outliving its request
+        # is not handed to another of the same id), and reads done, waiting for the request's
+        # next reservation (None: nothing usable was read).
+        self._disk = disk
+        self._loading: dict[str, object] = {}
+        self._loaded: dict[str, DiskPrefix | None] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
         # The figures as of the last message handled, read without a message (`/metrics`).
         self.latest = self._stats()
 
     async def run(self, *, task_status) -> None:
+        try:
+            await self._run(task_status)
+        finally:
+            if self._disk is not None:
+                self._disk.close()
+
+    async def _run(self, task_status) -> None:
         with self.inbox, self._jobs_send:
             async with anyio.create_task_group() as tg:
+                self._tg = tg
                 tg.start_soon(self._file_writer)
+                if self._disk is not None:
+                    tg.start_soon(self._disk.run_writer)
                 task_status.started()
                 while True:
                     await self.handle(await self.inbox.receive())
@@ -124,6 +151,8 @@ class KvStoreActor:
 
     async def _run_job(self, job: _FileJob) -> None:
         if isinstance(job, _Sync):
+            if self._disk is not None:
+                await self._disk.drained()
             answer(job.reply, True)
             return
         files = self._checkpoints
@@ -170,12 +199,12 @@ class KvStoreActor:
 
     async def handle(self, message: KvInbox) -> None:
         match message:
-            case ReserveKv(request_id=rid, num_tokens=n, reply=reply, prompt_ids=prompt, max_prefix_tokens=max_prefix, namespace=namespace):
-                reservation, evicted = self.ledger.reserve(rid, n, prompt, max_prefix, namespace)
-                answer(reply, reservation)
-                await self._drop(evicted)
+            case ReserveKv():
+                await self._reserve(message)
             case ReleaseKv(request_id=rid, delete_checkpoint=delete):
                 self.ledger.release(rid)
+                self._loading.pop(rid, None)
+                self._loaded.pop(rid, None)
                 if delete and self._checkpoints is not None:
                     self._pending.pop(rid, None)
                     await self._jobs_send.send(_Delete(rid))
@@ -186,6 +215,12 @@ class KvStoreActor:
             case UnpinPrefix(entry_id=entry_id):
                 self.ledger.unpin(entry_id)
             case PrefixesSaved(entries=entries):
+                if self._disk is not None and self._model is not None:
+                    # Copied out before anything below can drop them.
+                    for entry in entries:
+                        export = self._disk.plan_export(entry)
+                        if export is not None:
+                            await self._model.send(export)
                 await self._drop(self.ledger.save_prefixes(entries))
             case ReportKvUsage(live_tokens=live, physical_bytes=physical, adapter_bytes=adapters, device=device, quantized_bytes=quantized):
                 dropped = self.ledger.record_usage(live, physical, adapters, device, quantized, pool=message.pool, peak_bytes=message.peak_physical_bytes)
@@ -197,7 +232,49 @@ class KvStoreActor:
 
     def _stats(self) -> KvStats:
         figures = {"checkpoints_written": self._num_written, "checkpoints_failed": self._num_failed}
-        return self.ledger.stats(checkpoints_available=self._checkpoints is not None, **figures)
+        disk = self._disk.stats() if self._disk is not None else None
+        return self.ledger.stats(checkpoints_available=self._checkpoints is not None, disk=disk, **figures)
+
+    async def _reserve(self, message: ReserveKv) -> None:
+        """A reservation; with the disk tier, first a read of a longer prefix than RAM holds
+        (answered "loading" until it ends), then a grant with the KV read."""
+        rid, prompt, max_prefix, namespace = message.request_id, message.prompt_ids, message.max_prefix_tokens, message.namespace
+        disk = self._disk
+        if rid in self._loading:
+            answer(message.reply, KvReservation(request_id=rid, granted=False, reason="loading"))
+            return
+        tried = rid in self._loaded
+        loaded = self._loaded.pop(rid, None)
+        if disk is not None and max_prefix > 0 and not tried and len(self._loading) < MAX_DISK_LOADS:
+            match = disk.lookup(prompt, max_prefix, namespace, self.ledger.match_length(prompt, max_prefix, namespace))
+            if match is not None and self._tg is not None:
+                token = self._loading[rid] = object()
+                self._tg.start_soon(self._load, rid, token, match, prompt, message.notify)
+                answer(message.reply, KvReservation(request_id=rid, granted=False, reason="loading"))
+                return
+        use_disk = loaded is not None and loaded.num_tokens > self.ledger.match_length(prompt, max_prefix, namespace)
+        reservation, evicted = self.ledger.reserve(rid, message.num_tokens, prompt, max_prefix, namespace, use_prefixes=not use_disk)
+        if use_disk and loaded is not None and reservation.granted:
+            assert disk is not None
+            disk.count_hit(loaded)
+            reservation = msgspec.structs.replace(reservation, disk_prefix=loaded)
+        elif tried and reservation.reason == "no_room":
+            self._loaded[rid] = loaded  # kept for the next try (not read again)
+        answer(message.reply, reservation)
+        await self._drop(evicted)
+
+    async def _load(self, rid: str, token: object, match, prompt: list[int], notify) -> None:
+        assert self._disk is not None
+        try:
+            prefix = await self._disk.load(match, prompt)
+        except Exception:
+            log.exception("disk_read_failed", request_id=rid)
+            prefix = None
+        if self._loading.get(rid) is token:
+            del self._loading[rid]
+            self._loaded[rid] = prefix
+            if notify is not None:
+                answer(notify, PrefixLoaded(request_id=rid))
 
     async def _save_checkpoint(self, message: SaveCheckpoint) -> None:
         rid = message.data.request_id

@@ -41,7 +41,20 @@ from engine.model.world import Leader, World
 from protocols.api import AdapterInfo
 from protocols.config import AdapterConfig, DistributedConfig, KvConfig, LoraConfig, ModelConfig, SpeculativeConfig
 from protocols.errors import AdapterLoadError, InternalError, InvalidRequestError, MlxrtError, RuntimeClosedError, ServerBusyError
-from protocols.model import AdapterCall, DropPrefixes, Embed, ModelInbox, ModelInfo, RunStep, StepFailed, StepOutcome, StepPlan, WorldStats
+from protocols.model import (
+    AdapterCall,
+    DropPrefixes,
+    Embed,
+    ExportPrefix,
+    ModelInbox,
+    ModelInfo,
+    PrefixExport,
+    RunStep,
+    StepFailed,
+    StepOutcome,
+    StepPlan,
+    WorldStats,
+)
 
 # A clean shutdown tells the followers to stop; a world that does not take the message in
 # this long is already gone.
@@ -162,6 +175,10 @@ class ModelActor:
                 match message:
                     case RunStep(plan=plan, reply=reply):
                         answer(reply, await self._step(engine, bank, plan))
+                    case ExportPrefix() if isinstance(engine, Engine):
+                        answer(message.reply, await self._export(engine, message))
+                    case ExportPrefix(reply=reply, keys=keys):
+                        answer(reply, PrefixExport(keys=keys, arrays=[], error="a distributed world has no disk tier"))
                     case DropPrefixes(entry_ids=entry_ids):
                         if self.world is None:
                             await self._thread.run(engine.drop_prefixes, entry_ids)
@@ -178,6 +195,15 @@ class ModelActor:
                         answer(reply, self._embed_refusal(embedder))
                     case _:
                         assert_never(message)
+
+    async def _export(self, engine: Engine, call: ExportPrefix) -> PrefixExport:
+        """A prefix entry's positions copied out for the disk tier (numpy, on the MLX thread)."""
+        try:
+            arrays = await self._thread.run(engine.export_prefix, call.entry_id, call.spans, call.whole)
+        except Exception as exc:  # the entry went (a failed step resets nothing of prefixes), a bug
+            log.warning("prefix_export_failed", entry_id=call.entry_id, error=f"{type(exc).__name__}: {exc}")
+            return PrefixExport(keys=call.keys, arrays=[], error=f"{type(exc).__name__}: {exc}")
+        return PrefixExport(keys=call.keys, arrays=arrays)
 
     async def _load_adapter(self, bank: AdapterBank, call: AdapterCall, reading: anyio.Lock) -> None:
         """Read an adapter's files in a worker thread while steps go on, then install them."""

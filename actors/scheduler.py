@@ -27,6 +27,7 @@ from protocols.scheduler import (
     CheckpointWritten,
     FinishRequest,
     GetSchedulerStats,
+    PrefixLoaded,
     SchedulerInbox,
     SchedulerStats,
     SetPaused,
@@ -89,6 +90,8 @@ class SchedulerActor:
                 tracked = self.policy.get(rid)
                 if tracked is not None:
                     tracked.record_checkpoint(ok, error, time.monotonic())
+            case PrefixLoaded():
+                pass  # the loop asks for the request's room again
             case GetSchedulerStats(reply=reply):
                 answer(reply, self._stats())
             case _:
@@ -124,10 +127,14 @@ class SchedulerActor:
             # A request scoring its prompt forwards every position of it.
             max_prefix = 0 if tracked.admit.resume is not None or tracked.admit.prompt_logprobs is not None else len(prompt) - 1
             namespace = prefix_namespace(tracked.admit.adapter, tracked.admit.adapter_digest)
-            reservation = await ask(self._kv, ReserveKv, request_id=rid, num_tokens=need, prompt_ids=prompt, max_prefix_tokens=max_prefix, namespace=namespace)
+            reservation = await ask(
+                self._kv, ReserveKv, request_id=rid, num_tokens=need, prompt_ids=prompt, max_prefix_tokens=max_prefix, namespace=namespace, notify=self.inbox
+            )
             if reservation.granted:
                 if reservation.prefix_entry is not None:
                     tracked.start_from_prefix(reservation.prefix_entry, reservation.prefix_tokens)
+                elif reservation.disk_prefix is not None:
+                    tracked.start_from_disk(reservation.disk_prefix)
                 self.policy.admit(tracked, time.monotonic())
                 if tracked.admit.resume is not None:
                     # A resumed stream first re-delivers what was generated before its checkpoint.
@@ -136,7 +143,7 @@ class SchedulerActor:
                 self.policy.reject_waiting(tracked)
                 message = f"prompt + max_tokens ({need} tokens) can never fit the KV budget"
                 tracked.session.send_nowait(RequestRejected(request_id=rid, code="too_large", message=message, field="max_tokens"))
-            else:
+            else:  # no room yet, or its prefix is being read from disk (`PrefixLoaded` follows)
                 return
 
     async def _step(self) -> None:
@@ -147,6 +154,9 @@ class SchedulerActor:
         for admit in plan.admit:
             if admit.prefix_entry is not None:
                 await self._kv.send(UnpinPrefix(entry_id=admit.prefix_entry))
+            tracked = self.policy.get(admit.request_id)
+            if admit.disk_prefix is not None and tracked is not None:
+                tracked.admit = msgspec.structs.replace(tracked.admit, disk_prefix=None)  # the engine holds that KV now
         match result:
             case StepOutcome():
                 await self._deliver(result, started)

@@ -220,6 +220,12 @@ class Engine:
     def drop_prefixes(self, entry_ids: list[str]) -> None:
         self._prefixes.drop(entry_ids)
 
+    def export_prefix(self, entry_id: str, spans: list[tuple[int, int]], whole: bool) -> list[dict]:
+        """Numpy copies of a prefix entry's positions for the disk tier: per span, its arrays
+        by tensor name (`caches.chunk_arrays`), or with `whole` the entire entry's
+        (`caches.tensor_arrays`). Raises `KeyError` for an entry no longer kept."""
+        return self._prefixes.export(entry_id, spans, whole)
+
     def reset(self) -> None:
         """Drop every request (after a failed step); prefix entries stay."""
         for seq in self._sequences.values():
@@ -307,6 +313,15 @@ class Engine:
             n = admit.prefix_tokens
             seq.cache = self._prefixes.seed(admit.prefix_entry, n, seq)
             seq.num_prefilled = n
+        elif admit.disk_prefix is not None:
+            disk, n = admit.disk_prefix, admit.disk_prefix.num_tokens
+            if not 0 < n < seq.prompt_len:
+                raise EngineInvariantError(f"a disk prefix of {n} tokens cannot seed a {seq.prompt_len}-token prompt")
+            restored = caches.from_tensors(disk.tensors[0], self._layout, n) if disk.whole else caches.from_chunks(disk.tensors, self._layout, n)
+            seq.cache = self._blocks.into_pool(seq, restored, n)
+            seq.num_prefilled = n
+            if admit.save_prefix:  # kept in RAM too: the next request with this prefix need not read it
+                self._prefixes.save(seq, caches.trimmed(seq.cache, n), n)
         if admit.spec is not None:
             self._speculator.start(seq)
         if admit.adapter is not None:

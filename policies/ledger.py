@@ -71,18 +71,34 @@ class KvLedger:
         shared = sum(blocks for _, blocks in self._shared.values()) * self.block_bytes
         return sum(self.request_bytes(n) for n in self._reserved.values()) - shared
 
+    def match_length(self, prompt_ids: Sequence[int], max_prefix_tokens: int, namespace: str | None = None) -> int:
+        """How many of the prompt's first tokens a saved prefix holds (nothing pinned)."""
+        if max_prefix_tokens <= 0:
+            return 0
+        match = self.prefixes.lookup(prompt_ids, max_prefix_tokens, whole=self.whole_entries, namespace=namespace)
+        return match.num_tokens if match is not None else 0
+
     def reserve(
-        self, request_id: str, num_tokens: int, prompt_ids: Sequence[int] = (), max_prefix_tokens: int = 0, namespace: str | None = None
+        self,
+        request_id: str,
+        num_tokens: int,
+        prompt_ids: Sequence[int] = (),
+        max_prefix_tokens: int = 0,
+        namespace: str | None = None,
+        *,
+        use_prefixes: bool = True,
     ) -> tuple[KvReservation, list[str]]:
         """A reservation, and the prefix entries evicted to make room for it.
 
         The request's own prefix match (KV of its adapter) is pinned before anything is
-        evicted, and entries are evicted only when that makes the request fit.
+        evicted, and entries are evicted only when that makes the request fit. Without
+        `use_prefixes` (it starts from KV read from disk) no saved prefix is looked up.
         """
         need = self.request_bytes(num_tokens)
         if self.budget_bytes and need + self.adapter_bytes > self.budget_bytes:
             return KvReservation(request_id=request_id, granted=False, reason="never_fits"), []
-        match = self.prefixes.lookup(prompt_ids, max_prefix_tokens, whole=self.whole_entries, namespace=namespace) if max_prefix_tokens > 0 else None
+        wanted = max_prefix_tokens > 0 and use_prefixes
+        match = self.prefixes.lookup(prompt_ids, max_prefix_tokens, whole=self.whole_entries, namespace=namespace) if wanted else None
         if match is not None:
             self.prefixes.pin(match.entry_id)
         shared = match.num_tokens // self.block_size if match is not None and self.block_size else 0

@@ -21,7 +21,7 @@ import msgspec
 
 from policies.adapters import AdapterSlots
 from protocols.api import CheckpointReport, FillStats
-from protocols.model import AdmitRequest, PrefillWork, StepOutcome, StepPlan
+from protocols.model import AdmitRequest, DiskPrefix, PrefillWork, StepOutcome, StepPlan
 from protocols.session import RequestTimeline, TraceSpan
 
 # Spans kept per request for tracing (prefill chunks, fast-forwards, checkpoint writes);
@@ -111,6 +111,12 @@ class Tracked:
         """Seed the request with `num_tokens` of a saved prefix: they need no prefill."""
         self.admit = msgspec.structs.replace(self.admit, prefix_entry=entry_id, prefix_tokens=num_tokens)
         self.num_prefilled = self.cached_tokens = num_tokens
+
+    def start_from_disk(self, prefix: DiskPrefix) -> None:
+        """Seed the request with KV read from the disk tier: those tokens need no prefill."""
+        self.admit = msgspec.structs.replace(self.admit, disk_prefix=prefix)
+        self.num_prefilled = self.cached_tokens = prefix.num_tokens
+        self.add_span("disk_read", prefix.started, prefix.ended, tokens=prefix.num_tokens, files=len(prefix.tensors), bytes=sum(map(len, prefix.tensors)))
 
     def record_checkpoint(self, ok: bool, error: str | None, now: float | None = None) -> None:
         if ok:

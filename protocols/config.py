@@ -69,6 +69,15 @@ class KvConfig(Section, frozen=True):
     # requests seeded from a saved prefix sharing its full blocks instead of copying them.
     # 0 keeps a padded row per request. (Quantized layers keep rows.)
     block_size: Literal[0, 8, 16, 32, 64, 128, 256] = 0
+    # The prefix cache's disk tier ("" = off): saved prefixes of at least `disk_min_tokens`
+    # tokens are also written here (off the event loop and the MLX thread), kept across
+    # restarts, and read back when a prompt starts with one and RAM holds less of it. At most
+    # `disk_cache_bytes` (least recently used files go first). Full-attention models store
+    # `disk_chunk_tokens`-position chunks, so a prefix shared by many prompts is stored once.
+    disk_cache_dir: str = ""
+    disk_cache_bytes: NonNegative = 16 << 30
+    disk_chunk_tokens: Literal[64, 128, 256, 512, 1024] = 256
+    disk_min_tokens: NonNegative = 256
 
 
 class GenerationConfig(Section, frozen=True):

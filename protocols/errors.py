@@ -86,6 +86,14 @@ class ConfigError(MlxrtError, ValueError):
     """A config file or value is invalid; the message names the file and key."""
 
 
+class DiskCacheError(ConfigError):
+    """`kv.disk_cache_dir` cannot be used: not ours, open to others, not a directory."""
+
+
+class DiskCacheLockedError(DiskCacheError):
+    """Another server (or runtime) of the same model and KV format holds `kv.disk_cache_dir`."""
+
+
 class InvalidRequestError(MlxrtError, ValueError):
     """A request was rejected before any compute; `field` names the culprit."""
 

@@ -10,18 +10,48 @@ import msgspec
 
 from protocols.api import GenerateRequest
 from protocols.base import Message, Record, Reply
-from protocols.model import CheckpointData, DeviceMemory, KvPool, SavedPrefix
-from protocols.scheduler import CheckpointWritten
+from protocols.model import CheckpointData, DeviceMemory, DiskPrefix, KvPool, SavedPrefix
+from protocols.scheduler import CheckpointWritten, PrefixLoaded
 
 
 class KvReservation(Record, frozen=True):
     request_id: str
     granted: bool
-    # Why not, when not granted: "never_fits" or "no_room".
+    # Why not, when not granted: "never_fits", "no_room", or "loading" (a longer prefix is being
+    # read from the disk tier; the asker hears `PrefixLoaded` when it can ask again).
     reason: str | None = None
     # A saved prefix to start from (pinned until `UnpinPrefix`), and how many of its tokens.
     prefix_entry: str | None = None
     prefix_tokens: int = 0
+    # Or KV read back from the disk tier.
+    disk_prefix: DiskPrefix | None = None
+
+
+class DiskStats(Record, frozen=True):
+    """The prefix cache's disk tier (`kv.disk_cache_dir`)."""
+
+    directory: str
+    entries: int
+    bytes: int
+    capacity_bytes: int
+    # Whether entries are written (false: a read-only directory, or writes paused after a
+    # failure such as a full disk; `error` says which).
+    writable: bool
+    # Admitted requests seeded from disk, and the tokens they did not prefill; lookups that
+    # found nothing longer on disk than in RAM; seconds spent reading (and checking) files.
+    hits: int = 0
+    tokens_loaded: int = 0
+    misses: int = 0
+    load_s: float = 0.0
+    # Files written and their bytes, writes that failed, entries not written because the
+    # write queue was full, files evicted (LRU), files found damaged or foreign and removed.
+    writes: int = 0
+    bytes_written: int = 0
+    write_failures: int = 0
+    writes_skipped: int = 0
+    evicted: int = 0
+    removed_damaged: int = 0
+    error: str | None = None
 
 
 class KvStats(Record, frozen=True):
@@ -61,6 +91,8 @@ class KvStats(Record, frozen=True):
     # (the engine's peak of `physical_bytes`).
     pool: KvPool | None = None
     peak_physical_bytes: int = 0
+    # The disk tier, when `kv.disk_cache_dir` is set.
+    disk: DiskStats | None = None
 
 
 class ReserveKv(Message, frozen=True):
@@ -75,6 +107,8 @@ class ReserveKv(Message, frozen=True):
     # The prefix cache's namespace of the request's LoRA adapter (`policies.adapters`): only
     # KV computed under it can seed the request.
     namespace: str | None = None
+    # Told `PrefixLoaded` once a disk read this reservation started ends (it was "loading").
+    notify: Reply[PrefixLoaded] | None = None
 
 
 class UnpinPrefix(Message, frozen=True):

@@ -6,7 +6,7 @@ A plan names requests by id; the engine on the MLX thread owns their caches.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -70,6 +70,21 @@ class ResumeState(Record, frozen=True):
     kv_tensors: bytes
 
 
+class DiskPrefix(Record, frozen=True):
+    """A saved prefix read back from the disk tier (`kv.disk_cache_dir`): the KV of the
+    first `num_tokens` prompt tokens, as safetensors bytes. Full-attention models: chunks of
+    `kv.disk_chunk_tokens` positions from position 0, concatenated and cut to `num_tokens`;
+    otherwise one `whole` entry saved at exactly `num_tokens` (windows and recurrent state
+    are only valid where they were saved)."""
+
+    num_tokens: int
+    tensors: list[bytes]
+    whole: bool = False
+    # When the read began and ended (monotonic seconds: the request's "disk_read" span).
+    started: float = 0.0
+    ended: float = 0.0
+
+
 class SpecPlan(Record, frozen=True):
     """A request's speculative decoding: where drafts come from, how they are kept, and the
     longest draft per round."""
@@ -107,6 +122,8 @@ class AdmitRequest(Record, frozen=True):
     # Start from the first `prefix_tokens` of this saved prefix entry instead of prefilling them.
     prefix_entry: str | None = None
     prefix_tokens: int = 0
+    # Or start from KV read back from the disk tier (kept as a prefix entry once seeded).
+    disk_prefix: DiskPrefix | None = None
     # Offer the request's KV to the prefix cache when it ends, and the first
     # `snapshot_at` prompt tokens' KV as soon as prefill reaches them.
     save_prefix: bool = True
@@ -371,7 +388,28 @@ class Embed(Message, frozen=True):
     batch_tokens: int = 1024
 
 
-ModelInbox = RunStep | DropPrefixes | AdapterCall | Embed
+class PrefixExport(Record, frozen=True):
+    """A prefix entry's KV copied out for the disk tier: per requested span, its arrays by
+    tensor name (numpy, float32 or packed words), or why none could be copied."""
+
+    keys: list[str]
+    arrays: list[Any]
+    error: str | None = None
+
+
+class ExportPrefix(Message, frozen=True):
+    """Copy positions of a prefix entry out for the disk tier (before any drop of it):
+    `spans` (start, end) of full-attention chunks, or the whole entry (`whole`, one span
+    `(0, length)`). `keys` name the files the spans become; answered with a `PrefixExport`."""
+
+    entry_id: str
+    keys: list[str]
+    spans: list[tuple[int, int]]
+    whole: bool
+    reply: Reply[PrefixExport]
+
+
+ModelInbox = RunStep | DropPrefixes | AdapterCall | Embed | ExportPrefix
 
 
 # -- a distributed world: rank 0's calls, made by every rank (`engine.model.world`) ------------------

@@ -53,6 +53,12 @@ class CheckpointWritten(Message, frozen=True):
     error: str | None = None
 
 
+class PrefixLoaded(Message, frozen=True):
+    """A disk read for this request's prefix ended (found or not): ask for its room again."""
+
+    request_id: str
+
+
 class SchedulerStats(Record, frozen=True):
     waiting: int
     prefilling: int
@@ -69,4 +75,4 @@ class GetSchedulerStats(Message, frozen=True):
     reply: Reply[SchedulerStats]
 
 
-SchedulerInbox = AddRequest | CancelRequest | FinishRequest | SetPaused | CheckpointWritten | GetSchedulerStats
+SchedulerInbox = AddRequest | CancelRequest | FinishRequest | SetPaused | CheckpointWritten | PrefixLoaded | GetSchedulerStats

@@ -41,6 +41,7 @@ from protocols.errors import (
     UnsupportedCheckpointError,
 )
 from protocols.model import LayerLayout
+from runtime import private_files
 
 # 5: the header is a `protocols.frames` frame after the digest (4: its length before the digest).
 FORMAT_VERSION = 5
@@ -100,24 +101,9 @@ def prepare_directory(directory: Path) -> None:
     or that cannot be written (read-only, full, not a directory).
     """
     try:
-        if not directory.exists():
-            directory.mkdir(parents=True, mode=0o700)
-        info = directory.stat()
-    except OSError as exc:
-        raise CheckpointDirError(f"{directory}: {exc.strerror or exc}") from None
-    if not stat.S_ISDIR(info.st_mode):
-        raise CheckpointDirError(f"{directory} is not a directory")
-    if info.st_uid != os.getuid():
-        raise CheckpointDirError(f"{directory} belongs to uid {info.st_uid}, not to this user")
-    if stat.S_IMODE(info.st_mode) & 0o022:
-        raise CheckpointDirError(f"{directory} can be written by others (mode {stat.S_IMODE(info.st_mode):o}); use a private directory (0700)")
-    probe = directory / f".probe-{os.getpid()}.tmp"
-    try:
-        _write_file(probe, b"probe")
-    except OSError as exc:
-        raise CheckpointDirError(f"{directory} is not writable: {exc.strerror or exc}") from None
-    finally:
-        probe.unlink(missing_ok=True)
+        private_files.prepare_directory(directory)
+    except private_files.PrivateDirError as exc:
+        raise CheckpointDirError(str(exc)) from None
 
 
 def write_atomic(directory: Path, request_id: str, data: bytes) -> Path:
@@ -125,31 +111,7 @@ def write_atomic(directory: Path, request_id: str, data: bytes) -> Path:
 
     On failure (a full disk, say) the temporary file is removed and the old checkpoint stays.
     """
-    final = path_for(directory, request_id)
-    temporary = final.with_name(f".{final.name}.{os.getpid()}.tmp")
-    try:
-        _write_file(temporary, data)
-        os.replace(temporary, final)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return final
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return private_files.write_atomic(path_for(directory, request_id), data)
 
 
 def read(directory: Path, request_id: str, *, model_id: str, tokenizer_id: str, max_bytes: int, kv_format: str = "float") -> tuple[CheckpointHeader, bytes]:
@@ -171,29 +133,11 @@ def read(directory: Path, request_id: str, *, model_id: str, tokenizer_id: str, 
 def _read_regular(path: Path, max_bytes: int, request_id: str) -> bytes:
     """The bytes of a regular file at `path` (no links, FIFOs, devices or directories)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return private_files.read_regular(path, max_bytes)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"no checkpoint for request {request_id!r}") from None
-    except OSError as exc:  # ELOOP for a link, EACCES, ...
-        raise CorruptCheckpointError(f"{path.name} cannot be opened as a checkpoint: {exc.strerror or exc}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CorruptCheckpointError(f"{path.name} is not a regular file")
-        if info.st_size > max_bytes:
-            raise CorruptCheckpointError(f"{path.name} has {info.st_size} bytes, more than this model's checkpoints can ({max_bytes})")
-        chunks, remaining = [], info.st_size
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks)
-    except OSError as exc:
-        raise CorruptCheckpointError(f"{path.name} cannot be read: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
+    except private_files.UnreadableFileError as exc:
+        raise CorruptCheckpointError(f"{exc} (as a checkpoint)") from None
 
 
 def decode(data: bytes, *, source: str = "<checkpoint>") -> tuple[CheckpointHeader, bytes]:
@@ -237,10 +181,8 @@ def check_tensors(header: CheckpointHeader, tensors: bytes, layers: Sequence[Lay
 def delete(directory: Path, request_id: str) -> None:
     """Remove a request's checkpoint; anything there that is not a regular file is left alone."""
     try:
-        path = path_for(directory, request_id)
-        if stat.S_ISREG(os.lstat(path).st_mode):
-            path.unlink()
-    except (OSError, InvalidRequestError):
+        private_files.remove_regular(path_for(directory, request_id))
+    except InvalidRequestError:
         pass
 
 

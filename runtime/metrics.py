@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from protocols.api import Finished
-from protocols.kv import KvStats
+from protocols.kv import DiskStats, KvStats
 from protocols.metrics import HistogramSnapshot, MetricsSnapshot
 from protocols.scheduler import SchedulerStats
 from protocols.session import RequestTimeline
@@ -216,6 +216,24 @@ class _StatsCollector:
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", kv.prefix_tokens_reused)
         yield counter("checkpoints_written", "Durable checkpoints written.", kv.checkpoints_written)
         yield counter("checkpoints_failed", "Durable checkpoint writes that failed.", kv.checkpoints_failed)
+        if kv.disk is not None:
+            yield from _disk_metrics(kv.disk, gauge, counter)
+
+
+def _disk_metrics(disk: DiskStats, gauge, counter) -> Iterator[Metric]:
+    """The prefix cache's disk tier (`kv.disk_cache_dir`)."""
+    yield gauge("kv_disk_entries", "Entry files in the prefix cache's disk tier.", disk.entries)
+    yield gauge("kv_disk_bytes", "Bytes of the disk tier's files (at most kv.disk_cache_bytes).", disk.bytes)
+    yield gauge("kv_disk_writable", "Whether the disk tier writes entries (0: read-only, or paused after a failure).", float(disk.writable))
+    yield counter("kv_disk_hits", "Requests seeded from the disk tier.", disk.hits)
+    yield counter("kv_disk_misses", "Prefix lookups the disk tier could not improve on.", disk.misses)
+    yield counter("kv_disk_tokens_loaded", "Prompt tokens read from the disk tier instead of prefilled.", disk.tokens_loaded)
+    yield counter("kv_disk_load_seconds", "Seconds spent reading and checking disk tier files.", disk.load_s)
+    yield counter("kv_disk_writes", "Disk tier files written.", disk.writes)
+    yield counter("kv_disk_write_failures", "Disk tier writes that failed (writes pause after one).", disk.write_failures)
+    yield counter("kv_disk_writes_skipped", "Entries not written: too much in flight, or writes paused.", disk.writes_skipped)
+    yield counter("kv_disk_evicted", "Disk tier files evicted (least recently used first).", disk.evicted)
+    yield counter("kv_disk_removed_damaged", "Disk tier files found damaged or foreign, and removed.", disk.removed_damaged)
 
 
 def _by_label(counter: Counter, label: str) -> dict[str, int]:

@@ -36,7 +36,7 @@ from protocols.kv import DrainFiles, GetKvStats
 from protocols.model import AdapterCall, Embed, ModelInbox, ModelInfo
 from protocols.scheduler import GetSchedulerStats
 from protocols.stats import Stats
-from runtime import blas, env
+from runtime import blas, env, kv_files
 from runtime.admission import Admission, Prepared, checkpoint_directory_problem
 from runtime.checkpoints import CheckpointStore
 from runtime.config import RuntimeConfig
@@ -428,7 +428,8 @@ async def _start_kv_store(config: RuntimeConfig, info: ModelInfo, model: Mailbox
         if checkpoints
         else None
     )
-    kv = KvStoreActor(ledger, model=model, checkpoints=store, max_age_s=config.checkpoints.max_age_s)
+    disk = await kv_files.open_tier(config.kv, info)
+    kv = KvStoreActor(ledger, model=model, checkpoints=store, max_age_s=config.checkpoints.max_age_s, disk=disk)
     await tg.start(kv.run)
     return kv
 

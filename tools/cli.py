@@ -159,6 +159,13 @@ def _add_bench(sub) -> None:
     bench.add_argument("--kv-workloads", default="throughput,fidelity,agreement,admission,sharing", help="with --kv: comma-separated subset")
     bench.add_argument("--kv-formats", default="float,paged,int8,int4", help="with --kv: KV formats measured (comma-separated)")
     bench.add_argument(
+        "--disk",
+        action="store_true",
+        help="the prefix cache's disk tier: a 4,096-token prompt's TTFT cold, from RAM and from disk after a restart per KV format; write-through cost at 8 streams",
+    )
+    bench.add_argument("--disk-workloads", default="restart,writes", help="with --disk: comma-separated subset")
+    bench.add_argument("--disk-formats", default="float,int8,int4", help="with --disk: KV formats measured (comma-separated)")
+    bench.add_argument(
         "--distributed", action="store_true", help="one process against 2-rank worlds (tensor, pipeline) on this machine: builtin:bench-qwen2 by default"
     )
     bench.set_defaults(func=_bench)
@@ -416,6 +423,8 @@ def _bench(args) -> int:
         return _bench_pool(args, config)
     if args.kv:
         return _bench_kv(args, config)
+    if args.disk:
+        return _bench_disk(args, config)
     if args.distributed:
         return _bench_world(args)
     config = _with_model(config, args.model)
@@ -536,6 +545,22 @@ def _bench_kv(args, config: RuntimeConfig) -> int:
     options = KvBenchOptions(formats=formats, new_tokens=args.new_tokens, repeats=min(args.repeats, 3), workloads=workloads)
     results = anyio.run(run_kv_bench, _with_model(config, args.model), options)
     print(format_kv_table(results))
+    dump(results, args.json_path)
+    return EXIT_OK
+
+
+def _bench_disk(args, config: RuntimeConfig) -> int:
+    from tools.bench import dump
+    from tools.bench_disk import FORMATS, WORKLOADS, DiskBenchOptions, format_disk_table, run_disk_bench
+
+    workloads = tuple(w for w in args.disk_workloads.split(",") if w)
+    formats = tuple(f for f in args.disk_formats.split(",") if f)
+    if set(workloads) - set(WORKLOADS) or set(formats) - set(FORMATS):
+        print(f"mlxrt bench --disk: workloads are {', '.join(WORKLOADS)}; formats {', '.join(FORMATS)}", file=sys.stderr)
+        return EXIT_USAGE
+    options = DiskBenchOptions(formats=formats, repeats=min(args.repeats, 3), workloads=workloads)
+    results = anyio.run(run_disk_bench, _with_model(config, args.model), options)
+    print(format_disk_table(results))
     dump(results, args.json_path)
     return EXIT_OK
 

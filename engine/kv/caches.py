@@ -93,40 +93,79 @@ def to_tensors(caches: Sequence[Any], layout: Sequence[LayerLayout], length: int
 
     Stored as float32: numpy has no bfloat16, and the widening is exact (restore narrows back).
     """
+    return safetensors.numpy.save(tensor_arrays(caches, layout, length))
+
+
+def tensor_arrays(caches: Sequence[Any], layout: Sequence[LayerLayout], length: int, start: int = 0) -> dict[str, np.ndarray]:
+    """The arrays `to_tensors` stores, as numpy copies (safe to hand to another thread); with
+    `start` (full-attention layouts), only positions `start:length` of each."""
     flat = dict(_leaf_caches(caches, layout))
     tensors = {}
     for name, shape in tensor_shapes(layout, length).items():
         layer, _, field = name.rpartition(".")
         if field in ("packed", "scales", "biases") or type(flat.get(layer)) is QuantizedKV:
-            tensors[name] = _quantized_tensor(flat, name, shape)
+            tensors[name] = _quantized_tensor(flat, name, shape, start)
             continue
         cache = flat[layer]
         if field in ("keys", "values"):
             keys, values = _in_order(cache)
             array = keys if field == "keys" else values
             # Full attention: the first `length` positions; a window: its last ones, up to `length`.
-            array = array[..., :length, :] if type(cache) is KVCache else array[..., array.shape[2] - shape[2] :, :]
+            array = array[..., start:length, :] if type(cache) is KVCache else array[..., array.shape[2] - shape[2] :, :]
         else:
             array = cache[int(field.removeprefix("state"))]
-        tensors[name] = np.array(array.astype(mx.float32))
-    return safetensors.numpy.save(tensors)
+        tensors[name] = _numpy(array.astype(mx.float32))
+    return tensors
+
+
+def chunk_arrays(caches: Sequence[Any], layout: Sequence[LayerLayout], spans: Sequence[tuple[int, int]]) -> list[dict[str, np.ndarray]]:
+    """Per span `(start, end)`, the positions `start:end` of every tensor `to_tensors` would store
+    for `end` positions (full attention only: each position's KV is its own, so chunks of one
+    sequence concatenate back into it). Numpy copies, safe to hand to another thread."""
+    return [tensor_arrays(caches, layout, end, start) for start, end in spans]
+
+
+def from_chunks(chunks: Sequence[bytes], layout: Sequence[LayerLayout], length: int) -> list:
+    """Per-layer caches of the first `length` positions of chunks made by `chunk_arrays` (and
+    saved with safetensors), in order from position 0; full-attention layouts only."""
+    loaded = [safetensors.numpy.load(chunk) for chunk in chunks]
+    if not loaded:
+        raise EngineInvariantError("no chunks to restore")
+    tensors = {}
+    for name, shape in tensor_shapes(layout, length).items():
+        if any(name not in chunk for chunk in loaded):
+            raise EngineInvariantError(f"a chunk lacks tensor {name}")
+        parts = [chunk[name] for chunk in loaded]
+        joined = np.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+        if joined.shape[2] < shape[2] or joined.shape[:2] + joined.shape[3:] != shape[:2] + shape[3:]:
+            raise EngineInvariantError(f"chunks hold {name} as {joined.shape}, not {shape}")
+        tensors[name] = joined[:, :, : shape[2]]
+    return [_restore(tensors, str(i), layer, length) for i, layer in enumerate(layout)]
 
 
 _PARTS = {"packed": 0, "scales": 1, "biases": 2}
 
 
-def _quantized_tensor(flat: dict, name: str, shape: tuple[int, ...]) -> np.ndarray:
+def _numpy(array: mx.array) -> np.ndarray:
+    """A C-ordered numpy copy. (`np.array` keeps an MLX array's axis order, which is transposed
+    where MLX wrote a transposed projection into it; safetensors writes the buffer as if it were
+    C-ordered, so such a copy was stored scrambled.)"""
+    return np.ascontiguousarray(np.array(array))
+
+
+def _quantized_tensor(flat: dict, name: str, shape: tuple[int, ...], start: int = 0) -> np.ndarray:
     """A quantized layer's tensor: `<layer>.<keys|values>.<packed|scales|biases>`, or its float
-    head `<layer>.<keys|values>` (scales and biases widened to float32 like float KV)."""
+    head `<layer>.<keys|values>` (scales and biases widened to float32 like float KV), from
+    position `start`."""
     path, _, last = name.rpartition(".")
     if last in _PARTS:
         layer, _, field = path.rpartition(".")
         cache = flat[layer]
-        array = (cache.keys if field == "keys" else cache.values)[_PARTS[last]][:, :, : shape[2]]
-        return np.array(array if last == "packed" else array.astype(mx.float32))
+        array = (cache.keys if field == "keys" else cache.values)[_PARTS[last]][:, :, start : shape[2]]
+        return _numpy(array if last == "packed" else array.astype(mx.float32))
     cache = flat[path]
     head = cache.head_keys if last == "keys" else cache.head_values
-    return np.array(head[:, :, : shape[2]].astype(mx.float32))
+    return _numpy(head[:, :, start : max(start, shape[2])].astype(mx.float32))
 
 
 def from_tensors(data: bytes, layout: Sequence[LayerLayout], length: int) -> list:

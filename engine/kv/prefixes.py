@@ -125,6 +125,16 @@ class PrefixEntries:
 
         return map_paged(entry.caches, self._layout, read)
 
+    def export(self, entry_id: str, spans: list[tuple[int, int]], whole: bool) -> list[dict]:
+        """Numpy copies of an entry's positions (the disk tier's files): per span, or whole."""
+        entry = self._entries[entry_id]
+        kept = self.caches_of(entry_id)
+        if whole:
+            return [caches.tensor_arrays(kept, self._layout, entry.length)]
+        if any(end > entry.length for _, end in spans):
+            raise EngineInvariantError(f"prefix {entry_id!r} holds {entry.length} positions, not {max(end for _, end in spans)}")
+        return caches.chunk_arrays(kept, self._layout, spans)
+
     def drop(self, entry_ids: list[str]) -> None:
         for entry_id in entry_ids:
             entry = self._entries.pop(entry_id, None)

@@ -92,3 +92,27 @@ def test_the_stored_form_survives_extract_views_and_checkpoint_tensors(tiny_kv):
     assert all(same(x, c, n - 5) for x, c in zip(batch.extract("a"), cache))
     # What it costs: 8-bit, group 32, float32 scales: 1 + 8/32 bytes per element, against 4.
     assert full_token_bytes(layout) * 16 == full_token_bytes(float_layout) * 5
+
+
+@pytest.mark.parametrize("start", [0, 20])
+def test_disk_chunks_concatenate_back_into_the_cache(tiny_kv, start):
+    """The disk tier's chunks (`chunk_arrays`, read back with `from_chunks`) hold exactly the
+    positions a checkpoint would, quantized form and float head included, cut where asked."""
+    import safetensors.numpy
+
+    model, float_layout, prompts, _ = tiny_kv
+    for layout in (float_layout, with_kv_quantization(float_layout, 8, 32, start)[0]):
+        prompt = prompts[2]
+        cache = new_caches(model, layout)
+        model(mx.array(prompt)[None], cache=cache)
+        n = len(prompt)
+        spans = [(0, 16), (16, 32), (32, 48)]
+        chunks = [safetensors.numpy.save(arrays) for arrays in caches.chunk_arrays(cache, layout, spans)]
+        whole = caches.from_tensors(caches.to_tensors(cache, layout, 40), layout, 40)
+        joined = caches.from_chunks(chunks, layout, 40)
+        live = caches.tensor_arrays(cache, layout, 40)
+        for restored in (whole, joined):  # (a transposed float head was once stored scrambled)
+            assert all(c.offset == 40 for c in restored)
+            arrays = caches.tensor_arrays(restored, layout, 40)
+            assert arrays.keys() == live.keys() and all((arrays[name] == live[name]).all() for name in live)
+        assert n > 48

@@ -1,0 +1,255 @@
+"""The prefix cache's disk tier, run inside the KV store actor (`kv.disk_cache_dir`).
+
+Write-through: when the engine saves a prefix entry of at least `kv.disk_min_tokens` tokens,
+the KV store asks the model actor to copy out what the disk lacks of it (`ExportPrefix`: the
+chunks not on disk yet, or the whole entry), before any eviction can drop it; the copies
+(numpy arrays) come back to this tier's writer task, which writes the files in worker
+threads, indexes them and evicts the least recently used files beyond `kv.disk_cache_bytes`.
+Entries leaving RAM therefore need no write of their own, and entries still in RAM when the
+process ends are on disk for the next one. The MLX thread only copies arrays; hashing,
+serialising and writing happen in worker threads. Exports in flight are bounded (count and
+bytes); beyond that an entry is not written (`writes_skipped`), never waited for.
+
+Reads: a prompt whose longest disk match beats the RAM tier's by a chunk or more is read
+(every file checked whole) in a worker thread while the scheduler keeps stepping other
+requests, then admitted with the KV (`DiskPrefix`). A damaged file is removed (with the
+chunks after it) and the read keeps what came before it. A write that fails (a full disk,
+a read-only directory) pauses writes for `RETRY_WRITES_S` with the error in the stats;
+reads and requests go on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from policies.disk_index import DiskEntry, DiskIndex, DiskMatch
+from policies.layout import tensor_shapes
+from protocols.kv import DiskStats
+from protocols.model import DiskPrefix, ExportPrefix, LayerLayout, PrefixExport, SavedPrefix
+
+log = structlog.get_logger(actor="kv_store", tier="disk")
+
+# Exports asked for and not yet written, at most (count, and bytes of their arrays).
+MAX_EXPORTS = 16
+MAX_EXPORT_BYTES = 1 << 30
+# After a failed write, writes pause this long (a full disk is not retried every step).
+RETRY_WRITES_S = 60.0
+
+
+class DiskFiles(Protocol):
+    """The files of one model's disk tier (`runtime.kv_files.DiskFiles`); blocking calls."""
+
+    directory: Path
+
+    def read(self, entry: DiskEntry, tokens: list[int]) -> bytes:
+        """An entry's tensors, checked whole; `FileNotFoundError` when gone, `ValueError` when
+        damaged, foreign or another entry (the tier removes it)."""
+        ...
+
+    def write(self, entry: DiskEntry, tokens: list[int], arrays: dict) -> int:
+        """Write an entry whose positions hold `tokens`; returns the file's bytes."""
+        ...
+
+    def delete(self, keys: list[str]) -> None: ...
+
+    def touch(self, keys: list[str]) -> None: ...
+
+    def close(self) -> None:
+        """Let go of the directory (its lock)."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Planned:
+    start: int
+    end: int
+    parent: str | None
+    namespace: str | None
+    tokens: list[int]
+
+
+class DiskTier:
+    def __init__(self, files: DiskFiles, index: DiskIndex, layers: list[LayerLayout], *, capacity_bytes: int, min_tokens: int, writable: bool):
+        self.files = files
+        self.index = index
+        self.capacity_bytes = capacity_bytes
+        self.min_tokens = min_tokens
+        self._layers = layers
+        self._writable = writable
+        self._paused_until = 0.0
+        self._error: str | None = None if writable else "the directory is read-only: entries are read, not written"
+        self._exports_send, self._exports_receive = anyio.create_memory_object_stream[PrefixExport](MAX_EXPORTS)
+        self._pending: dict[str, _Planned] = {}
+        self._in_flight: list[int] = []  # estimated bytes per export asked for
+        self._drained = anyio.Event()
+        self._drained.set()
+        self._hits = self._tokens_loaded = self._misses = 0
+        self._load_s = 0.0
+        self._writes = self._bytes_written = self._write_failures = self._skipped = self._evicted = 0
+        self.removed_damaged = 0
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def lookup(self, tokens: list[int], max_tokens: int, namespace: str | None, ram_tokens: int) -> DiskMatch | None:
+        """The disk match worth reading instead of the RAM tier's `ram_tokens` (a chunk more)."""
+        match = self.index.lookup(tokens, max_tokens, namespace)
+        if match is None or match.num_tokens < ram_tokens + (1 if match.whole else self.index.chunk):
+            self._misses += 1
+            return None
+        return match
+
+    async def load(self, match: DiskMatch, tokens: list[int]) -> DiskPrefix | None:
+        """Read a match's files (checked whole) in a worker thread; None when nothing usable
+        was left (evicted meanwhile, or damaged: removed)."""
+        started = time.monotonic()
+        entries = [self.index.get(key) for key in match.keys]
+        chunk = self.index.chunk
+
+        def read() -> tuple[list[bytes], tuple[str, str] | None]:
+            out: list[bytes] = []
+            for entry in entries:
+                if entry is None:
+                    break
+                expected = tokens[: entry.end] if match.whole else tokens[entry.end - chunk : entry.end]
+                try:
+                    out.append(self.files.read(entry, expected))
+                except FileNotFoundError:
+                    return out, (entry.key, "")
+                except ValueError as exc:
+                    return out, (entry.key, str(exc))
+            return out, None
+
+        tensors, lost = await anyio.to_thread.run_sync(read)
+        if lost is not None:
+            # Gone (removed by hand) or damaged: never looked up again, nor what follows it.
+            key, why = lost
+            removed = self.index.remove(key)
+            if why:
+                log.warning("disk_entry_damaged", key=key[:16], error=why)
+                self.removed_damaged += len(removed)
+            await anyio.to_thread.run_sync(self.files.delete, removed)
+        ended = time.monotonic()
+        self._load_s += ended - started
+        if not tensors:
+            return None
+        used = match.keys[: len(tensors)]
+        self.index.touch(used)
+        await anyio.to_thread.run_sync(self.files.touch, used)
+        num_tokens = match.num_tokens if match.whole else min(len(tensors) * chunk, match.num_tokens)
+        log.debug("disk_prefix_read", tokens=num_tokens, files=len(tensors), bytes=sum(map(len, tensors)), seconds=round(ended - started, 4))
+        return DiskPrefix(num_tokens=num_tokens, tensors=tensors, whole=match.whole, started=started, ended=ended)
+
+    def count_hit(self, prefix: DiskPrefix) -> None:
+        self._hits += 1
+        self._tokens_loaded += prefix.num_tokens
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def writable(self) -> bool:
+        return self._writable and time.monotonic() >= self._paused_until
+
+    def plan_export(self, saved: SavedPrefix) -> ExportPrefix | None:
+        """What to ask the model actor to copy out of a just-saved entry (None: nothing the
+        disk lacks, too short, writes paused, or too much in flight)."""
+        if len(saved.tokens) < self.min_tokens or not self.writable():
+            return None
+        wanted = [w for w in self.index.wanted(saved.tokens, saved.adapter) if w[0] not in self._pending]
+        if not wanted:
+            return None
+        cost = sum(self._array_bytes(end - start) for _, start, end, _ in wanted)
+        if len(self._in_flight) >= MAX_EXPORTS or sum(self._in_flight) + cost > MAX_EXPORT_BYTES:
+            self._skipped += 1
+            return None
+        for key, start, end, parent in wanted:
+            self._pending[key] = _Planned(start, end, parent, saved.adapter, list(saved.tokens[start:end]))
+        self._in_flight.append(cost)
+        self._drained = anyio.Event()
+        keys = [w[0] for w in wanted]
+        return ExportPrefix(entry_id=saved.entry_id, keys=keys, spans=[(s, e) for _, s, e, _ in wanted], whole=self.index.whole, reply=self._exports_send)
+
+    def _array_bytes(self, num_tokens: int) -> int:
+        return sum(4 * math.prod(shape) for shape in tensor_shapes(self._layers, num_tokens).values())
+
+    async def run_writer(self) -> None:
+        """Write exported entries as they come (the KV store runs this task)."""
+        async with self._exports_receive:
+            async for export in self._exports_receive:
+                try:
+                    await self._write(export)
+                finally:
+                    self._in_flight.pop(0)
+                    if not self._in_flight:
+                        self._drained.set()
+
+    async def drained(self) -> None:
+        """Until every export asked for so far is written (or given up)."""
+        await self._drained.wait()
+
+    async def _write(self, export: PrefixExport) -> None:
+        planned = [self._pending.pop(key, None) for key in export.keys]
+        if export.error is not None:
+            log.warning("disk_export_failed", error=export.error)
+            return
+        started, written = time.monotonic(), 0
+        for key, plan, arrays in zip(export.keys, planned, export.arrays):
+            if plan is None or not self.writable() or (plan.parent is not None and plan.parent not in self.index):
+                self._skipped += 1
+                continue
+            entry = DiskEntry(
+                key=key, num_bytes=0, end=plan.end, namespace=plan.namespace, parent=plan.parent, tokens=tuple(plan.tokens) if self.index.whole else ()
+            )
+            try:
+                num_bytes = await anyio.to_thread.run_sync(self.files.write, entry, plan.tokens, arrays)
+            except OSError as exc:
+                self._write_failures += 1
+                self._paused_until = time.monotonic() + RETRY_WRITES_S
+                self._error = f"{type(exc).__name__}: {exc.strerror or exc}"
+                log.error("disk_write_failed", error=self._error, retry_in_s=RETRY_WRITES_S)
+                return
+            self.index.add(dataclasses.replace(entry, num_bytes=num_bytes))
+            self._writes += 1
+            self._bytes_written += num_bytes
+            written += num_bytes
+        evicted = self.index.evict_to(self.capacity_bytes)
+        if evicted:
+            self._evicted += len(evicted)
+            await anyio.to_thread.run_sync(self.files.delete, evicted)
+        if written:
+            log.debug("disk_prefix_written", bytes=written, files=len(export.keys), seconds=round(time.monotonic() - started, 4))
+
+    def close(self) -> None:
+        """No more exports; let go of the directory."""
+        self._exports_send.close()
+        self._exports_receive.close()
+        self.files.close()
+
+    # -- figures ---------------------------------------------------------------------------
+
+    def stats(self) -> DiskStats:
+        return DiskStats(
+            directory=str(self.files.directory),
+            entries=len(self.index),
+            bytes=self.index.num_bytes,
+            capacity_bytes=self.capacity_bytes,
+            writable=self.writable(),
+            hits=self._hits,
+            tokens_loaded=self._tokens_loaded,
+            misses=self._misses,
+            load_s=round(self._load_s, 6),
+            writes=self._writes,
+            bytes_written=self._bytes_written,
+            write_failures=self._write_failures,
+            writes_skipped=self._skipped,
+            evicted=self._evicted,
+            removed_damaged=self.removed_damaged,
+            error=self._error,
+        )

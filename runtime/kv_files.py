@@ -1,0 +1,300 @@
+"""The prefix cache's disk tier on disk: entry files, the directory lock, the start-up scan.
+
+`kv.disk_cache_dir` holds one subdirectory per model, tokenizer and KV format (their digests
+hashed: a server of another model, or with other `kv.bits`, uses another one), and in it one
+file per entry (`policies.disk_index`: a chunk of a full-attention prefix, or a whole entry),
+named by its key:
+
+    b"MLXRTKV" + format version digit | sha256 of what follows | the header (JSON) as a frame
+    (`protocols.frames`) | KV tensors (safetensors, as checkpoints store them)
+
+The header names the model, tokenizer and KV format, the adapter namespace, the entry's key,
+its parent chunk, its positions and its tokens. At start the directory is locked (one server
+per subdirectory: another gets `DiskCacheLockedError`) and scanned: headers are read (not
+whole files), and a file whose header is damaged, foreign, or for another key is removed.
+A read checks the whole file's digest and its header against what was looked up, so a
+damaged, truncated or swapped file is never served (the caller removes it). Files are 0600
+in 0700 directories and written atomically, without fsync: a torn file is caught by its
+digest, and the tier is a cache. Blocking I/O: call from worker threads.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import anyio
+import anyio.to_thread
+import msgspec
+import safetensors.numpy
+import structlog
+
+from actors.disk_tier import DiskTier
+from policies.disk_index import DiskEntry, DiskIndex
+from policies.layout import is_trimmable, kv_format
+from protocols import frames
+from protocols.base import Record
+from protocols.config import KvConfig
+from protocols.errors import DiskCacheError, DiskCacheLockedError
+from protocols.model import ModelInfo
+from runtime import checkpoints, private_files
+
+log = structlog.get_logger(actor="kv_store", tier="disk")
+
+FORMAT_VERSION = 1
+_MAGIC_PREFIX = b"MLXRTKV"
+MAGIC = _MAGIC_PREFIX + str(FORMAT_VERSION).encode()
+_DIGEST = 32
+_PREFIX = len(MAGIC) + _DIGEST + frames.HEADER.size
+SUFFIX = ".kv"
+# A header holds at most a whole entry's tokens: this bounds what a scan reads of a file.
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+
+
+class EntryHeader(Record, frozen=True):
+    kind: Literal["chunk", "whole"]
+    key: str
+    model_id: str
+    tokenizer_id: str
+    kv_format: str
+    namespace: str | None
+    # Positions start:end of the sequence (a whole entry: 0:len(tokens)); a chunk's parent key.
+    start: int
+    end: int
+    parent: str | None
+    # The tokens at those positions.
+    tokens: list[int]
+    created_at: float
+
+
+class DamagedEntryError(ValueError):
+    """A file that must not be served: truncated, altered, foreign, or not the entry asked for."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What an entry's KV belongs to."""
+
+    model_id: str
+    tokenizer_id: str
+    kv_format: str
+
+    def subdirectory(self) -> str:
+        digest = hashlib.sha256(f"{self.model_id}\0{self.tokenizer_id}\0{self.kv_format}".encode()).hexdigest()
+        return digest[:24]
+
+
+def encode(header: EntryHeader, tensors: bytes) -> bytes:
+    framed = frames.frame(msgspec.json.encode(header))
+    digest = hashlib.sha256(framed)
+    digest.update(tensors)
+    return MAGIC + digest.digest() + framed + tensors
+
+
+def parse_header(data: bytes, name: str) -> tuple[EntryHeader, int]:
+    if not data.startswith(MAGIC):
+        raise DamagedEntryError(f"{name} is not an mlxrt KV file of format {FORMAT_VERSION}")
+    found = frames.split_frame(data, len(MAGIC) + _DIGEST)
+    if found is None:
+        raise DamagedEntryError(f"{name} is truncated")
+    body, end = found
+    try:
+        return msgspec.json.decode(body, type=EntryHeader), end
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise DamagedEntryError(f"{name} has an invalid header: {exc}") from None
+
+
+class DiskFiles:
+    """One model's subdirectory of `kv.disk_cache_dir`: locked while open."""
+
+    def __init__(self, root: Path, identity: Identity, *, max_file_bytes: int):
+        self.root = root
+        self.identity = identity
+        self.directory = root / identity.subdirectory()
+        self.max_file_bytes = max_file_bytes
+        self._lock_fd: int | None = None
+
+    def open(self) -> bool:
+        """Create or check the directories and lock ours; returns whether files can be written
+        (a read-only directory still serves what it holds). Raises `DiskCacheLockedError` when
+        another server holds it, `DiskCacheError` when it is not ours or open to others."""
+        try:
+            private_files.prepare_directory(self.root, writable=False)
+            writable = private_files.prepare_directory(self.directory, writable=False)
+        except private_files.PrivateDirError as exc:
+            raise DiskCacheError(f"kv.disk_cache_dir: {exc}") from None
+        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DiskCacheLockedError(
+                f"kv.disk_cache_dir {self.root} is in use by another server of this model (pid lock on {self.directory}); give each server its own directory"
+            ) from None
+        self._lock_fd = fd
+        return writable
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # (closing the descriptor releases the lock)
+            self._lock_fd = None
+
+    def path(self, key: str) -> Path:
+        if len(key) != 64 or not all(c in "0123456789abcdef" for c in key):
+            raise DamagedEntryError(f"{key!r} is not an entry key")
+        return self.directory / f"{key}{SUFFIX}"
+
+    def write(self, entry: DiskEntry, tokens: list[int], arrays: dict) -> int:
+        """Write an entry file (its positions hold `tokens`) atomically; returns its bytes."""
+        header = EntryHeader(
+            kind="whole" if entry.tokens else "chunk",
+            key=entry.key,
+            model_id=self.identity.model_id,
+            tokenizer_id=self.identity.tokenizer_id,
+            kv_format=self.identity.kv_format,
+            namespace=entry.namespace,
+            start=entry.end - len(tokens),
+            end=entry.end,
+            parent=entry.parent,
+            tokens=list(tokens),
+            created_at=time.time(),
+        )
+        data = encode(header, safetensors.numpy.save(arrays))
+        private_files.write_atomic(self.path(header.key), data, sync=False)
+        return len(data)
+
+    def read(self, entry: DiskEntry, tokens: list[int]) -> bytes:
+        """The tensors of `entry`, whose positions hold `tokens`, checked whole. Raises
+        `FileNotFoundError` (evicted meanwhile) or `DamagedEntryError` (remove it)."""
+        path = self.path(entry.key)
+        try:
+            data = private_files.read_regular(path, self.max_file_bytes)
+        except private_files.UnreadableFileError as exc:
+            raise DamagedEntryError(str(exc)) from None
+        if len(data) < _PREFIX or hashlib.sha256(memoryview(data)[len(MAGIC) + _DIGEST :]).digest() != data[len(MAGIC) : len(MAGIC) + _DIGEST]:
+            raise DamagedEntryError(f"{path.name} is truncated or altered (checksum mismatch)")
+        header, end = parse_header(data, path.name)
+        self._check(header, path.name)
+        if header.key != entry.key or header.tokens != tokens or header.parent != entry.parent or header.namespace != entry.namespace:
+            raise DamagedEntryError(f"{path.name} holds another entry than its name says")
+        return data[end:]
+
+    def _check(self, header: EntryHeader, name: str) -> None:
+        i = self.identity
+        if (header.model_id, header.tokenizer_id, header.kv_format) != (i.model_id, i.tokenizer_id, i.kv_format):
+            raise DamagedEntryError(f"{name} was written for another model, tokenizer or KV format")
+        if f"{header.key}{SUFFIX}" != name or header.end - header.start != len(header.tokens) or header.start < 0:
+            raise DamagedEntryError(f"{name} has a header that does not match it")
+
+    def delete(self, keys: list[str]) -> None:
+        for key in keys:
+            try:
+                private_files.remove_regular(self.path(key))
+            except DamagedEntryError:
+                pass
+
+    def touch(self, keys: list[str]) -> None:
+        """Mark files used now (their order after a restart is by modification time)."""
+        now = time.time()
+        for key in keys:
+            try:
+                os.utime(self.path(key), (now, now), follow_symlinks=False)
+            except (OSError, DamagedEntryError):
+                pass
+
+    def scan(self, *, whole: bool) -> tuple[list[DiskEntry], int]:
+        """The entries on disk, least recently used first, and how many files were removed
+        (damaged or foreign headers, leftover temporary files, the wrong kind of entry)."""
+        found: list[tuple[float, DiskEntry]] = []
+        removed = 0
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return [], 0
+        for name in names:
+            path = self.directory / name
+            if name.endswith(".tmp"):
+                private_files.remove_regular(path)
+                removed += 1
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            try:
+                entry, mtime = self._scan_one(path, name, whole)
+            except DamagedEntryError:
+                private_files.remove_regular(path)
+                removed += 1
+                continue
+            except OSError:
+                continue
+            found.append((mtime, entry))
+        found.sort(key=lambda item: (item[0], -item[1].end))  # a chain touched at once: its deepest chunks first
+        return [entry for _, entry in found], removed
+
+    def _scan_one(self, path: Path, name: str, whole: bool) -> tuple[DiskEntry, float]:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size > self.max_file_bytes:
+                raise DamagedEntryError(f"{name} is not a regular file of a plausible size")
+            head = os.pread(fd, _PREFIX, 0)
+            if len(head) < _PREFIX:
+                raise DamagedEntryError(f"{name} is truncated")
+            length = frames.HEADER.unpack_from(head, len(MAGIC) + _DIGEST)[0]
+            if length > MAX_HEADER_BYTES or _PREFIX + length > info.st_size:
+                raise DamagedEntryError(f"{name} is truncated")
+            data = head + os.pread(fd, length, _PREFIX)
+        finally:
+            os.close(fd)
+        header, end = parse_header(data, name)
+        self._check(header, name)
+        if (header.kind == "whole") != whole or end >= info.st_size:
+            raise DamagedEntryError(f"{name} is a {header.kind} entry with no tensors, or the wrong kind for this model")
+        tokens = tuple(header.tokens) if whole else ()
+        entry = DiskEntry(key=header.key, num_bytes=info.st_size, end=header.end, namespace=header.namespace, parent=header.parent, tokens=tokens)
+        return entry, info.st_mtime
+
+
+async def open_tier(kv: KvConfig, info: ModelInfo) -> DiskTier | None:
+    """The disk tier `kv.disk_cache_dir` asks for, its directory locked and its index rebuilt
+    from the files there (None when it is off). Raises `DiskCacheLockedError` or
+    `DiskCacheError` (see `DiskFiles.open`)."""
+    if not kv.disk_cache_dir:
+        return None
+    layers = info.layers
+    whole = not is_trimmable(layers)
+    identity = Identity(info.model_id, info.tokenizer_id, kv_format(layers))
+    files = DiskFiles(Path(kv.disk_cache_dir).expanduser(), identity, max_file_bytes=checkpoints.max_file_bytes(info.max_context, layers))
+    started = time.monotonic()
+
+    def open_and_scan() -> tuple[bool, list[DiskEntry], int]:
+        writable = files.open()
+        try:
+            return (writable, *files.scan(whole=whole))
+        except BaseException:
+            files.close()
+            raise
+
+    writable, entries, removed = await anyio.to_thread.run_sync(open_and_scan)
+    index = DiskIndex(chunk=kv.disk_chunk_tokens, whole=whole)
+    dropped = index.restore(entries) + index.evict_to(kv.disk_cache_bytes)
+    if dropped and writable:
+        await anyio.to_thread.run_sync(files.delete, dropped)
+    tier = DiskTier(files, index, layers, capacity_bytes=kv.disk_cache_bytes, min_tokens=kv.disk_min_tokens, writable=writable)
+    tier.removed_damaged = removed
+    log.info(
+        "disk_cache_opened",
+        directory=str(files.directory),
+        entries=len(index),
+        bytes=index.num_bytes,
+        removed=removed + len(dropped),
+        writable=writable,
+        seconds=round(time.monotonic() - started, 3),
+    )
+    return tier
