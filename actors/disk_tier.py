@@ -29,6 +29,7 @@ from typing import Protocol
 
 import anyio
 import anyio.to_thread
+import numpy as np
 import structlog
 
 from policies.disk_index import DiskEntry, DiskIndex, DiskMatch
@@ -45,14 +46,43 @@ MAX_EXPORT_BYTES = 1 << 30
 RETRY_WRITES_S = 60.0
 
 
+def assemble(files: list[dict], layers: list[LayerLayout], num_tokens: int, whole: bool) -> dict[str, np.ndarray]:
+    """The arrays a checkpoint of `num_tokens` positions holds (`tensor_shapes`), from one whole
+    entry's arrays, or from chunks' in position order (each tensor's positions concatenated
+    and cut to `num_tokens`; a float head below `kv.quantized_start` likewise). Raises
+    `ValueError` for files that do not hold them."""
+    shapes = tensor_shapes(layers, num_tokens)
+    if whole:
+        (arrays,) = files
+        wrong = [name for name, shape in shapes.items() if name not in arrays or arrays[name].shape != shape]
+        if wrong:
+            raise ValueError(f"a stored entry does not fit this model ({', '.join(wrong[:3])})")
+        return {name: arrays[name] for name in shapes}
+    out = {}
+    for name, shape in shapes.items():
+        parts, left = [], shape[2]
+        for arrays in files:
+            if left <= 0:
+                break
+            array = arrays.get(name)
+            if array is None or array.ndim != 4 or array.shape[:2] + array.shape[3:] != shape[:2] + shape[3:]:
+                raise ValueError(f"a stored tensor {name} does not fit this model ({None if array is None else array.shape} for {shape})")
+            parts.append(array[:, :, :left])
+            left -= parts[-1].shape[2]
+        if left:
+            raise ValueError(f"the stored positions of {name} end before {num_tokens}")
+        out[name] = np.concatenate(parts, axis=2) if len(parts) > 1 else np.ascontiguousarray(parts[0])
+    return out
+
+
 class DiskFiles(Protocol):
     """The files of one model's disk tier (`runtime.kv_files.DiskFiles`); blocking calls."""
 
     directory: Path
 
-    def read(self, entry: DiskEntry, tokens: list[int]) -> bytes:
-        """An entry's tensors, checked whole; `FileNotFoundError` when gone, `ValueError` when
-        damaged, foreign or another entry (the tier removes it)."""
+    def read(self, entry: DiskEntry, tokens: list[int]) -> dict:
+        """An entry's arrays by tensor name (numpy), checked whole; `FileNotFoundError` when
+        gone, `ValueError` when damaged, foreign or another entry (the tier removes it)."""
         ...
 
     def write(self, entry: DiskEntry, tokens: list[int], arrays: dict) -> int:
@@ -108,14 +138,14 @@ class DiskTier:
         return match
 
     async def load(self, match: DiskMatch, tokens: list[int]) -> DiskPrefix | None:
-        """Read a match's files (checked whole) in a worker thread; None when nothing usable
-        was left (evicted meanwhile, or damaged: removed)."""
+        """Read a match's files (checked whole) and assemble the KV of its positions, in a worker
+        thread; None when nothing usable was left (evicted meanwhile, or damaged: removed)."""
         started = time.monotonic()
         entries = [self.index.get(key) for key in match.keys]
         chunk = self.index.chunk
 
-        def read() -> tuple[list[bytes], tuple[str, str] | None]:
-            out: list[bytes] = []
+        def read() -> tuple[list[dict], int, tuple[str, str] | None]:
+            out: list[dict] = []
             for entry in entries:
                 if entry is None:
                     break
@@ -123,12 +153,12 @@ class DiskTier:
                 try:
                     out.append(self.files.read(entry, expected))
                 except FileNotFoundError:
-                    return out, (entry.key, "")
+                    return out, 0, (entry.key, "")
                 except ValueError as exc:
-                    return out, (entry.key, str(exc))
-            return out, None
+                    return out, 0, (entry.key, str(exc))
+            return out, sum(entry.num_bytes for entry in entries[: len(out)] if entry is not None), None
 
-        tensors, lost = await anyio.to_thread.run_sync(read)
+        files, num_bytes, lost = await anyio.to_thread.run_sync(read)
         if lost is not None:
             # Gone (removed by hand) or damaged: never looked up again, nor what follows it.
             key, why = lost
@@ -137,16 +167,25 @@ class DiskTier:
                 log.warning("disk_entry_damaged", key=key[:16], error=why)
                 self.removed_damaged += len(removed)
             await anyio.to_thread.run_sync(self.files.delete, removed)
+        num_tokens = match.num_tokens if match.whole else min(len(files) * chunk, match.num_tokens)
+        arrays = None
+        if files:
+            try:
+                arrays = await anyio.to_thread.run_sync(assemble, files, self._layers, num_tokens, match.whole)
+            except ValueError as exc:  # files that passed their checks but do not fit the model
+                log.warning("disk_entry_damaged", key=match.keys[0][:16], error=str(exc))
+                removed = self.index.remove(match.keys[0])
+                self.removed_damaged += len(removed)
+                await anyio.to_thread.run_sync(self.files.delete, removed)
         ended = time.monotonic()
         self._load_s += ended - started
-        if not tensors:
+        if arrays is None:
             return None
-        used = match.keys[: len(tensors)]
+        used = match.keys[: len(files)]
         self.index.touch(used)
         await anyio.to_thread.run_sync(self.files.touch, used)
-        num_tokens = match.num_tokens if match.whole else min(len(tensors) * chunk, match.num_tokens)
-        log.debug("disk_prefix_read", tokens=num_tokens, files=len(tensors), bytes=sum(map(len, tensors)), seconds=round(ended - started, 4))
-        return DiskPrefix(num_tokens=num_tokens, tensors=tensors, whole=match.whole, started=started, ended=ended)
+        log.debug("disk_prefix_read", tokens=num_tokens, files=len(files), bytes=num_bytes, seconds=round(ended - started, 4))
+        return DiskPrefix(num_tokens=num_tokens, arrays=arrays, num_files=len(files), num_bytes=num_bytes, started=started, ended=ended)
 
     def count_hit(self, prefix: DiskPrefix) -> None:
         self._hits += 1

@@ -317,7 +317,7 @@ class Engine:
             disk, n = admit.disk_prefix, admit.disk_prefix.num_tokens
             if not 0 < n < seq.prompt_len:
                 raise EngineInvariantError(f"a disk prefix of {n} tokens cannot seed a {seq.prompt_len}-token prompt")
-            restored = caches.from_tensors(disk.tensors[0], self._layout, n) if disk.whole else caches.from_chunks(disk.tensors, self._layout, n)
+            restored = caches.from_arrays(disk.arrays, self._layout, n)
             seq.cache = self._blocks.into_pool(seq, restored, n)
             seq.num_prefilled = n
             if admit.save_prefix:  # kept in RAM too: the next request with this prefix need not read it

@@ -116,7 +116,7 @@ class Tracked:
         """Seed the request with KV read from the disk tier: those tokens need no prefill."""
         self.admit = msgspec.structs.replace(self.admit, disk_prefix=prefix)
         self.num_prefilled = self.cached_tokens = prefix.num_tokens
-        self.add_span("disk_read", prefix.started, prefix.ended, tokens=prefix.num_tokens, files=len(prefix.tensors), bytes=sum(map(len, prefix.tensors)))
+        self.add_span("disk_read", prefix.started, prefix.ended, tokens=prefix.num_tokens, files=prefix.num_files, bytes=prefix.num_bytes)
 
     def record_checkpoint(self, ok: bool, error: str | None, now: float | None = None) -> None:
         if ok:

@@ -71,15 +71,16 @@ class ResumeState(Record, frozen=True):
 
 
 class DiskPrefix(Record, frozen=True):
-    """A saved prefix read back from the disk tier (`kv.disk_cache_dir`): the KV of the
-    first `num_tokens` prompt tokens, as safetensors bytes. Full-attention models: chunks of
-    `kv.disk_chunk_tokens` positions from position 0, concatenated and cut to `num_tokens`;
-    otherwise one `whole` entry saved at exactly `num_tokens` (windows and recurrent state
-    are only valid where they were saved)."""
+    """A saved prefix read back from the disk tier (`kv.disk_cache_dir`): the KV of the first
+    `num_tokens` prompt tokens, as the numpy arrays a checkpoint of `num_tokens` positions
+    holds, by tensor name (`policies.layout.tensor_shapes`), assembled off the MLX thread from
+    chunk files (full-attention models) or one whole entry saved at exactly `num_tokens`
+    (windows and recurrent state are only valid where they were saved)."""
 
     num_tokens: int
-    tensors: list[bytes]
-    whole: bool = False
+    arrays: Any
+    num_files: int = 1
+    num_bytes: int = 0
     # When the read began and ended (monotonic seconds: the request's "disk_read" span).
     started: float = 0.0
     ended: float = 0.0

@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
+import math
 import os
 import stat
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +35,7 @@ from typing import Literal
 import anyio
 import anyio.to_thread
 import msgspec
+import numpy as np
 import safetensors.numpy
 import structlog
 
@@ -55,6 +59,8 @@ _PREFIX = len(MAGIC) + _DIGEST + frames.HEADER.size
 SUFFIX = ".kv"
 # A header holds at most a whole entry's tokens: this bounds what a scan reads of a file.
 MAX_HEADER_BYTES = 64 * 1024 * 1024
+# The dtypes KV tensors are stored in (`engine.kv.caches.tensor_arrays`: float32, packed words).
+_SAFETENSORS_DTYPES = {"F32": np.float32, "U32": np.uint32, "F16": np.float16, "I32": np.int32, "U8": np.uint8}
 
 
 class EntryHeader(Record, frozen=True):
@@ -90,15 +96,36 @@ class Identity:
         return digest[:24]
 
 
-def encode(header: EntryHeader, tensors: bytes) -> bytes:
+def encode(header: EntryHeader, tensors: bytes) -> list[bytes]:
+    """The file's pieces, in order (written one after the other: the tensors are not copied)."""
     framed = frames.frame(msgspec.json.encode(header))
     digest = hashlib.sha256(framed)
     digest.update(tensors)
-    return MAGIC + digest.digest() + framed + tensors
+    return [MAGIC + digest.digest() + framed, tensors]
 
 
-def parse_header(data: bytes, name: str) -> tuple[EntryHeader, int]:
-    if not data.startswith(MAGIC):
+def tensor_views(data: memoryview, name: str) -> dict[str, np.ndarray]:
+    """The tensors of safetensors bytes as numpy views of them (no copies)."""
+    try:
+        (size,) = struct.unpack_from("<Q", data, 0)
+        header = json.loads(bytes(data[8 : 8 + size]))
+        base, arrays = 8 + size, {}
+        for tensor, spec in header.items():
+            if tensor == "__metadata__":
+                continue
+            dtype, shape = np.dtype(_SAFETENSORS_DTYPES[spec["dtype"]]), tuple(spec["shape"])
+            begin, end = spec["data_offsets"]
+            count = math.prod(shape)
+            if end - begin != count * dtype.itemsize or base + end > len(data):
+                raise ValueError(f"tensor {tensor} overruns the file")
+            arrays[tensor] = np.frombuffer(data, dtype=dtype, count=count, offset=base + begin).reshape(shape)
+        return arrays
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise DamagedEntryError(f"{name} has unreadable tensors: {exc}") from None
+
+
+def parse_header(data: bytes | memoryview, name: str) -> tuple[EntryHeader, int]:
+    if bytes(data[: len(MAGIC)]) != MAGIC:
         raise DamagedEntryError(f"{name} is not an mlxrt KV file of format {FORMAT_VERSION}")
     found = frames.split_frame(data, len(MAGIC) + _DIGEST)
     if found is None:
@@ -165,25 +192,26 @@ class DiskFiles:
             tokens=list(tokens),
             created_at=time.time(),
         )
-        data = encode(header, safetensors.numpy.save(arrays))
-        private_files.write_atomic(self.path(header.key), data, sync=False)
-        return len(data)
+        pieces = encode(header, safetensors.numpy.save(arrays))
+        private_files.write_atomic(self.path(header.key), pieces, sync=False)
+        return sum(map(len, pieces))
 
-    def read(self, entry: DiskEntry, tokens: list[int]) -> bytes:
-        """The tensors of `entry`, whose positions hold `tokens`, checked whole. Raises
-        `FileNotFoundError` (evicted meanwhile) or `DamagedEntryError` (remove it)."""
+    def read(self, entry: DiskEntry, tokens: list[int]) -> dict[str, np.ndarray]:
+        """The tensors of `entry`, whose positions hold `tokens`, checked whole: numpy views of
+        one buffer the file was read into. Raises `FileNotFoundError` (evicted meanwhile) or
+        `DamagedEntryError` (remove it)."""
         path = self.path(entry.key)
         try:
-            data = private_files.read_regular(path, self.max_file_bytes)
+            data = memoryview(private_files.read_regular_buffer(path, self.max_file_bytes))
         except private_files.UnreadableFileError as exc:
             raise DamagedEntryError(str(exc)) from None
-        if len(data) < _PREFIX or hashlib.sha256(memoryview(data)[len(MAGIC) + _DIGEST :]).digest() != data[len(MAGIC) : len(MAGIC) + _DIGEST]:
+        if len(data) < _PREFIX or hashlib.sha256(data[len(MAGIC) + _DIGEST :]).digest() != data[len(MAGIC) : len(MAGIC) + _DIGEST]:
             raise DamagedEntryError(f"{path.name} is truncated or altered (checksum mismatch)")
         header, end = parse_header(data, path.name)
         self._check(header, path.name)
         if header.key != entry.key or header.tokens != tokens or header.parent != entry.parent or header.namespace != entry.namespace:
             raise DamagedEntryError(f"{path.name} holds another entry than its name says")
-        return data[end:]
+        return tensor_views(data[end:], path.name)
 
     def _check(self, header: EntryHeader, name: str) -> None:
         i = self.identity

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -53,20 +54,22 @@ def prepare_directory(directory: Path, *, writable: bool = True) -> bool:
     return True
 
 
-def write_file(path: Path, data: bytes, *, sync: bool = True) -> None:
-    """Write a new 0600 file (never through a link), fsynced unless `sync` is off."""
+def write_file(path: Path, data: bytes | Sequence[bytes], *, sync: bool = True) -> None:
+    """Write a new 0600 file (never through a link) of `data` (or its pieces, in order), fsynced
+    unless `sync` is off."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        for piece in [data] if isinstance(data, bytes) else data:
+            view = memoryview(piece)
+            while view:
+                view = view[os.write(fd, view) :]
         if sync:
             os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def write_atomic(final: Path, data: bytes, *, sync: bool = True) -> Path:
+def write_atomic(final: Path, data: bytes | Sequence[bytes], *, sync: bool = True) -> Path:
     """Write a temporary 0600 file, rename it over `final` (and with `sync`, fsync both the file
     and the directory). On failure (a full disk, say) the temporary file is removed and any old
     file stays."""
@@ -110,6 +113,36 @@ def read_regular(path: Path, max_bytes: int, *, limit: int | None = None) -> byt
             chunks.append(chunk)
             remaining -= len(chunk)
         return b"".join(chunks)
+    except UnreadableFileError:
+        raise
+    except OSError as exc:
+        raise UnreadableFileError(f"{path.name} cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+
+
+def read_regular_buffer(path: Path, max_bytes: int) -> bytearray:
+    """As `read_regular` (the whole file), read straight into one buffer (no copies of it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise UnreadableFileError(f"{path.name} cannot be opened: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnreadableFileError(f"{path.name} is not a regular file")
+        if info.st_size > max_bytes:
+            raise UnreadableFileError(f"{path.name} has {info.st_size} bytes, more than {max_bytes}")
+        buffer = bytearray(info.st_size)
+        view, filled = memoryview(buffer), 0
+        while filled < info.st_size:
+            got = os.readv(fd, [view[filled:]])
+            if not got:
+                return buffer[:filled]  # it shrank meanwhile: the digest will tell
+            filled += got
+        return buffer
     except UnreadableFileError:
         raise
     except OSError as exc:

@@ -125,24 +125,6 @@ def chunk_arrays(caches: Sequence[Any], layout: Sequence[LayerLayout], spans: Se
     return [tensor_arrays(caches, layout, end, start) for start, end in spans]
 
 
-def from_chunks(chunks: Sequence[bytes], layout: Sequence[LayerLayout], length: int) -> list:
-    """Per-layer caches of the first `length` positions of chunks made by `chunk_arrays` (and
-    saved with safetensors), in order from position 0; full-attention layouts only."""
-    loaded = [safetensors.numpy.load(chunk) for chunk in chunks]
-    if not loaded:
-        raise EngineInvariantError("no chunks to restore")
-    tensors = {}
-    for name, shape in tensor_shapes(layout, length).items():
-        if any(name not in chunk for chunk in loaded):
-            raise EngineInvariantError(f"a chunk lacks tensor {name}")
-        parts = [chunk[name] for chunk in loaded]
-        joined = np.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
-        if joined.shape[2] < shape[2] or joined.shape[:2] + joined.shape[3:] != shape[:2] + shape[3:]:
-            raise EngineInvariantError(f"chunks hold {name} as {joined.shape}, not {shape}")
-        tensors[name] = joined[:, :, : shape[2]]
-    return [_restore(tensors, str(i), layer, length) for i, layer in enumerate(layout)]
-
-
 _PARTS = {"packed": 0, "scales": 1, "biases": 2}
 
 
@@ -170,7 +152,12 @@ def _quantized_tensor(flat: dict, name: str, shape: tuple[int, ...], start: int 
 
 def from_tensors(data: bytes, layout: Sequence[LayerLayout], length: int) -> list:
     """Per-layer caches of `length` positions from `to_tensors` bytes, in the model's dtypes."""
-    tensors = safetensors.numpy.load(data)
+    return from_arrays(safetensors.numpy.load(data), layout, length)
+
+
+def from_arrays(tensors: dict[str, np.ndarray], layout: Sequence[LayerLayout], length: int) -> list:
+    """Per-layer caches of `length` positions from the arrays `tensor_arrays` makes (or a
+    disk tier's files hold), in the model's dtypes."""
     for name, shape in tensor_shapes(layout, length).items():
         if name not in tensors or tuple(tensors[name].shape) != shape:
             raise EngineInvariantError(f"checkpoint tensor {name} is missing or not shaped {shape}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 
 import anyio
+import numpy as np
 import pytest
 
 import runtime  # noqa: F401  (imported before actors.kv_store, as the runtime does)
@@ -47,10 +48,10 @@ class MemoryFiles:
             anyio.from_thread.run(self.release.wait)
         if entry.key not in self.data:
             raise FileNotFoundError(entry.key)
-        stored, _ = self.data[entry.key]
+        stored, arrays = self.data[entry.key]
         if stored != tokens:
             raise ValueError("another entry")
-        return entry.key.encode()
+        return arrays
 
     def write(self, entry: DiskEntry, tokens: list[int], arrays: dict) -> int:
         if self.fail_writes is not None:
@@ -75,13 +76,20 @@ def _store(files: MemoryFiles, model: Mailbox) -> KvStoreActor:
     return KvStoreActor(ledger, model=model, disk=tier)
 
 
+def _arrays(start: int, end: int) -> dict[str, np.ndarray]:
+    """What the engine copies out of positions start:end of one layer (`LAYERS`): position i
+    holds the value i."""
+    positions = np.arange(start, end, dtype=np.float32)[None, None, :, None]
+    return {name: np.broadcast_to(positions, (1, 1, end - start, 2)).copy() for name in ("0.keys", "0.values")}
+
+
 async def _answer_exports(model: Mailbox, seen: list) -> None:
     """The model actor's part: copy out what is asked (fake arrays), record drops."""
     while True:
         message = await model.receive()
         seen.append(message)
         if isinstance(message, ExportPrefix):
-            message.reply.send_nowait(PrefixExport(keys=message.keys, arrays=[{"span": span} for span in message.spans]))
+            message.reply.send_nowait(PrefixExport(keys=message.keys, arrays=[_arrays(*span) for span in message.spans]))
 
 
 async def _save(store: KvStoreActor, entry_id: str, tokens: list[int]) -> None:
@@ -112,7 +120,10 @@ async def test_entries_are_written_through_once_and_a_prompt_is_read_back_after_
         assert await notify_receive.receive() == PrefixLoaded(request_id="r")
         granted = await ask(store.inbox, ReserveKv, **ask_kw)
         assert granted.granted and granted.prefix_entry is None
-        assert granted.disk_prefix.num_tokens == 12 and len(granted.disk_prefix.tensors) == 3
+        prefix = granted.disk_prefix
+        assert prefix.num_tokens == 12 and prefix.num_files == 3
+        # The three chunks' positions, concatenated in order: a checkpoint's arrays.
+        assert prefix.arrays["0.keys"].shape == (1, 1, 12, 2) and prefix.arrays["0.keys"][0, 0, :, 0].tolist() == list(range(12))
         stats = (await ask(store.inbox, GetKvStats)).disk
         assert stats.hits == 1 and stats.tokens_loaded == 12 and stats.writes == 3 and stats.entries == 3
         tg.cancel_scope.cancel()

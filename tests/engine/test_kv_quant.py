@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
+from actors.disk_tier import assemble
 from engine.batch import DecodeBatch
 from engine.kv import caches
 from engine.kv.layout import probe_layout
@@ -96,7 +97,7 @@ def test_the_stored_form_survives_extract_views_and_checkpoint_tensors(tiny_kv):
 
 @pytest.mark.parametrize("start", [0, 20])
 def test_disk_chunks_concatenate_back_into_the_cache(tiny_kv, start):
-    """The disk tier's chunks (`chunk_arrays`, read back with `from_chunks`) hold exactly the
+    """The disk tier's chunks (`chunk_arrays`, read back with `assemble`) hold exactly the
     positions a checkpoint would, quantized form and float head included, cut where asked."""
     import safetensors.numpy
 
@@ -107,9 +108,9 @@ def test_disk_chunks_concatenate_back_into_the_cache(tiny_kv, start):
         model(mx.array(prompt)[None], cache=cache)
         n = len(prompt)
         spans = [(0, 16), (16, 32), (32, 48)]
-        chunks = [safetensors.numpy.save(arrays) for arrays in caches.chunk_arrays(cache, layout, spans)]
+        chunks = [safetensors.numpy.load(safetensors.numpy.save(arrays)) for arrays in caches.chunk_arrays(cache, layout, spans)]
         whole = caches.from_tensors(caches.to_tensors(cache, layout, 40), layout, 40)
-        joined = caches.from_chunks(chunks, layout, 40)
+        joined = caches.from_arrays(assemble(chunks, layout, 40, whole=False), layout, 40)
         live = caches.tensor_arrays(cache, layout, 40)
         for restored in (whole, joined):  # (a transposed float head was once stored scrambled)
             assert all(c.offset == 40 for c in restored)

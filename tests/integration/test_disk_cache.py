@@ -75,9 +75,9 @@ async def _cold_then_restarted(config: RuntimeConfig, prompt: list[int], **kw) -
         ("builtin:tiny", {}, 4 * CHUNK),
         ("builtin:tiny", {"block_size": 16}, 4 * CHUNK),  # paged: read straight into blocks
         ("builtin:tiny-kv", {"bits": 8}, 4 * CHUNK),  # quantized KV, in its packed form
-        ("builtin:tiny-kv", {"bits": 4, "quantized_start": 100}, 4 * CHUNK),  # and a float head
+        pytest.param("builtin:tiny-kv", {"bits": 4, "quantized_start": 100}, 4 * CHUNK, marks=pytest.mark.slow),  # and a float head
         ("builtin:tiny-gemma3", {}, PROMPT - 1),  # sliding windows: whole, where they were saved
-        ("builtin:tiny-lfm2", {}, PROMPT - 1),  # recurrent state: likewise
+        pytest.param("builtin:tiny-lfm2", {}, PROMPT - 1, marks=pytest.mark.slow),  # recurrent state: likewise
     ],
 )
 async def test_a_restarted_runtime_answers_a_seen_prompt_from_disk_with_the_same_tokens(tmp_path, model, kv, cached):
@@ -187,6 +187,7 @@ async def test_two_runtimes_of_one_model_cannot_share_a_directory(tmp_path):
         await _run(rt, _ids(PROMPT, 8))
 
 
+@pytest.mark.slow
 async def test_the_disk_holds_at_most_its_bytes(tmp_path):
     config = _config(tmp_path)
     async with Runtime.open(config) as rt:
@@ -215,3 +216,22 @@ async def test_a_disk_read_is_a_span_of_its_request(tmp_path):
     (read,) = [line for line in lines if line["name"] == "disk_read"]
     assert read["request_id"] == "seen-before" and read["parent"] == "request"
     assert read["attributes"]["tokens"] == 4 * CHUNK and read["attributes"]["files"] == 4 and read["duration_s"] > 0
+
+
+@pytest.mark.server
+async def test_a_restarted_http_server_answers_a_long_system_prompt_warm_through_the_openai_client(tmp_path):
+    from tests.support.http_serving import serving
+
+    tools_prompt = "You call tools. " + "def compute(y): return y + 1  # a tool the model may call\n" * 24
+    messages = [{"role": "system", "content": tools_prompt}, {"role": "user", "content": "What is compute(2)?"}]
+    answers = []
+    for _ in range(2):  # a server, then a new one on the same directory
+        async with serving(_config(tmp_path)) as served:
+            client = served.client()
+            answers.append(await client.chat.completions.create(model=served.model, messages=messages, max_tokens=12, temperature=0))
+            await client.close()
+    cold, warm = answers
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    assert cached >= CHUNK and cached % CHUNK == 0 and warm.usage.prompt_tokens - cached < CHUNK
+    assert warm.choices[0].message.content == cold.choices[0].message.content

@@ -7,11 +7,10 @@ import stat
 
 import numpy as np
 import pytest
-import safetensors.numpy
 
 from policies.disk_index import DiskEntry, chunk_keys, whole_key
 from protocols.errors import DiskCacheError, DiskCacheLockedError
-from runtime.kv_files import DamagedEntryError, DiskFiles, Identity
+from runtime.kv_files import DamagedEntryError, DiskFiles, Identity, encode, parse_header
 
 IDENTITY = Identity(model_id="model-a", tokenizer_id="tok-a", kv_format="float")
 TOKENS = list(range(10, 18))
@@ -39,7 +38,7 @@ def _write_chain(files: DiskFiles) -> list[DiskEntry]:
 def test_an_entry_reads_back_exactly_and_the_scan_finds_it(tmp_path):
     files = _open(tmp_path)
     entries = _write_chain(files)
-    tensors = safetensors.numpy.load(files.read(entries[1], TOKENS[4:]))
+    tensors = files.read(entries[1], TOKENS[4:])
     assert all(np.array_equal(tensors[name], array) for name, array in _arrays(1).items())
     found, removed = files.scan(whole=False)
     assert removed == 0 and {e.key for e in found} == {e.key for e in entries}
@@ -124,3 +123,14 @@ def test_a_directory_others_can_write_is_refused(tmp_path):
     root.chmod(0o777)
     with pytest.raises(DiskCacheError, match="written by others"):
         DiskFiles(root, IDENTITY, max_file_bytes=1).open()
+
+
+@pytest.mark.parametrize("tensors", [b"", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json", b"\x40\x00\x00\x00\x00\x00\x00\x00" + b'{"0.keys":{"dtype":"F32","shape":[1,2,4,8],"data_offsets":[0,256]}}'])
+def test_tensors_that_do_not_parse_are_damaged_even_with_a_good_digest(tmp_path, tensors):
+    files = _open(tmp_path)
+    entry = _write_chain(files)[0]
+    path = files.path(entry.key)
+    header, _ = parse_header(path.read_bytes(), path.name)
+    path.write_bytes(b"".join(encode(header, tensors)))  # digest recomputed: only the tensors are wrong
+    with pytest.raises(DamagedEntryError, match="unreadable tensors"):
+        files.read(entry, TOKENS[:4])
