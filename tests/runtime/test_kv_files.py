@@ -125,7 +125,14 @@ def test_a_directory_others_can_write_is_refused(tmp_path):
         DiskFiles(root, IDENTITY, max_file_bytes=1).open()
 
 
-@pytest.mark.parametrize("tensors", [b"", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json", b"\x40\x00\x00\x00\x00\x00\x00\x00" + b'{"0.keys":{"dtype":"F32","shape":[1,2,4,8],"data_offsets":[0,256]}}'])
+@pytest.mark.parametrize(
+    "tensors",
+    [
+        b"",
+        b"\x10\x00\x00\x00\x00\x00\x00\x00{not json",
+        b"\x40\x00\x00\x00\x00\x00\x00\x00" + b'{"0.keys":{"dtype":"F32","shape":[1,2,4,8],"data_offsets":[0,256]}}',
+    ],
+)
 def test_tensors_that_do_not_parse_are_damaged_even_with_a_good_digest(tmp_path, tensors):
     files = _open(tmp_path)
     entry = _write_chain(files)[0]
