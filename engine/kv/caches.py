@@ -114,8 +114,9 @@ def tensor_arrays(caches: Sequence[Any], layout: Sequence[LayerLayout], length: 
             array = array[..., start:length, :] if type(cache) is KVCache else array[..., array.shape[2] - shape[2] :, :]
         else:
             array = cache[int(field.removeprefix("state"))]
-        tensors[name] = _numpy(array.astype(mx.float32))
-    return tensors
+        tensors[name] = array.astype(mx.float32)
+    mx.eval(list(tensors.values()))  # one evaluation for all of them, then plain copies
+    return {name: _numpy(array) for name, array in tensors.items()}
 
 
 def chunk_arrays(caches: Sequence[Any], layout: Sequence[LayerLayout], spans: Sequence[tuple[int, int]]) -> list[dict[str, np.ndarray]]:
@@ -135,7 +136,7 @@ def _numpy(array: mx.array) -> np.ndarray:
     return np.ascontiguousarray(np.array(array))
 
 
-def _quantized_tensor(flat: dict, name: str, shape: tuple[int, ...], start: int = 0) -> np.ndarray:
+def _quantized_tensor(flat: dict, name: str, shape: tuple[int, ...], start: int = 0) -> mx.array:
     """A quantized layer's tensor: `<layer>.<keys|values>.<packed|scales|biases>`, or its float
     head `<layer>.<keys|values>` (scales and biases widened to float32 like float KV), from
     position `start`."""
@@ -144,10 +145,10 @@ def _quantized_tensor(flat: dict, name: str, shape: tuple[int, ...], start: int 
         layer, _, field = path.rpartition(".")
         cache = flat[layer]
         array = (cache.keys if field == "keys" else cache.values)[_PARTS[last]][:, :, start : shape[2]]
-        return _numpy(array if last == "packed" else array.astype(mx.float32))
+        return array if last == "packed" else array.astype(mx.float32)
     cache = flat[path]
     head = cache.head_keys if last == "keys" else cache.head_values
-    return _numpy(head[:, :, start : max(start, shape[2])].astype(mx.float32))
+    return head[:, :, start : max(start, shape[2])].astype(mx.float32)
 
 
 def from_tensors(data: bytes, layout: Sequence[LayerLayout], length: int) -> list:
