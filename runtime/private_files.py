@@ -89,40 +89,15 @@ def write_atomic(final: Path, data: bytes | Sequence[bytes], *, sync: bool = Tru
     return final
 
 
-def read_regular(path: Path, max_bytes: int, *, limit: int | None = None) -> bytes:
+def read_regular(path: Path, max_bytes: int) -> bytes:
     """The bytes of a regular file at `path` (no links, FIFOs, devices or directories), at
-    most `max_bytes` of them (a larger file is refused); with `limit`, only its first `limit`
-    bytes. Raises `FileNotFoundError` when there is none, `UnreadableFileError` otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise
-    except OSError as exc:  # ELOOP for a link, EACCES, ...
-        raise UnreadableFileError(f"{path.name} cannot be opened: {exc.strerror or exc}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UnreadableFileError(f"{path.name} is not a regular file")
-        if info.st_size > max_bytes:
-            raise UnreadableFileError(f"{path.name} has {info.st_size} bytes, more than {max_bytes}")
-        chunks, remaining = [], info.st_size if limit is None else min(limit, info.st_size)
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return b"".join(chunks)
-    except UnreadableFileError:
-        raise
-    except OSError as exc:
-        raise UnreadableFileError(f"{path.name} cannot be read: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
+    most `max_bytes` of them (a larger file is refused). Raises `FileNotFoundError` when there
+    is none, `UnreadableFileError` otherwise."""
+    return bytes(read_regular_buffer(path, max_bytes))
 
 
 def read_regular_buffer(path: Path, max_bytes: int) -> bytearray:
-    """As `read_regular` (the whole file), read straight into one buffer (no copies of it)."""
+    """As `read_regular`, read straight into one buffer (no copies of it)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
