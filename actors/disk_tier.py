@@ -123,7 +123,7 @@ class DiskTier:
         self._drained = anyio.Event()
         self._drained.set()
         self._hits = self._tokens_loaded = self._misses = 0
-        self._load_s = 0.0
+        self._load_s = self._export_s = self._write_s = 0.0
         self._writes = self._bytes_written = self._write_failures = self._skipped = self._evicted = 0
         self.removed_damaged = 0
 
@@ -235,6 +235,7 @@ class DiskTier:
 
     async def _write(self, export: PrefixExport) -> None:
         planned = [self._pending.pop(key, None) for key in export.keys]
+        self._export_s += export.export_s
         if export.error is not None:
             log.warning("disk_export_failed", error=export.error)
             return
@@ -247,7 +248,7 @@ class DiskTier:
                 key=key, num_bytes=0, end=plan.end, namespace=plan.namespace, parent=plan.parent, tokens=tuple(plan.tokens) if self.index.whole else ()
             )
             try:
-                num_bytes = await anyio.to_thread.run_sync(self.files.write, entry, plan.tokens, arrays)
+                num_bytes, seconds = await anyio.to_thread.run_sync(self._timed_write, entry, plan.tokens, arrays)
             except OSError as exc:
                 self._write_failures += 1
                 self._paused_until = time.monotonic() + RETRY_WRITES_S
@@ -256,6 +257,7 @@ class DiskTier:
                 return
             self.index.add(dataclasses.replace(entry, num_bytes=num_bytes))
             self._writes += 1
+            self._write_s += seconds
             self._bytes_written += num_bytes
             written += num_bytes
         evicted = self.index.evict_to(self.capacity_bytes)
@@ -264,6 +266,11 @@ class DiskTier:
             await anyio.to_thread.run_sync(self.files.delete, evicted)
         if written:
             log.debug("disk_prefix_written", bytes=written, files=len(export.keys), seconds=round(time.monotonic() - started, 4))
+
+    def _timed_write(self, entry: DiskEntry, tokens: list[int], arrays: dict) -> tuple[int, float]:
+        started = time.perf_counter()
+        num_bytes = self.files.write(entry, tokens, arrays)
+        return num_bytes, time.perf_counter() - started
 
     def close(self) -> None:
         """No more exports; let go of the directory."""
@@ -290,5 +297,7 @@ class DiskTier:
             writes_skipped=self._skipped,
             evicted=self._evicted,
             removed_damaged=self.removed_damaged,
+            export_s=round(self._export_s, 6),
+            write_s=round(self._write_s, 6),
             error=self._error,
         )

@@ -243,23 +243,28 @@ class KvStoreActor:
         if rid in self._loading:
             answer(message.reply, KvReservation(request_id=rid, granted=False, reason="loading"))
             return
+        # A request asked again (no room last time) is not looked up again: its read, or
+        # None for a lookup that found nothing worth reading, is kept in `_loaded`.
         tried = rid in self._loaded
         loaded = self._loaded.pop(rid, None)
+        ram_tokens = self.ledger.match_length(prompt, max_prefix, namespace) if disk is not None else 0
+        looked = False
         if disk is not None and max_prefix > 0 and not tried and len(self._loading) < MAX_DISK_LOADS:
-            match = disk.lookup(prompt, max_prefix, namespace, self.ledger.match_length(prompt, max_prefix, namespace))
+            looked = True
+            match = disk.lookup(prompt, max_prefix, namespace, ram_tokens)
             if match is not None and self._tg is not None:
                 token = self._loading[rid] = object()
                 self._tg.start_soon(self._load, rid, token, match, prompt, message.notify)
                 answer(message.reply, KvReservation(request_id=rid, granted=False, reason="loading"))
                 return
-        use_disk = loaded is not None and loaded.num_tokens > self.ledger.match_length(prompt, max_prefix, namespace)
+        use_disk = loaded is not None and loaded.num_tokens > ram_tokens
         reservation, evicted = self.ledger.reserve(rid, message.num_tokens, prompt, max_prefix, namespace, use_prefixes=not use_disk)
         if use_disk and loaded is not None and reservation.granted:
             assert disk is not None
             disk.count_hit(loaded)
             reservation = msgspec.structs.replace(reservation, disk_prefix=loaded)
-        elif tried and reservation.reason == "no_room":
-            self._loaded[rid] = loaded  # kept for the next try (not read again)
+        elif (tried or looked) and reservation.reason == "no_room":
+            self._loaded[rid] = loaded  # kept for the next try (not read or looked up again)
         answer(message.reply, reservation)
         await self._drop(evicted)
 

@@ -21,6 +21,7 @@ refuses requests, until the world is relaunched.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,12 +199,18 @@ class ModelActor:
 
     async def _export(self, engine: Engine, call: ExportPrefix) -> PrefixExport:
         """A prefix entry's positions copied out for the disk tier (numpy, on the MLX thread)."""
+
+        def run() -> tuple[list[dict], float]:
+            started = time.perf_counter()
+            arrays = engine.export_prefix(call.entry_id, call.spans, call.whole)
+            return arrays, time.perf_counter() - started
+
         try:
-            arrays = await self._thread.run(engine.export_prefix, call.entry_id, call.spans, call.whole)
+            arrays, seconds = await self._thread.run(run)
         except Exception as exc:  # the entry went (a failed step resets nothing of prefixes), a bug
             log.warning("prefix_export_failed", entry_id=call.entry_id, error=f"{type(exc).__name__}: {exc}")
             return PrefixExport(keys=call.keys, arrays=[], error=f"{type(exc).__name__}: {exc}")
-        return PrefixExport(keys=call.keys, arrays=arrays)
+        return PrefixExport(keys=call.keys, arrays=arrays, export_s=seconds)
 
     async def _load_adapter(self, bank: AdapterBank, call: AdapterCall, reading: anyio.Lock) -> None:
         """Read an adapter's files in a worker thread while steps go on, then install them."""

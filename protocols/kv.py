@@ -44,13 +44,18 @@ class DiskStats(Record, frozen=True):
     misses: int = 0
     load_s: float = 0.0
     # Files written and their bytes, writes that failed, entries not written because the
-    # write queue was full, files evicted (LRU), files found damaged or foreign and removed.
+    # write queue was full, files evicted (LRU), files found damaged or foreign and removed;
+    # seconds the MLX thread spent copying entries out between steps (`export_s`) and seconds
+    # the writer's worker threads spent hashing and writing files (`write_s`): what writing
+    # through costs the steps, and the CPU it competes for.
     writes: int = 0
     bytes_written: int = 0
     write_failures: int = 0
     writes_skipped: int = 0
     evicted: int = 0
     removed_damaged: int = 0
+    export_s: float = 0.0
+    write_s: float = 0.0
     error: str | None = None
 
 

@@ -391,11 +391,13 @@ class Embed(Message, frozen=True):
 
 class PrefixExport(Record, frozen=True):
     """A prefix entry's KV copied out for the disk tier: per requested span, its arrays by
-    tensor name (numpy, float32 or packed words), or why none could be copied."""
+    tensor name (numpy, float32 or packed words), or why none could be copied; and the
+    seconds the MLX thread spent copying."""
 
     keys: list[str]
     arrays: list[Any]
     error: str | None = None
+    export_s: float = 0.0
 
 
 class ExportPrefix(Message, frozen=True):

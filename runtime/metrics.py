@@ -230,6 +230,8 @@ def _disk_metrics(disk: DiskStats, gauge, counter) -> Iterator[Metric]:
     yield counter("kv_disk_tokens_loaded", "Prompt tokens read from the disk tier instead of prefilled.", disk.tokens_loaded)
     yield counter("kv_disk_load_seconds", "Seconds spent reading and checking disk tier files.", disk.load_s)
     yield counter("kv_disk_writes", "Disk tier files written.", disk.writes)
+    yield counter("kv_disk_export_seconds", "Seconds the MLX thread spent copying prefix entries out for the disk tier.", disk.export_s)
+    yield counter("kv_disk_write_seconds", "Seconds spent hashing and writing disk tier files (worker threads).", disk.write_s)
     yield counter("kv_disk_write_failures", "Disk tier writes that failed (writes pause after one).", disk.write_failures)
     yield counter("kv_disk_writes_skipped", "Entries not written: too much in flight, or writes paused.", disk.writes_skipped)
     yield counter("kv_disk_evicted", "Disk tier files evicted (least recently used first).", disk.evicted)

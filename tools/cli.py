@@ -558,7 +558,7 @@ def _bench_disk(args, config: RuntimeConfig) -> int:
     if set(workloads) - set(WORKLOADS) or set(formats) - set(FORMATS):
         print(f"mlxrt bench --disk: workloads are {', '.join(WORKLOADS)}; formats {', '.join(FORMATS)}", file=sys.stderr)
         return EXIT_USAGE
-    options = DiskBenchOptions(formats=formats, repeats=min(args.repeats, 3), workloads=workloads)
+    options = DiskBenchOptions(formats=formats, repeats=min(args.repeats, 3), write_repeats=args.repeats, workloads=workloads)
     results = anyio.run(run_disk_bench, _with_model(config, args.model), options)
     print(format_disk_table(results))
     dump(results, args.json_path)

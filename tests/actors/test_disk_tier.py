@@ -190,6 +190,46 @@ async def test_exports_in_flight_are_bounded(monkeypatch, model):
         tg.cancel_scope.cancel()
 
 
+async def test_a_request_waiting_for_room_is_looked_up_on_disk_once(model):
+    files = MemoryFiles()
+    tier = DiskTier(files, DiskIndex(chunk=C, whole=False), LAYERS, capacity_bytes=10_000, min_tokens=C, writable=True)
+    ledger = KvLedger(bytes_per_token=16, budget_bytes=16 * 24, layers=LAYERS, prefix_cache_bytes=1 << 10, prefix_min_tokens=1)
+    store = KvStoreActor(ledger, model=model, disk=tier)
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.run)
+        assert (await ask(store.inbox, ReserveKv, request_id="big", num_tokens=20, prompt_ids=list(range(8)), max_prefix_tokens=7)).granted
+        for _ in range(3):  # no room while "big" holds the budget: asked again and again
+            waiting = await ask(store.inbox, ReserveKv, request_id="w", num_tokens=20, prompt_ids=list(range(100, 108)), max_prefix_tokens=7)
+            assert not waiting.granted and waiting.reason == "no_room"
+        assert (await ask(store.inbox, GetKvStats)).disk.misses == 2  # "big" once, "w" once
+        await store.inbox.send(ReleaseKv(request_id="big"))
+        assert (await ask(store.inbox, ReserveKv, request_id="w", num_tokens=20, prompt_ids=list(range(100, 108)), max_prefix_tokens=7)).granted
+        assert (await ask(store.inbox, GetKvStats)).disk.misses == 2
+        tg.cancel_scope.cancel()
+
+
+async def test_the_mlx_threads_copying_and_the_writes_are_timed(model):
+    files = MemoryFiles()
+    store = _store(files, model)
+
+    async def answer_timed() -> None:
+        while True:
+            message = await model.receive()
+            if isinstance(message, ExportPrefix):
+                arrays = [_arrays(*span) for span in message.spans]
+                message.reply.send_nowait(PrefixExport(keys=message.keys, arrays=arrays, export_s=0.25))
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(store.run)
+        tg.start_soon(answer_timed)
+        await _save(store, "a#1", list(range(8)))
+        await _save(store, "b#1", list(range(100, 104)))
+        stats = (await ask(store.inbox, GetKvStats)).disk
+        assert stats.writes == 3 and stats.export_s == pytest.approx(0.5)
+        assert 0 < stats.write_s < 5
+        tg.cancel_scope.cancel()
+
+
 @pytest.mark.parametrize("whole", [False, True])
 def test_plan_export_skips_short_entries(whole):
     tier = DiskTier(MemoryFiles(), DiskIndex(chunk=C, whole=whole), LAYERS, capacity_bytes=1, min_tokens=6, writable=True)
