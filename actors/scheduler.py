@@ -122,7 +122,7 @@ class SchedulerActor:
 
     async def _admit(self) -> None:
         while (tracked := self.policy.admission_candidate()) is not None:
-            rid, need, prompt = tracked.request_id, tracked.kv_tokens_needed, tracked.admit.prompt_ids
+            rid, need, prompt = tracked.request_id, tracked.kv_tokens_needed, tracked.admit.cache_ids
             # A resumed request brings its own cache; others may start from a saved prefix.
             # A request scoring its prompt forwards every position of it.
             max_prefix = 0 if tracked.admit.resume is not None or tracked.admit.prompt_logprobs is not None else len(prompt) - 1

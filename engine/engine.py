@@ -389,7 +389,9 @@ class Engine:
         scored = [len(seq.prompt_logprobs) for seq in seqs]
         in_flight = self._in_flight.result.arrays() if self._in_flight is not None and self._in_flight.result is not None else []
         self._blocks.ready(zip(seqs, (work.num_tokens for work in works)), in_flight)
-        first = [(s, w.num_tokens) for s, w in zip(seqs, works) if s.num_prefilled == 0 and w.num_tokens <= self._batched_prefill_limit]
+        first = [
+            (s, w.num_tokens) for s, w in zip(seqs, works) if s.num_prefilled == 0 and w.num_tokens <= self._batched_prefill_limit and s.admit.vision is None
+        ]
         together = [group for group in self._batch.unpadded_groups([n for _, n in first]) if len(group) > 1]
         batched = {id(first[i][0]) for group in together for i in group}
         for seq, work in zip(seqs, works):

@@ -22,11 +22,35 @@ def prefill_one(model, layout: list[LayerLayout], seq: Sequence, num_tokens: int
     start, end = seq.num_prefilled, seq.num_prefilled + num_tokens
     if seq.cache is None:
         seq.cache = new_caches(model, layout)
+    inputs = mx.array(seq.admit.prompt_ids[start:end])[None]
+    embeds = _vision_embeds(model, seq, start, end)
     with routed(model, [seq.adapter_slot]):
-        logits = model(mx.array(seq.admit.prompt_ids[start:end])[None], cache=seq.cache)
+        logits = model(inputs, cache=seq.cache) if embeds is None else model(inputs, cache=seq.cache, input_embeddings=embeds)
     mx.eval([c.state for c in seq.cache])
     _score_prompt(seq, logits[0], start, end)
     seq.num_prefilled = end
+
+
+def _vision_embeds(model, seq: Sequence, start: int, end: int) -> mx.array | None:
+    """An image prompt's input embeddings for positions start:end: the vision tower runs
+    (with the model's own merge) at the first chunk up to whose end images remain, once; None
+    once prefill has passed the last image position (a prefix hit past the images never runs
+    it: the KV already holds them)."""
+    vision = seq.admit.vision
+    if vision is None:
+        return None
+    image_key = vision.key_ids[next(i for i, t in enumerate(vision.key_ids) if t != seq.admit.prompt_ids[i])]
+    last_image = len(vision.key_ids) - 1 - vision.key_ids[::-1].index(image_key)
+    if start > last_image:
+        return None
+    if seq.vision_embeds is None:
+        seq.vision_embeds = model.embed_prompt(seq.admit.prompt_ids, vision.arrays)
+        mx.eval(seq.vision_embeds)
+    # A copy: some models scale their input embeddings in place.
+    chunk = mx.array(seq.vision_embeds[:, start:end])
+    if end > last_image:
+        seq.vision_embeds = None  # no image positions left to prefill
+    return chunk
 
 
 def _score_prompt(seq: Sequence, logits: mx.array, start: int, end: int) -> None:

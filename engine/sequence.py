@@ -68,6 +68,9 @@ class Sequence:
     spec: SpecRow | None = None
     # The adapter slot its forwards are routed to (0: none).
     adapter_slot: int = 0
+    # An image prompt's input embeddings (1, prompt, hidden), made by the vision tower at its
+    # first chunk that has image positions and kept until prefill has passed the last one.
+    vision_embeds: Any = None
     lookup: LookupSource | None = None
     draft: list[int] | None = None
     # The prompt tokens its prefill scored (`AdmitRequest.prompt_logprobs`), token 1 on.
@@ -75,7 +78,7 @@ class Sequence:
 
     def tokens_with_kv(self, length: int) -> list[int]:
         """The tokens whose KV the first `length` cache positions hold."""
-        tokens = self.admit.prompt_ids + self.generated
+        tokens = self.admit.cache_ids + self.generated
         if length > len(tokens):
             raise EngineInvariantError(f"cache of {length} positions but only {len(tokens)} tokens known")
         return tokens[:length]

@@ -189,7 +189,7 @@ def max_prompt_bytes(info: ModelInfo, limits: LimitsConfig) -> int:
     return limits.max_prompt_bytes or info.max_context * max(1, info.max_token_bytes) * 2
 
 
-def _check_text_size(text: str, limit: int, field: str) -> None:
+def check_text_size(text: str, limit: int, field: str) -> None:
     # Up to 4 bytes per character: count only when the characters alone might exceed it.
     if len(text) * 4 > limit and len(text.encode()) > limit:
         raise RequestTooLargeError(f"the prompt has more than {limit} bytes, more than the context can hold", field=field)
@@ -203,17 +203,17 @@ def render_prompt(request: GenerateRequest, tokenizer: Any, max_bytes: int) -> l
     if request.prompt_ids is not None:
         ids = list(request.prompt_ids)
     elif request.prompt is not None:
-        _check_text_size(request.prompt, max_bytes, "prompt")
+        check_text_size(request.prompt, max_bytes, "prompt")
         bos = getattr(tokenizer, "bos_token", None)
         ids = tokenizer.encode(request.prompt, add_special_tokens=bos is None or not request.prompt.startswith(bos))
     else:
         try:
             text = tokenizer.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja and template errors come in many types
-            raise InvalidRequestError(f"messages could not be rendered with the chat template: {_first_line(exc)}", field="messages") from None
+            raise InvalidRequestError(f"messages could not be rendered with the chat template: {first_line(exc)}", field="messages") from None
         if not isinstance(text, str):
             raise InvalidRequestError("the chat template did not render text", field="messages")
-        _check_text_size(text, max_bytes, "messages")
+        check_text_size(text, max_bytes, "messages")
         ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise InvalidRequestError("the prompt is empty", field="prompt")
@@ -228,6 +228,6 @@ def effective_max_tokens(request: GenerateRequest, num_prompt: int, info: ModelI
     return min(request.max_tokens or default, room)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__

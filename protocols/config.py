@@ -114,6 +114,11 @@ class LimitsConfig(Section, frozen=True):
     # this is refused. Compiling one may take at most `grammar_compile_timeout_s`.
     grammar_cache_bytes: Positive = 512 * 1024 * 1024
     grammar_compile_timeout_s: Seconds = 10.0
+    # Images (vision-language models): per request, bytes per image (as sent), and pixels per
+    # image (read from its header: a decompression bomb is refused before it is decoded).
+    max_images: Positive = 8
+    max_image_bytes: Positive = 10 * 1024 * 1024
+    max_image_pixels: Positive = 25_000_000
 
 
 class ServerConfig(Section, frozen=True):

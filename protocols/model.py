@@ -99,6 +99,17 @@ class SpecPlan(Record, frozen=True):
     adaptive: bool = True
 
 
+class VisionPrompt(Record, frozen=True):
+    """An image prompt's inputs (vision-language models): the processor's arrays (numpy:
+    pixel values and masks, by the names the model's `get_input_embeddings` takes), the images'
+    sha256 digests in prompt order, and the prompt ids as the prefix cache keys them (each
+    image position an id past the vocabulary named by the digests: `policies.images.key_ids`)."""
+
+    arrays: dict[str, Any]
+    digests: list[str]
+    key_ids: list[int]
+
+
 class AdmitRequest(Record, frozen=True):
     """A request entering the engine; no compute happens until it is prefilled."""
 
@@ -139,6 +150,12 @@ class AdmitRequest(Record, frozen=True):
     # with (KV and checkpoints belong to those weights).
     adapter: str | None = None
     adapter_digest: str = ""
+    vision: VisionPrompt | None = None
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """The prompt as the prefix cache keys it: its ids, or an image prompt's key ids."""
+        return self.vision.key_ids if self.vision is not None else self.prompt_ids
 
     @property
     def context_ids(self) -> list[int]:

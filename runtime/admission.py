@@ -27,12 +27,13 @@ import msgspec
 import structlog
 
 from policies import fill_plan as fill
+from policies import images as image_prompts
 from policies import validation as requests
 from policies.adapters import AdapterRegistry
 from policies.layout import checkpoint_format
 from policies.speculation import plan_speculation
 from protocols.api import FillStats, GenerateRequest, SpecStats
-from protocols.model import AdmitRequest, GrammarSpec, ModelInfo, ResumeState
+from protocols.model import AdmitRequest, GrammarSpec, ModelInfo, ResumeState, VisionPrompt
 from runtime import checkpoints
 from runtime.config import RuntimeConfig
 from runtime.errors import (
@@ -128,8 +129,19 @@ class Admission:
     async def _render(self, request: GenerateRequest) -> list[int]:
         self._check(request)
         grammar_spec(request, self._tool_markers)  # its shape checked too (not compiled)
-        render = functools.partial(requests.render_prompt, request, self._tokenizer, self._max_prompt_bytes)
-        return await anyio.to_thread.run_sync(render)
+        return (await self._render_prompt(request))[0]
+
+    async def _render_prompt(self, request: GenerateRequest) -> tuple[list[int], VisionPrompt | None]:
+        """The prompt's ids (rendered and tokenized in a worker thread); an image prompt's also
+        through the model's processor, with what the vision tower reads."""
+        if not image_prompts.has_images(request.messages):
+            render = functools.partial(requests.render_prompt, request, self._tokenizer, self._max_prompt_bytes)
+            return await anyio.to_thread.run_sync(render), None
+        render_images = functools.partial(
+            image_prompts.render_image_prompt, request, self._tokenizer, self._info.vocab_size, self._max_prompt_bytes, self._config.limits
+        )
+        rendered = await anyio.to_thread.run_sync(render_images)
+        return rendered.prompt_ids, VisionPrompt(arrays=rendered.arrays, digests=rendered.digests, key_ids=rendered.key_ids)
 
     def _check(self, request: GenerateRequest) -> None:
         config = self._config
@@ -146,8 +158,9 @@ class Admission:
             raise InvalidRequestError(f"a checkpoint of another request {request_id!r} exists: resume it, or choose another request_id", field="request_id")
         grammar = grammar_spec(request, self._tool_markers)
         fill_mode = fill.resolve_mode(request, config.generation.fill)
-        render = functools.partial(requests.render_prompt, request, self._tokenizer, self._max_prompt_bytes)
-        prompt_ids = await anyio.to_thread.run_sync(render)
+        prompt_ids, vision = await self._render_prompt(request)
+        if vision is not None and checkpoint_every:
+            raise InvalidRequestError("image prompts are not checkpointed (their checkpoints would not record the images)", field="checkpoint_every")
         max_tokens = requests.effective_max_tokens(request, len(prompt_ids), info, config.generation.default_max_tokens)
         stop_ids = sorted(set(() if request.ignore_eos else self._eos_ids) | set(request.stop_token_ids))
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
@@ -166,6 +179,7 @@ class Admission:
             snapshot_at=request.snapshot_at if request.snapshot_at and request.snapshot_at < len(prompt_ids) - 1 else None,
             adapter=request.adapter,
             adapter_digest=self._adapter_digest(request.adapter),
+            vision=vision,
         )
         return await self._with_features(Prepared(admit=admit, request=request, checkpoint_every=checkpoint_every), grammar, fill_mode)
 

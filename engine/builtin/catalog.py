@@ -10,9 +10,10 @@ import dataclasses
 from pathlib import Path
 
 from engine.builtin.fields import config_fields
-from engine.builtin.models import BUILTIN_PREFIX, BuiltinSpec, Progress, ensure_model
+from engine.builtin.models import BUILTIN_PREFIX, BuiltinSpec, Progress, ensure_model, ensure_vision_model
 from engine.builtin.packaged import PACKAGED_MODELS, packaged_model_path
 from engine.builtin.tokenizer import TokenizerSpec
+from engine.builtin.vision import VisionSpec
 
 TINY_TOKENIZER = TokenizerSpec(vocab_size=1024, corpus_chars=400_000)
 BENCH_TOKENIZER = TokenizerSpec(vocab_size=32768, corpus_chars=4_000_000)
@@ -306,11 +307,15 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
 }
 
 
+# Vision-language built-ins (mlx-vlm's classes): a SmolVLM-shaped Idefics3 with the tiny tokenizer.
+VISION_MODELS: dict[str, VisionSpec] = {spec.name: spec for spec in (VisionSpec(name="tiny-idefics3", seed=30, tokenizer=TINY_TOKENIZER),)}
+
+
 class UnknownBuiltinModelError(ValueError):
     """Raised for a name that is not a key of `BUILTIN_MODELS`."""
 
     def __init__(self, name: str) -> None:
-        known = ", ".join(sorted([*BUILTIN_MODELS, *PACKAGED_MODELS]))
+        known = ", ".join(sorted([*BUILTIN_MODELS, *VISION_MODELS, *PACKAGED_MODELS]))
         super().__init__(f"unknown builtin model {name!r}; known models: {known}")
         self.name = name
 
@@ -327,6 +332,8 @@ def ensure_builtin(name: str, *, root: Path | str, progress: Progress | None = N
     of a random-weight built-in under `root` (the runtime's `MLXRT_HOME`), built first if needed."""
     if name in PACKAGED_MODELS:
         return packaged_model_path(name)
+    if name in VISION_MODELS:
+        return ensure_vision_model(VISION_MODELS[name], root=root, progress=progress)
     spec = BUILTIN_MODELS.get(name)
     if spec is None:
         raise UnknownBuiltinModelError(name)

@@ -44,6 +44,7 @@ from engine.builtin.tokenizer import (
     train_tokenizer,
     write_tokenizer_config,
 )
+from engine.builtin.vision import VISION_FILES, VisionSpec, build_vision_model
 
 # Bump when weight init, config.json or the directory layout changes.
 BUILD_FORMAT = 1
@@ -218,6 +219,15 @@ def ensure_model(spec: BuiltinSpec, *, root: Path | str, progress: Progress | No
     say = progress or (lambda _message: None)
     target = root / "models" / spec.directory_name()
     return _ensure_dir(target, MODEL_FILES, lambda tmp: _build_model(spec, root, tmp, say))
+
+
+def ensure_vision_model(spec: VisionSpec, *, root: Path | str, progress: Progress | None = None) -> Path:
+    """Return the directory of the vision-language built-in `spec` under `root`, building it
+    first if needed (`engine.builtin.vision`)."""
+    root = Path(root)
+    say = progress or (lambda _message: None)
+    target = root / "models" / spec.directory_name()
+    return _ensure_dir(target, VISION_FILES, lambda tmp: build_vision_model(spec, _ensure_tokenizer(spec.tokenizer, root, say), tmp, say))
 
 
 def _ensure_dir(target: Path, required: tuple[str, ...], build: Callable[[Path], None]) -> Path:

@@ -26,11 +26,13 @@ import structlog
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
+from mlx_lm.utils import load_tokenizer
 
 from engine.builtin import PackagedModelMissingError, builtin_name, ensure_builtin
 from engine.kv.layout import dtype_name, probe_layout
 from engine.model.gguf import is_gguf, load_gguf
 from engine.model.patches import adapt_for_batches
+from engine.model.vision import VisionLanguageModel, is_vision_config, load_vision
 from engine.model.weights import apply_cpu_policy, keeps_quantized
 from engine.model.world import World, shard
 from policies.layout import full_token_bytes, is_trimmable, with_kv_blocks, with_kv_quantization
@@ -58,6 +60,9 @@ def with_kv_format(loaded: LoadedModel, kv: KvConfig) -> LoadedModel:
     none of whose layers can store quantized KV is refused: the configuration asks for what
     cannot be."""
     layout = loaded.layout
+    if isinstance(loaded.model, VisionLanguageModel) and (kv.bits or kv.block_size):
+        # mlx-vlm's attention is not routed to the runtime's quantized and paged caches.
+        raise ModelLoadError("kv.bits and kv.block_size are not served for vision-language models yet: leave them 0")
     if kv.bits:
         layout, kept_float = with_kv_quantization(layout, kv.bits, kv.group_size, kv.quantized_start)
         if layout == loaded.layout:
@@ -123,11 +128,36 @@ class _Identity:
 
 
 def _load_directory(directory: Path, config: ModelConfig, lazy: bool) -> tuple[nn.Module, TokenizerWrapper, _Identity]:
+    hf_config = _read_config(directory)
+    if is_vision_config(hf_config):
+        return _load_vision(directory, hf_config, lazy)
     try:
         model, tokenizer = cast(tuple[nn.Module, TokenizerWrapper], mlx_lm_load(str(directory), trust_remote_code=config.trust_remote_code, lazy=lazy))
     except Exception as exc:  # mlx-lm reports unknown types, missing files and bad weights variously
         raise ModelLoadError(f"{directory}: mlx-lm cannot load it: {type(exc).__name__}: {exc}") from exc
-    hf_config = json.loads((directory / "config.json").read_text())
+    return model, tokenizer, _Identity(hf_config, model_digest(directory), tokenizer_digest(directory))
+
+
+def _read_config(directory: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{directory}: no readable config.json: {type(exc).__name__}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{directory}: config.json is not an object")
+    return config
+
+
+def _load_vision(directory: Path, hf_config: dict[str, Any], lazy: bool) -> tuple[nn.Module, TokenizerWrapper, _Identity]:
+    """A vision-language model (`engine.model.vision`); its processor rides on the tokenizer
+    wrapper (`processor`), which the runtime hands to admission."""
+    model, processor = load_vision(directory, hf_config, lazy)
+    eos = hf_config.get("eos_token_id")
+    try:
+        tokenizer = load_tokenizer(directory, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+    except Exception as exc:
+        raise ModelLoadError(f"{directory}: its tokenizer cannot be loaded: {type(exc).__name__}: {exc}") from exc
+    tokenizer.processor = processor
     return model, tokenizer, _Identity(hf_config, model_digest(directory), tokenizer_digest(directory))
 
 

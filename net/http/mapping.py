@@ -233,14 +233,19 @@ def _message(message: oa.ChatMessage, index: int) -> dict[str, Any]:
     """One message as chat templates expect it: text content, tool-call arguments as objects."""
     where = f"messages[{index}]"
     out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role}
-    content = message.content
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if part.type != "text" or part.text is None:
-                raise HttpError("invalid_request", f"only text content parts are supported, got {part.type!r}", f"{where}.content[{j}].type")
-            texts.append(part.text)
-        content = "".join(texts)
+    content: str | list[oa.ContentPart] | list[dict[str, Any]] | None = message.content
+    if isinstance(message.content, list):
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(message.content):
+            if part.type == "image_url" and part.image_url is not None:
+                # Checked, decoded and refused where need be by admission (`policies.images`).
+                parts.append({"type": "image", "image": part.image_url.url})
+            elif part.type == "text" and part.text is not None:
+                parts.append({"type": "text", "text": part.text})
+            else:
+                raise HttpError("invalid_request", f"content parts are text or image_url, got {part.type!r}", f"{where}.content[{j}].type")
+        # Text alone is joined (as every chat template takes it); images keep the parts.
+        content = parts if any(p["type"] == "image" for p in parts) else "".join(p["text"] for p in parts)
     out["content"] = content if content is not None else ""
     for key in ("name", "tool_call_id", "reasoning_content"):
         if (value := getattr(message, key)) is not None:

@@ -63,9 +63,16 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool = False
 
 
+class ImageUrl(msgspec.Struct, kw_only=True):
+    # A data: URL (data:image/png;base64,...); remote URLs are refused.
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 class FunctionCallIn(msgspec.Struct, kw_only=True):

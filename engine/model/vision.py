@@ -1,0 +1,73 @@
+"""Vision-language models through mlx-vlm (MLX thread): a model directory whose config has a
+`vision_config` is loaded with mlx-vlm's classes and served as the engine serves an mlx-lm
+model. Its language model takes the engine's caches (mlx-vlm's are mlx-lm's), decodes from
+token ids like any text model, and prefills an image prompt from input embeddings that the
+model's own `get_input_embeddings` makes (vision tower, projector, merge at the image token
+positions), sliced per prefill chunk (`engine.prefill`).
+
+Families are served only where that holds exactly (greedy tokens equal to mlx-vlm's own
+`generate`): a causal language model whose positions come from the cache offset and that
+keeps no state between calls. Idefics3 (and SmolVLM, its subclass) are; Qwen-VL (mRoPE
+positions kept on the module) and Gemma 3 (sliding windows, embeddings scaled in place) are
+refused with a typed error until they are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from protocols.errors import ModelLoadError
+
+VISION_FAMILIES = ("idefics3", "smolvlm")
+
+
+def is_vision_config(config: dict[str, Any]) -> bool:
+    return isinstance(config.get("vision_config"), dict)
+
+
+class VisionLanguageModel(nn.Module):
+    """mlx-vlm's model, called as the engine calls an mlx-lm model: `model(ids, cache=...)`
+    returns logits; `input_embeddings` replaces the ids' embeddings for a prefill chunk."""
+
+    def __init__(self, vlm: nn.Module, model_type: str, image_token_id: int) -> None:
+        super().__init__()
+        self.vlm = vlm
+        self.model_type = model_type
+        self.image_token_id = image_token_id
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.vlm.language_model.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None) -> mx.array:
+        return self.vlm.language_model(inputs, inputs_embeds=input_embeddings, cache=cache).logits
+
+    def embed_prompt(self, prompt_ids: list[int], arrays: dict[str, Any]) -> mx.array:
+        """The prompt's input embeddings (1, len(prompt_ids), hidden), images merged in."""
+        pixel_values = mx.array(arrays["pixel_values"])
+        extra = {name: mx.array(value) for name, value in arrays.items() if name != "pixel_values"}
+        return self.vlm.get_input_embeddings(mx.array(prompt_ids)[None], pixel_values, **extra).inputs_embeds
+
+
+def load_vision(directory: Path, config: dict[str, Any], lazy: bool) -> tuple[VisionLanguageModel, Any]:
+    """The model and its processor (plain Python: safe off the MLX thread)."""
+    model_type = str(config.get("model_type", "?"))
+    if model_type not in VISION_FAMILIES:
+        raise ModelLoadError(f"{directory}: vision-language family {model_type!r} is not served (served exactly: {', '.join(VISION_FAMILIES)})")
+    try:
+        from mlx_vlm.utils import load_model, load_processor
+    except ImportError as exc:
+        raise ModelLoadError(f"{directory}: a vision-language model needs mlx-vlm (make setup installs it): {exc}") from None
+    try:
+        vlm = load_model(directory, lazy=lazy)
+        processor = load_processor(directory, add_detokenizer=False)
+    except Exception as exc:  # mlx-vlm and transformers report missing files and bad weights variously
+        raise ModelLoadError(f"{directory}: mlx-vlm cannot load it: {type(exc).__name__}: {exc}") from exc
+    image_token_id = config.get("image_token_id", config.get("image_token_index"))
+    if not isinstance(image_token_id, int):
+        raise ModelLoadError(f"{directory}: config.json names no image_token_id")
+    return VisionLanguageModel(vlm, model_type, image_token_id), processor

@@ -1,0 +1,184 @@
+"""Images in chat messages (vision-language models): found, checked and decoded before any
+compute, then rendered with the processor into token ids and pixel arrays (blocking; run in a
+worker thread).
+
+A message's content part is an image as
+- `{"type": "image", "image": <bytes | base64 text | data: URL>}` (the native API, the socket), or
+- `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}` (OpenAI's shape).
+Only images the request carries are read: a remote URL is refused (a server that fetches what a
+prompt names is an SSRF hole). Limits, each a typed error naming the field: images per request,
+bytes per image, decoded pixels (read from the header, so a decompression bomb is refused
+before it is decoded), formats.
+
+The prefix cache keys an image prompt by its token ids with every image position replaced by an
+id past the vocabulary derived from the digests of the request's images (`key_ids`): the same
+images and text are a hit, any other image is not, and text before the first image is shared
+with any prompt that has it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from protocols.config import LimitsConfig
+from protocols.errors import InvalidRequestError, RequestTooLargeError
+
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+_IMAGE_TYPES = ("image", "image_url")
+
+
+@dataclass(frozen=True)
+class RenderedImages:
+    """An image prompt: its ids, the processor's arrays (numpy), the images' digests, and the
+    ids the prefix cache keys it by."""
+
+    prompt_ids: list[int]
+    arrays: dict[str, np.ndarray]
+    digests: list[str]
+    key_ids: list[int]
+
+
+def has_images(messages: list[dict[str, Any]] | None) -> bool:
+    return bool(messages) and any(_is_image(part) for m in messages or () for part in _parts(m))
+
+
+def image_parts(messages: list[dict[str, Any]], limits: LimitsConfig) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The messages as the chat template sees them (each image part `{"type": "image"}`) and
+    the images' bytes in order. Raises `InvalidRequestError` / `RequestTooLargeError`."""
+    images: list[bytes] = []
+    rendered = []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            rendered.append(message)
+            continue
+        parts = []
+        for part in content:
+            if _is_image(part):
+                if len(images) >= limits.max_images:
+                    raise InvalidRequestError(f"at most {limits.max_images} images per request (limits.max_images)", field="messages")
+                images.append(_image_bytes(part, limits))
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        rendered.append({**message, "content": parts})
+    return rendered, images
+
+
+def decode_image(data: bytes, limits: LimitsConfig) -> Any:
+    """A PIL image in RGB, checked before it is decoded: a known format, at most
+    `limits.max_image_pixels` pixels (from the header), and a file that decodes."""
+    from PIL import Image
+
+    try:
+        image = Image.open(io.BytesIO(data), formats=FORMATS)
+    except Exception:  # PIL raises several types for what is not an image it reads
+        raise InvalidRequestError(f"an image is not a readable {', '.join(FORMATS)} file", field="messages") from None
+    width, height = image.size
+    if width * height > limits.max_image_pixels:
+        raise RequestTooLargeError(f"an image has {width}x{height} pixels, more than {limits.max_image_pixels} (limits.max_image_pixels)", field="messages")
+    if width < 1 or height < 1:
+        raise InvalidRequestError("an image has no pixels", field="messages")
+    try:
+        image.load()
+        return image.convert("RGB")
+    except Exception:
+        raise InvalidRequestError("an image could not be decoded (truncated or damaged)", field="messages") from None
+
+
+def render_images(text: str, images: list[bytes], processor: Any, image_token_id: int, vocab_size: int, limits: LimitsConfig) -> RenderedImages:
+    """The processor's ids and arrays for a rendered prompt `text` (one image placeholder per
+    image) and its images' bytes."""
+    pictures = [decode_image(data, limits) for data in images]
+    try:
+        out = processor(text=[text], images=[pictures], return_tensors="np")
+    except Exception as exc:  # the processor's own checks (placeholders against images, sizes)
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise InvalidRequestError(f"the images could not be processed: {first}", field="messages") from None
+    ids = [int(t) for t in out["input_ids"][0]]
+    arrays = {name: np.asarray(value) for name, value in out.items() if name not in ("input_ids", "attention_mask")}
+    digests = [hashlib.sha256(data).hexdigest() for data in images]
+    if image_token_id not in ids:
+        raise InvalidRequestError("the prompt has images but the chat template rendered no image placeholder for them", field="messages")
+    return RenderedImages(prompt_ids=ids, arrays=arrays, digests=digests, key_ids=key_ids(ids, image_token_id, digests, vocab_size))
+
+
+def render_image_prompt(request: Any, tokenizer: Any, vocab_size: int, max_bytes: int, limits: LimitsConfig) -> RenderedImages:
+    """An image chat request's prompt (blocking; run in a worker thread): the messages rendered
+    with the chat template (image parts as the model's placeholder), then the processor."""
+    from policies.validation import check_text_size, first_line
+
+    processor = getattr(tokenizer, "processor", None)
+    if processor is None:
+        raise InvalidRequestError("this model takes no images (it is not a vision-language model)", field="messages")
+    if request.truncate_prompt_tokens:
+        raise InvalidRequestError("truncate_prompt_tokens cannot cut an image prompt", field="truncate_prompt_tokens")
+    messages, images = image_parts(request.messages, limits)
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=request.tools, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # jinja and template errors come in many types
+        raise InvalidRequestError(f"messages could not be rendered with the chat template: {first_line(exc)}", field="messages") from None
+    if not isinstance(text, str):
+        raise InvalidRequestError("the chat template did not render text", field="messages")
+    check_text_size(text, max_bytes, "messages")
+    image_token_id = getattr(processor, "image_token_id", None)
+    if not isinstance(image_token_id, int):
+        image_token_id = tokenizer.convert_tokens_to_ids(getattr(processor, "image_token", "<image>"))
+    return render_images(text, images, processor, image_token_id, vocab_size, limits)
+
+
+def key_ids(ids: list[int], image_token_id: int, digests: list[str], vocab_size: int) -> list[int]:
+    """`ids` with each image position replaced by an id past the vocabulary named by the
+    request's image digests (so prompts with other images part at their first image token)."""
+    named = hashlib.sha256("|".join(digests).encode()).digest()
+    key = vocab_size + int.from_bytes(named[:6], "big")
+    return [key if t == image_token_id else t for t in ids]
+
+
+def _parts(message: Any) -> list[Any]:
+    content = message.get("content") if isinstance(message, dict) else None
+    return content if isinstance(content, list) else []
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in _IMAGE_TYPES
+
+
+def _image_bytes(part: dict[str, Any], limits: LimitsConfig) -> bytes:
+    if part.get("type") == "image_url":
+        source = part.get("image_url")
+        source = source.get("url") if isinstance(source, dict) else source
+    else:
+        source = part.get("image")
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+    elif isinstance(source, str):
+        data = _text_image(source, limits)
+    else:
+        raise InvalidRequestError("an image part must carry the image: bytes, base64 text or a data: URL", field="messages")
+    if len(data) > limits.max_image_bytes:
+        raise RequestTooLargeError(f"an image has more than {limits.max_image_bytes} bytes (limits.max_image_bytes)", field="messages")
+    return data
+
+
+def _text_image(source: str, limits: LimitsConfig) -> bytes:
+    if source.startswith(("http://", "https://")):
+        raise InvalidRequestError("remote image URLs are not fetched; send the image itself as a data: URL (base64)", field="messages")
+    if source.startswith("data:"):
+        header, sep, source = source.partition(",")
+        if not sep or not header.endswith(";base64") or not header[5:].startswith("image/"):
+            raise InvalidRequestError("an image data: URL must be data:image/<format>;base64,<data>", field="messages")
+    # Base64 is 4 characters per 3 bytes: refused by its length before it is decoded.
+    if len(source) > (limits.max_image_bytes + 2) // 3 * 4 + 4:
+        raise RequestTooLargeError(f"an image has more than {limits.max_image_bytes} bytes (limits.max_image_bytes)", field="messages")
+    try:
+        return base64.b64decode(source, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError("an image is not valid base64", field="messages") from None

@@ -1,0 +1,155 @@
+"""Images in the prompt (vision-language models through mlx-vlm): greedy tokens equal mlx-vlm's
+own `generate` alone, in a batch with text rows, and from a prefix-cache hit; the prefix cache
+keys images by their digest; limits refuse what must be refused before it is decoded."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from engine.model.vision import VisionLanguageModel
+from protocols import GenerateRequest, SamplingParams
+from protocols.errors import InvalidRequestError, ModelLoadError, RequestTooLargeError
+from runtime import Runtime
+from runtime.config import KvConfig, LimitsConfig
+from tests.support.config import make_config
+from tests.support.events import collect, collect_all
+from tests.support.vision import QUESTION, VISION_MODEL, VisionReference, data_url, image_message, png
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def reference() -> VisionReference:
+    return VisionReference()
+
+
+def _request(messages: list[dict], **kw) -> GenerateRequest:
+    return GenerateRequest(messages=messages, max_tokens=MAX_TOKENS, ignore_eos=True, sampling=GREEDY, **kw)
+
+
+async def test_image_prompts_equal_mlx_vlm_and_repeat_from_the_prefix_cache(reference):
+    # Prefill chunks of 16 tokens cut through the images' tokens.
+    async with Runtime.open(make_config(VISION_MODEL)) as rt:
+        first = await collect(rt.generate(_request(image_message(png(0)))))
+        other = await collect(rt.generate(_request(image_message(png(1)))))
+        again = await collect(rt.generate(_request(image_message(data_url(png(0))))))
+    prompt_tokens = first.last.usage.prompt_tokens
+    assert first.tokens == reference.greedy(image_message(png(0)), [png(0)], MAX_TOKENS)
+    assert other.tokens == reference.greedy(image_message(png(1)), [png(1)], MAX_TOKENS)
+    assert first.tokens != other.tokens  # the image is read (random weights still tell them apart)
+    # Another image, the same text: only the text before the image is shared.
+    ids = reference.processor(text=[reference.prompt(image_message(png(1)))], images=[[Image.open(io.BytesIO(png(1)))]], return_tensors="np")["input_ids"][0]
+    first_image = int(np.argmax(ids == reference.model.config.image_token_id))
+    assert 0 < other.last.usage.cached_tokens <= first_image
+    # The same image again (sent as a data: URL this time): the whole prompt from the cache.
+    assert again.last.usage.cached_tokens == prompt_tokens - 1
+    assert again.tokens == first.tokens
+
+
+async def test_image_rows_decode_in_one_batch_with_text_rows(reference, monkeypatch):
+    texts = [[{"role": "user", "content": f"Tell me about item {i}."}] for i in range(6)]
+    images = [png(2), png(3)]
+    long = {"max_tokens": 3 * MAX_TOKENS}  # text rows still decode when the image rows join
+    requests = [
+        _request(image_message(images[0])),
+        *(GenerateRequest(messages=m, ignore_eos=True, sampling=GREEDY, **long) for m in texts[:3]),
+        _request(image_message(images[1])),
+        *(GenerateRequest(messages=m, ignore_eos=True, sampling=GREEDY, **long) for m in texts[3:]),
+    ]
+    rows = []
+    original = VisionLanguageModel.__call__
+
+    def counting(self, inputs, cache=None, input_embeddings=None):
+        if input_embeddings is None and inputs.shape[1] == 1:
+            rows.append(inputs.shape[0])
+        return original(self, inputs, cache=cache, input_embeddings=input_embeddings)
+
+    monkeypatch.setattr(VisionLanguageModel, "__call__", counting)
+    async with Runtime.open(make_config(VISION_MODEL, max_batch_size=8)) as rt:
+        outcomes = await collect_all(rt.generate, requests)
+    assert max(rows) == 8  # every row in one decode step
+    assert outcomes[0].tokens == reference.greedy(image_message(images[0]), [images[0]], MAX_TOKENS)
+    assert outcomes[4].tokens == reference.greedy(image_message(images[1]), [images[1]], MAX_TOKENS)
+    for i, messages in zip([1, 2, 3, 5, 6, 7], texts):
+        assert outcomes[i].tokens == reference.greedy(messages, [], 3 * MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+async def vision_runtime():
+    limits = LimitsConfig(max_images=2, max_image_bytes=400_000, max_image_pixels=1_000_000)
+    config = make_config(VISION_MODEL)
+    import msgspec
+
+    async with Runtime.open(msgspec.structs.replace(config, limits=limits)) as rt:
+        yield rt
+
+
+def _solid_png(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(out, format="PNG", optimize=True)
+    return out.getvalue()
+
+
+async def _refusal(rt: Runtime, messages: list[dict]) -> Exception:
+    with pytest.raises((InvalidRequestError,)) as caught:
+        await collect(rt.generate(_request(messages)))
+    return caught.value
+
+
+async def test_a_decompression_bomb_is_refused_before_it_is_decoded(vision_runtime, monkeypatch):
+    bomb, small = _solid_png(2000, 1000), _solid_png(40, 30)  # 2,000,000 pixels in a few KB
+    assert len(bomb) < 20_000
+    decoded = []
+    original = Image.Image.load
+    monkeypatch.setattr(Image.Image, "load", lambda self: decoded.append(self.size) or original(self))
+    error = await _refusal(vision_runtime, image_message(bomb))
+    assert isinstance(error, RequestTooLargeError) and "max_image_pixels" in str(error)
+    assert decoded == []  # refused from the header
+    # A small image of the same kind is decoded and served.
+    outcome = await collect(vision_runtime.generate(_request(image_message(small))))
+    assert len(outcome.tokens) == MAX_TOKENS and decoded
+
+
+@pytest.mark.parametrize(
+    ("image", "error", "words"),
+    [
+        ("https://example.com/cat.png", InvalidRequestError, "remote image URLs"),
+        ("data:text/plain;base64,aGVsbG8=", InvalidRequestError, "data:image"),
+        ("not base64 !!", InvalidRequestError, "base64"),
+        (b"GIF89a but not really", InvalidRequestError, "readable"),
+        (b"\x89PNG" + bytes(500_000), RequestTooLargeError, "max_image_bytes"),
+        (png(0)[:200], InvalidRequestError, "decoded"),
+    ],
+)
+async def test_bad_images_get_typed_errors_and_the_runtime_goes_on(vision_runtime, image, error, words):
+    refused = await _refusal(vision_runtime, image_message(image))
+    assert isinstance(refused, error) and words in str(refused) and refused.field == "messages"
+    assert len((await collect(vision_runtime.generate(_request(image_message(png(5)))))).tokens) == MAX_TOKENS
+
+
+async def test_more_images_than_the_limit_and_image_checkpoints_are_refused(vision_runtime):
+    three = [{"role": "user", "content": [*({"type": "image", "image": png(i)} for i in range(3)), {"type": "text", "text": QUESTION}]}]
+    assert "max_images" in str(await _refusal(vision_runtime, three))
+    with pytest.raises(InvalidRequestError, match="checkpoint"):
+        await collect(vision_runtime.generate(_request(image_message(png(0)), checkpoint_every=4)))
+
+
+async def test_a_text_model_refuses_images():
+    async with Runtime.open(make_config()) as rt:
+        refused = await _refusal(rt, image_message(png(0)))
+        assert "not a vision-language model" in str(refused)
+        assert len((await collect(rt.generate(GenerateRequest(prompt="Hello", max_tokens=3)))).tokens) == 3
+
+
+async def test_quantized_or_paged_kv_is_refused_for_a_vision_model():
+    import msgspec
+
+    for kv in (KvConfig(bits=8), KvConfig(block_size=16)):
+        with pytest.raises(ModelLoadError, match="vision-language"):
+            async with Runtime.open(msgspec.structs.replace(make_config(VISION_MODEL), kv=kv)):
+                pass
