@@ -103,7 +103,7 @@ def render_images(text: str, images: list[bytes], processor: Any, image_token_id
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         raise InvalidRequestError(f"the images could not be processed: {first}", field="messages") from None
     ids = [int(t) for t in out["input_ids"][0]]
-    arrays = {name: np.asarray(value) for name, value in out.items() if name not in ("input_ids", "attention_mask")}
+    arrays = {name: np.asarray(value) for name, value in out.items() if name != "input_ids"}
     digests = [hashlib.sha256(data).hexdigest() for data in images]
     if image_token_id not in ids:
         raise InvalidRequestError("the prompt has images but the chat template rendered no image placeholder for them", field="messages")

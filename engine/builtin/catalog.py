@@ -308,7 +308,14 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
 
 
 # Vision-language built-ins (mlx-vlm's classes): a SmolVLM-shaped Idefics3 with the tiny tokenizer.
-VISION_MODELS: dict[str, VisionSpec] = {spec.name: spec for spec in (VisionSpec(name="tiny-idefics3", seed=30, tokenizer=TINY_TOKENIZER),)}
+# Gemma 3's: a 32-pixel image pooled to 4 tokens, 8-position windows on every other layer.
+VISION_MODELS: dict[str, VisionSpec] = {
+    spec.name: spec
+    for spec in (
+        VisionSpec(name="tiny-idefics3", seed=30, tokenizer=TINY_TOKENIZER),
+        VisionSpec(name="tiny-gemma3-vision", seed=31, tokenizer=TINY_TOKENIZER, family="gemma3", scale_factor=2),
+    )
+}
 
 
 class UnknownBuiltinModelError(ValueError):

@@ -21,15 +21,21 @@ from pathlib import Path
 from engine.builtin.tokenizer import CHAT_TEMPLATE, ENDOFTEXT, IM_END, TokenizerSpec
 
 # Bump when the files a vision built-in is made of change.
-VISION_FORMAT = 1
+VISION_FORMAT = 2
 VISION_FILES = ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json", "processor_config.json")
 
-# Image parts render as the processor's placeholder, which it expands to the image's tokens.
-VISION_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
-    "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}",
-    "{%- if part.type == 'text' -%}{{- part.text -}}{%- elif part.type == 'image' -%}{{- '<image>' -}}{%- endif -%}",
-)
-assert VISION_CHAT_TEMPLATE != CHAT_TEMPLATE
+
+
+def vision_chat_template(placeholder: str) -> str:
+    """The built-ins' ChatML template with image parts rendered as the processor's
+    placeholder, which the processor expands to the image's tokens."""
+    template = CHAT_TEMPLATE.replace(
+        "{%- if part.type == 'text' -%}{{- part.text -}}{%- endif -%}",
+        "{%- if part.type == 'text' -%}{{- part.text -}}{%- elif part.type == 'image' -%}{{- '" + placeholder + "' -}}{%- endif -%}",
+    )
+    assert template != CHAT_TEMPLATE
+    return template
+
 
 IDEFICS3_TOKENS = (
     "<fake_token_around_image>",
@@ -63,11 +69,20 @@ class VisionSpec:
     scale_factor: int = 2
     longest_edge: int = 64
     max_position_embeddings: int = 4096
+    # "idefics3", or "gemma3" (then `sliding_window` positions on all but every
+    # `sliding_window_pattern`-th layer, and `image_size`/`patch_size` patches pooled to
+    # `image_seq_len` tokens per image, no tiles).
     family: str = "idefics3"
+    sliding_window: int = 8
+    sliding_window_pattern: int = 2
 
     @property
     def image_seq_len(self) -> int:
         return (self.image_size // self.patch_size) ** 2 // self.scale_factor**2
+
+    @property
+    def placeholder(self) -> str:
+        return "<start_of_image>" if self.family == "gemma3" else "<image>"
 
     def digest(self) -> str:
         fields = {**dataclasses.asdict(self), "tokenizer": self.tokenizer.digest(), "format": VISION_FORMAT}
@@ -81,25 +96,59 @@ def build_vision_model(spec: VisionSpec, tokenizer_json: Path, out: Path, say) -
     """Write `spec`'s directory into the empty directory `out`."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_vlm.models import idefics3
-    from transformers import PreTrainedTokenizerFast
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     started = time.perf_counter()
     say(f"building builtin vision model {spec.name!r}")
+    module, config, parts = (_gemma3 if spec.family == "gemma3" else _idefics3)(spec, tokenizer_json, out)
+    model_config = module.ModelConfig.from_dict(
+        {**config, "text_config": module.TextConfig.from_dict(config["text_config"]), "vision_config": module.VisionConfig.from_dict(config["vision_config"])}
+    )
+    mx.random.seed(spec.seed)
+    model = module.Model(model_config)
+    projector = getattr(model, "multi_modal_projector", None)
+    if projector is not None and hasattr(projector, "mm_input_projection_weight"):
+        # Gemma 3 initialises its projection to ones (every image alike); a random one lets
+        # tests tell images apart.
+        shape = projector.mm_input_projection_weight.shape
+        projector.mm_input_projection_weight = mx.random.normal(shape) / shape[0] ** 0.5
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    num_parameters = sum(v.size for v in weights.values())
+    say(f"built {spec.name!r} ({num_parameters / 1e6:.2f}M params, {parts}) in {time.perf_counter() - started:.1f}s")
+
+
+def _tokenizer(spec: VisionSpec, tokenizer_json: Path, out: Path, **extra):
+    """The built-ins' trained tokenizer with the image tokens added and the chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     shutil.copyfile(tokenizer_json, out / "base-tokenizer.json")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(out / "base-tokenizer.json"), eos_token=IM_END, pad_token=ENDOFTEXT)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(out / "base-tokenizer.json"), eos_token=IM_END, pad_token=ENDOFTEXT, **extra)
     (out / "base-tokenizer.json").unlink()
-    tokenizer.add_tokens(list(IDEFICS3_TOKENS), special_tokens=True)
-    tokenizer.chat_template = VISION_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _save_tokenizer(spec: VisionSpec, tokenizer, out: Path) -> None:
+    tokenizer.chat_template = vision_chat_template(spec.placeholder)
     tokenizer.model_max_length = spec.max_position_embeddings
     tokenizer.save_pretrained(out)
-    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": spec.longest_edge}, max_image_size={"longest_edge": spec.image_size})
-    image_processor.save_pretrained(out)
-    (out / "processor_config.json").write_text(json.dumps({"image_seq_len": spec.image_seq_len}, indent=2) + "\n")
-    vocab = len(tokenizer)
-    text = {
-        "model_type": "llama",
+
+
+def _top_config(spec: VisionSpec, tokenizer, architecture: str, end_tokens: list[str]) -> dict:
+    return {
+        "architectures": [architecture],
+        "model_type": spec.family,
+        "vocab_size": len(tokenizer),
+        "eos_token_id": [tokenizer.convert_tokens_to_ids(t) for t in end_tokens],
+        "pad_token_id": tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+        "max_position_embeddings": spec.max_position_embeddings,
+        "torch_dtype": "float32",
+    }
+
+
+def _text_config(spec: VisionSpec, model_type: str, vocab: int, **extra) -> dict:
+    return {
+        "model_type": model_type,
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
         "num_attention_heads": spec.num_attention_heads,
@@ -108,9 +157,13 @@ def build_vision_model(spec: VisionSpec, tokenizer_json: Path, out: Path, say) -
         "rms_norm_eps": 1e-5,
         "vocab_size": vocab,
         "max_position_embeddings": spec.max_position_embeddings,
+        **extra,
     }
-    vision = {
-        "model_type": "idefics3_vision",
+
+
+def _vision_config(spec: VisionSpec, model_type: str) -> dict:
+    return {
+        "model_type": model_type,
         "hidden_size": spec.vision_hidden_size,
         "num_attention_heads": spec.vision_heads,
         "patch_size": spec.patch_size,
@@ -118,26 +171,57 @@ def build_vision_model(spec: VisionSpec, tokenizer_json: Path, out: Path, say) -
         "intermediate_size": 2 * spec.vision_hidden_size,
         "image_size": spec.image_size,
     }
+
+
+def _idefics3(spec: VisionSpec, tokenizer_json: Path, out: Path):
+    from mlx_vlm.models import idefics3
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    tokenizer = _tokenizer(spec, tokenizer_json, out)
+    tokenizer.add_tokens(list(IDEFICS3_TOKENS), special_tokens=True)
+    _save_tokenizer(spec, tokenizer, out)
+    Idefics3ImageProcessorPil(size={"longest_edge": spec.longest_edge}, max_image_size={"longest_edge": spec.image_size}).save_pretrained(out)
+    (out / "processor_config.json").write_text(json.dumps({"image_seq_len": spec.image_seq_len}, indent=2) + "\n")
     config = {
-        "architectures": ["Idefics3ForConditionalGeneration"],
-        "model_type": spec.family,
+        **_top_config(spec, tokenizer, "Idefics3ForConditionalGeneration", [IM_END, "<end_of_utterance>"]),
         "scale_factor": spec.scale_factor,
         "image_token_id": tokenizer.convert_tokens_to_ids("<image>"),
-        "vocab_size": vocab,
-        "eos_token_id": [tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids("<end_of_utterance>")],
-        "pad_token_id": tokenizer.convert_tokens_to_ids(ENDOFTEXT),
-        "max_position_embeddings": spec.max_position_embeddings,
-        "torch_dtype": "float32",
-        "text_config": text,
-        "vision_config": vision,
+        "text_config": _text_config(spec, "llama", len(tokenizer)),
+        "vision_config": _vision_config(spec, "idefics3_vision"),
     }
-    model_config = idefics3.ModelConfig.from_dict(
-        {**config, "text_config": idefics3.TextConfig.from_dict(text), "vision_config": idefics3.VisionConfig.from_dict(vision)}
+    return idefics3, config, f"{spec.image_seq_len} tokens per tile"
+
+
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+def _gemma3(spec: VisionSpec, tokenizer_json: Path, out: Path):
+    from mlx_vlm.models import gemma3
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = _tokenizer(spec, tokenizer_json, out, extra_special_tokens=GEMMA3_TOKENS)
+    _save_tokenizer(spec, tokenizer, out)
+    Gemma3ImageProcessorPil(size={"height": spec.image_size, "width": spec.image_size}).save_pretrained(out)
+    processor = {"image_seq_length": spec.image_seq_len, "processor_class": "Gemma3Processor"}
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    text = _text_config(
+        spec,
+        "gemma3_text",
+        len(tokenizer),
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=spec.sliding_window,
+        sliding_window_pattern=spec.sliding_window_pattern,
+        mm_tokens_per_image=spec.image_seq_len,
     )
-    mx.random.seed(spec.seed)
-    model = idefics3.Model(model_config)
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    num_parameters = sum(v.size for v in weights.values())
-    say(f"built {spec.name!r} ({num_parameters / 1e6:.2f}M params) in {time.perf_counter() - started:.1f}s")
+    config = {
+        **_top_config(spec, tokenizer, "Gemma3ForConditionalGeneration", [IM_END]),
+        # Image features are scaled by 1 / sqrt(this), mlx-vlm's top-level hidden_size.
+        "hidden_size": spec.hidden_size,
+        "image_token_index": tokenizer.convert_tokens_to_ids(GEMMA3_TOKENS["image_token"]),
+        "mm_tokens_per_image": spec.image_seq_len,
+        "text_config": text,
+        "vision_config": _vision_config(spec, "gemma3_vision"),
+    }
+    return gemma3, config, f"{spec.image_seq_len} tokens per image"

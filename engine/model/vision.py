@@ -7,9 +7,10 @@ positions), sliced per prefill chunk (`engine.prefill`).
 
 Families are served only where that holds exactly (greedy tokens equal to mlx-vlm's own
 `generate`): a causal language model whose positions come from the cache offset and that
-keeps no state between calls. Idefics3 (and SmolVLM, its subclass) are; Qwen-VL (mRoPE
-positions kept on the module) and Gemma 3 (sliding windows, embeddings scaled in place) are
-refused with a typed error until they are.
+keeps no state between calls. Idefics3 (and SmolVLM, its subclass) and Gemma 3 (sliding
+windows between global layers; image features scaled and pad tokens zeroed by its own
+`get_input_embeddings`, causal as in mlx-vlm) are; Qwen-VL (mRoPE positions kept on the
+module) is refused with a typed error until it is.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import mlx.nn as nn
 
 from protocols.errors import ModelLoadError
 
-VISION_FAMILIES = ("idefics3", "smolvlm")
+VISION_FAMILIES = ("idefics3", "smolvlm", "gemma3")
 
 
 def is_vision_config(config: dict[str, Any]) -> bool:
@@ -46,11 +47,30 @@ class VisionLanguageModel(nn.Module):
     def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None) -> mx.array:
         return self.vlm.language_model(inputs, inputs_embeds=input_embeddings, cache=cache).logits
 
+    def make_cache(self) -> list[Any]:
+        """mlx-lm's caches in the language model's own pattern (Gemma 3: sliding windows
+        between global layers), so the engine reads the layout as it reads any model's."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        make = getattr(self.vlm.language_model, "make_cache", None)
+        if make is None:
+            return [KVCache() for _ in self.layers]
+        caches: list[Any] = []
+        for cache in make():
+            if type(cache).__name__ == "KVCache":
+                caches.append(KVCache())
+            elif type(cache).__name__ == "RotatingKVCache":
+                caches.append(RotatingKVCache(max_size=cache.max_size, keep=cache.keep))
+            else:
+                raise ModelLoadError(f"{self.model_type}: its {type(cache).__name__} layers are not served")
+        return caches
+
     def embed_prompt(self, prompt_ids: list[int], arrays: dict[str, Any]) -> mx.array:
-        """The prompt's input embeddings (1, len(prompt_ids), hidden), images merged in."""
-        pixel_values = mx.array(arrays["pixel_values"])
-        extra = {name: mx.array(value) for name, value in arrays.items() if name != "pixel_values"}
-        return self.vlm.get_input_embeddings(mx.array(prompt_ids)[None], pixel_values, **extra).inputs_embeds
+        """The prompt's input embeddings (1, len(prompt_ids), hidden), images merged in with
+        the model's own rules; the processor's arrays passed as mlx-vlm's `generate` does
+        (its attention mask as `mask`)."""
+        extra = {("mask" if name == "attention_mask" else name): mx.array(value) for name, value in arrays.items() if name != "pixel_values"}
+        return self.vlm.get_input_embeddings(mx.array(prompt_ids)[None], mx.array(arrays["pixel_values"]), **extra).inputs_embeds
 
 
 def load_vision(directory: Path, config: dict[str, Any], lazy: bool) -> tuple[VisionLanguageModel, Any]:

@@ -109,6 +109,8 @@ def _user(blocks: list[at.ContentBlock], where: str) -> list[oa.ChatMessage]:
         match block:
             case at.TextBlock(text=text):
                 texts.append(oa.ContentPart(type="text", text=text))
+            case at.ImageBlock(source=source):
+                texts.append(oa.ContentPart(type="image_url", image_url=oa.ImageUrl(url=_image_url(source, place))))
             case at.ToolResultBlock():
                 if texts:
                     out.append(oa.ChatMessage(role="user", content=texts))
@@ -119,6 +121,16 @@ def _user(blocks: list[at.ContentBlock], where: str) -> list[oa.ChatMessage]:
     if texts or not out:
         out.append(oa.ChatMessage(role="user", content=texts))
     return out
+
+
+def _image_url(source: at.ImageSource, where: str) -> str:
+    """An image block's source as the chat route takes it (a data: URL; a URL as given, for
+    admission to refuse)."""
+    if source.type == "base64" and source.data is not None and source.media_type is not None:
+        return f"data:{source.media_type};base64,{source.data}"
+    if source.type == "url" and source.url is not None:
+        return source.url
+    raise HttpError("invalid_request", "an image source is base64 (media_type, data) or url", f"{where}.source")
 
 
 def _tool_result(content: str | list[at.TextBlock | at.ImageBlock | at.DocumentBlock] | None, where: str) -> str | list[oa.ContentPart] | None:
@@ -154,8 +166,10 @@ def _assistant(blocks: list[at.ContentBlock], where: str) -> oa.ChatMessage:
 
 def _refused(block: Any, where: str, holder: str) -> HttpError:
     kind = str(type(block).__struct_config__.tag)
-    if isinstance(block, at.ImageBlock | at.DocumentBlock):
-        return HttpError("invalid_request", f"{kind} content blocks are not supported (this server serves text models)", where)
+    if isinstance(block, at.DocumentBlock):
+        return HttpError("invalid_request", f"{kind} content blocks are not supported (this server serves text and images)", where)
+    if isinstance(block, at.ImageBlock):
+        return HttpError("invalid_request", f"images are taken in user turns only, not in a {holder} block", where)
     return HttpError("invalid_request", f"a {holder} message cannot hold a {kind} block", f"{where}.type")
 
 

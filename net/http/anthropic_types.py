@@ -22,8 +22,18 @@ class TextBlock(msgspec.Struct, tag="text", tag_field="type", kw_only=True):
     text: str
 
 
+class ImageSource(msgspec.Struct, kw_only=True):
+    # "base64" (with media_type and data) or "url" (refused by admission: nothing is fetched).
+    type: str
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
 class ImageBlock(msgspec.Struct, tag="image", tag_field="type", kw_only=True):
-    """Refused: this server serves text models."""
+    """An image in a user turn (vision-language models)."""
+
+    source: ImageSource
 
 
 class DocumentBlock(msgspec.Struct, tag="document", tag_field="type", kw_only=True):

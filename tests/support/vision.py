@@ -12,6 +12,9 @@ from PIL import Image
 from tests.support.config import builtin_dir
 
 VISION_MODEL = "builtin:tiny-idefics3"
+# One built-in per family served (Idefics3: tiles and a global view, plain llama; Gemma 3: one
+# pooled view, sliding windows between global layers).
+VISION_MODELS = ("builtin:tiny-idefics3", "builtin:tiny-gemma3-vision")
 QUESTION = "Describe this picture."
 
 
@@ -37,9 +40,19 @@ class VisionReference:
     def __init__(self, model: str = VISION_MODEL) -> None:
         from mlx_vlm import load
 
+        self.name = model
         self.model, self.processor = load(str(builtin_dir(model.removeprefix("builtin:"))))
         self.processor.tokenizer.stopping_criteria = lambda _token: False  # EOS ignored, as the requests do
         self._dispatch = importlib.import_module("mlx_vlm.generate.dispatch")
+
+    @property
+    def image_token_id(self) -> int:
+        config = self.model.config
+        return getattr(config, "image_token_id", None) or config.image_token_index
+
+    def prompt_ids(self, messages: list[dict], images: list[bytes]) -> list[int]:
+        pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+        return [int(t) for t in self.processor(text=[self.prompt(messages)], images=[pictures], return_tensors="np")["input_ids"][0]]
 
     def prompt(self, messages: list[dict]) -> str:
         """`messages` rendered as the runtime renders them (image parts as placeholders)."""
