@@ -25,7 +25,6 @@ VISION_FORMAT = 2
 VISION_FILES = ("config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json", "processor_config.json")
 
 
-
 def vision_chat_template(placeholder: str) -> str:
     """The built-ins' ChatML template with image parts rendered as the processor's
     placeholder, which the processor expands to the image's tokens."""

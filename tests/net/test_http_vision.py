@@ -50,7 +50,10 @@ async def test_an_anthropic_image_block_gets_the_native_apis_text():
         native = await collect(served.runtime.generate(GenerateRequest(messages=image_message(png(8)), max_tokens=12, sampling=SamplingParams(temperature=0))))
         image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png(8)).decode()}}
         message = await client.messages.create(
-            model=served.model, max_tokens=12, messages=[{"role": "user", "content": [image, {"type": "text", "text": QUESTION}]}], extra_body={"temperature": 0}
+            model=served.model,
+            max_tokens=12,
+            messages=[{"role": "user", "content": [image, {"type": "text", "text": QUESTION}]}],
+            extra_body={"temperature": 0},
         )
         assert message.content[0].text == native.text
         # (Anthropic counts cache reads apart: the native run left this image's prefix cached.)
