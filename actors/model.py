@@ -38,7 +38,9 @@ from engine.build import BuiltEngine, EngineSpec, MakeGrammars, build_engine
 from engine.embed import Embedder
 from engine.engine import Engine, Grammars
 from engine.lora import AdapterBank, AdapterFiles, read_adapter_files, read_staged
+from engine.model.vision import VisionLanguageModel
 from engine.model.world import Leader, World
+from policies.images import warm_up_image_prompt
 from protocols.api import AdapterInfo
 from protocols.config import AdapterConfig, DistributedConfig, KvConfig, LoraConfig, ModelConfig, SpeculativeConfig
 from protocols.errors import AdapterLoadError, InternalError, InvalidRequestError, MlxrtError, RuntimeClosedError, ServerBusyError
@@ -151,6 +153,7 @@ class ModelActor:
                 if self._progress is not None:
                     self._progress("warming up (MLX compiles the kernels of each kind of step once)")
                 warm_s = await self._thread.run(built.engine.warm_up, loaded.info.vocab_size)
+                warm_s += await self._warm_up_vision(loaded)
                 log.info("model_warmed_up", warm_up_s=round(warm_s, 3))
             adapters = await self._thread.run(bank.infos)
             # (A world's body is sharded: a forward on this rank alone would wait for the others.)
@@ -166,6 +169,16 @@ class ModelActor:
                             await self._thread.run(self.world.leader.stop)
                         except Exception as exc:  # a rank already gone: nothing to stop
                             log.warning("world_stop_failed", error=f"{type(exc).__name__}: {exc}")
+
+    async def _warm_up_vision(self, loaded) -> float:
+        """A vision-language model's tower run once on a small image (its kernels compile
+        here, not at the first image request); seconds taken."""
+        if not isinstance(loaded.model, VisionLanguageModel):
+            return 0.0
+        started = time.perf_counter()
+        rendered = await anyio.to_thread.run_sync(warm_up_image_prompt, loaded.tokenizer, loaded.info.vocab_size)
+        await self._thread.run(loaded.model.warm_up, rendered.prompt_ids, rendered.arrays)
+        return time.perf_counter() - started
 
     async def _serve(self, engine: Engine | Leader, bank: AdapterBank, embedder: Embedder | None) -> None:
         # One load's files in memory at a time (each up to `bank.max_file_bytes`).

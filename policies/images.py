@@ -110,7 +110,9 @@ def render_images(text: str, images: list[bytes], processor: Any, image_token_id
     return RenderedImages(prompt_ids=ids, arrays=arrays, digests=digests, key_ids=key_ids(ids, image_token_id, digests, vocab_size))
 
 
-def render_image_prompt(request: Any, tokenizer: Any, vocab_size: int, max_bytes: int, limits: LimitsConfig) -> RenderedImages:
+def render_image_prompt(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tokenizer: Any, vocab_size: int, max_bytes: int, limits: LimitsConfig
+) -> RenderedImages:
     """An image chat request's prompt (blocking; run in a worker thread): the messages rendered
     with the chat template (image parts as the model's placeholder), then the processor."""
     from policies.validation import check_text_size, first_line
@@ -118,11 +120,9 @@ def render_image_prompt(request: Any, tokenizer: Any, vocab_size: int, max_bytes
     processor = getattr(tokenizer, "processor", None)
     if processor is None:
         raise InvalidRequestError("this model takes no images (it is not a vision-language model)", field="messages")
-    if request.truncate_prompt_tokens:
-        raise InvalidRequestError("truncate_prompt_tokens cannot cut an image prompt", field="truncate_prompt_tokens")
-    messages, images = image_parts(request.messages, limits)
+    messages, images = image_parts(messages, limits)
     try:
-        text = tokenizer.apply_chat_template(messages, tools=request.tools, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # jinja and template errors come in many types
         raise InvalidRequestError(f"messages could not be rendered with the chat template: {first_line(exc)}", field="messages") from None
     if not isinstance(text, str):
@@ -132,6 +132,16 @@ def render_image_prompt(request: Any, tokenizer: Any, vocab_size: int, max_bytes
     if not isinstance(image_token_id, int):
         image_token_id = tokenizer.convert_tokens_to_ids(getattr(processor, "image_token", "<image>"))
     return render_images(text, images, processor, image_token_id, vocab_size, limits)
+
+
+def warm_up_image_prompt(tokenizer: Any, vocab_size: int) -> RenderedImages:
+    """A small image and question rendered as a request's would be (the load's warm-up)."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (64, 48), (128, 96, 64)).save(out, format="PNG")
+    messages = [{"role": "user", "content": [{"type": "image", "image": out.getvalue()}, {"type": "text", "text": "What is this?"}]}]
+    return render_image_prompt(messages, None, tokenizer, vocab_size, 1 << 20, LimitsConfig())
 
 
 def key_ids(ids: list[int], image_token_id: int, digests: list[str], vocab_size: int) -> list[int]:

@@ -137,8 +137,17 @@ class Admission:
         if not image_prompts.has_images(request.messages):
             render = functools.partial(requests.render_prompt, request, self._tokenizer, self._max_prompt_bytes)
             return await anyio.to_thread.run_sync(render), None
+        if request.truncate_prompt_tokens:
+            raise InvalidRequestError("truncate_prompt_tokens cannot cut an image prompt", field="truncate_prompt_tokens")
+        assert request.messages is not None
         render_images = functools.partial(
-            image_prompts.render_image_prompt, request, self._tokenizer, self._info.vocab_size, self._max_prompt_bytes, self._config.limits
+            image_prompts.render_image_prompt,
+            request.messages,
+            request.tools,
+            self._tokenizer,
+            self._info.vocab_size,
+            self._max_prompt_bytes,
+            self._config.limits,
         )
         rendered = await anyio.to_thread.run_sync(render_images)
         return rendered.prompt_ids, VisionPrompt(arrays=rendered.arrays, digests=rendered.digests, key_ids=rendered.key_ids)

@@ -163,6 +163,12 @@ def _add_bench(sub) -> None:
         action="store_true",
         help="the prefix cache's disk tier: a 4,096-token prompt's TTFT cold, from RAM and from disk after a restart per KV format; write-through cost at 8 streams",
     )
+    bench.add_argument(
+        "--vision",
+        action="store_true",
+        help="image requests (default model builtin:bench-idefics3): TTFT beside 8 decoding text rows, a repeated image from the prefix cache, 8 at once against mlx-vlm's batch_generate",
+    )
+    bench.add_argument("--vision-workloads", default="beside,repeat,batch", help="with --vision: comma-separated subset")
     bench.add_argument("--disk-workloads", default="restart,writes", help="with --disk: comma-separated subset")
     bench.add_argument("--disk-formats", default="float,int8,int4", help="with --disk: KV formats measured (comma-separated)")
     bench.add_argument(
@@ -425,6 +431,8 @@ def _bench(args) -> int:
         return _bench_kv(args, config)
     if args.disk:
         return _bench_disk(args, config)
+    if args.vision:
+        return _bench_vision(args, config)
     if args.distributed:
         return _bench_world(args)
     config = _with_model(config, args.model)
@@ -561,6 +569,21 @@ def _bench_disk(args, config: RuntimeConfig) -> int:
     options = DiskBenchOptions(formats=formats, repeats=min(args.repeats, 3), write_repeats=args.repeats, workloads=workloads)
     results = anyio.run(run_disk_bench, _with_model(config, args.model), options)
     print(format_disk_table(results))
+    dump(results, args.json_path)
+    return EXIT_OK
+
+
+def _bench_vision(args, config: RuntimeConfig) -> int:
+    from tools.bench import dump
+    from tools.bench_vision import DEFAULT_MODEL, WORKLOADS, VisionBenchOptions, format_vision_table, run_vision_bench
+
+    workloads = tuple(w for w in args.vision_workloads.split(",") if w)
+    if set(workloads) - set(WORKLOADS):
+        print(f"mlxrt bench --vision: workloads are {', '.join(WORKLOADS)}", file=sys.stderr)
+        return EXIT_USAGE
+    options = VisionBenchOptions(workloads=workloads, repeats=min(args.repeats, 3), new_tokens=args.new_tokens)
+    results = anyio.run(run_vision_bench, _with_model(config, args.model or DEFAULT_MODEL), options)
+    print(format_vision_table(results))
     dump(results, args.json_path)
     return EXIT_OK
 

@@ -314,6 +314,25 @@ VISION_MODELS: dict[str, VisionSpec] = {
     for spec in (
         VisionSpec(name="tiny-idefics3", seed=30, tokenizer=TINY_TOKENIZER),
         VisionSpec(name="tiny-gemma3-vision", seed=31, tokenizer=TINY_TOKENIZER, family="gemma3", scale_factor=2),
+        # SmolVLM-256M's shape (12-layer SigLIP at 512 pixels, 64 tokens per tile, 30-layer llama):
+        # `mlxrt bench --vision`.
+        VisionSpec(
+            name="bench-idefics3",
+            seed=32,
+            tokenizer=BENCH_TOKENIZER,
+            hidden_size=576,
+            num_hidden_layers=30,
+            intermediate_size=1536,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vision_hidden_size=768,
+            vision_layers=12,
+            vision_heads=12,
+            patch_size=16,
+            image_size=512,
+            scale_factor=4,
+            longest_edge=1024,
+        ),
     )
 }
 

@@ -72,6 +72,12 @@ class VisionLanguageModel(nn.Module):
         extra = {("mask" if name == "attention_mask" else name): mx.array(value) for name, value in arrays.items() if name != "pixel_values"}
         return self.vlm.get_input_embeddings(mx.array(prompt_ids)[None], mx.array(arrays["pixel_values"]), **extra).inputs_embeds
 
+    def warm_up(self, prompt_ids: list[int], arrays: dict[str, Any]) -> None:
+        """The vision tower and merge once (MLX compiles their kernels), and a forward of the
+        result."""
+        embeds = self.embed_prompt(prompt_ids, arrays)
+        mx.eval(self(mx.array(prompt_ids)[None], input_embeddings=embeds))
+
 
 def load_vision(directory: Path, config: dict[str, Any], lazy: bool) -> tuple[VisionLanguageModel, Any]:
     """The model and its processor (plain Python: safe off the MLX thread)."""

@@ -175,3 +175,19 @@ async def test_an_image_over_the_socket_as_bytes_gets_the_in_process_tokens(tmp_
         finally:
             server.stop()
     assert remote.tokens == local.tokens and remote.last.usage.cached_tokens == local.last.usage.prompt_tokens - 1
+
+
+async def test_a_follow_up_turn_reuses_the_images_kv_without_encoding_it_again(reference, monkeypatch):
+    encoded = []
+    original = VisionLanguageModel.embed_prompt
+    monkeypatch.setattr(VisionLanguageModel, "embed_prompt", lambda self, ids, arrays: encoded.append(len(ids)) or original(self, ids, arrays))
+    image = png(11)
+    async with Runtime.open(make_config(reference.name)) as rt:
+        assert len(encoded) == 1  # the load's warm-up: the tower's kernels compile before ready
+        encoded.clear()
+        first = await collect(rt.generate(_request(image_message(image))))
+        turn = [*image_message(image), {"role": "assistant", "content": first.text}, {"role": "user", "content": "And the colours?"}]
+        second = await collect(rt.generate(_request(turn)))
+    assert len(encoded) == 1  # the second turn's prompt starts from the first turn's KV, image included
+    assert second.last.usage.cached_tokens >= first.last.usage.prompt_tokens - 1
+    assert second.tokens == reference.greedy(turn, [image], MAX_TOKENS)
