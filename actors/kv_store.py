@@ -174,7 +174,7 @@ class KvStoreActor:
         rid = message.data.request_id
         m = message
         try:
-            await anyio.to_thread.run_sync(files.write, m.request, m.prompt_ids, m.seed, m.max_tokens, m.stop_token_ids, m.data)
+            await anyio.to_thread.run_sync(files.write, m.request, m.prompt_ids, m.seed, m.max_tokens, m.stop_token_ids, m.data, m.vision)
         except Exception as exc:  # a full or read-only disk: that request's checkpoint, nobody else's
             self._num_failed += 1
             error = f"{type(exc).__name__}: {exc.strerror}" if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"

@@ -220,6 +220,7 @@ class SchedulerActor:
                 max_tokens=admit.max_tokens,
                 stop_token_ids=admit.stop_token_ids,
                 data=data,
+                vision=admit.vision,
                 report=self.inbox,
             )
         )

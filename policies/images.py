@@ -152,6 +152,13 @@ def key_ids(ids: list[int], image_token_id: int, digests: list[str], vocab_size:
     return [key if t == image_token_id else t for t in ids]
 
 
+def without_image_bytes(messages: list[dict[str, Any]], digests: list[str]) -> list[dict[str, Any]]:
+    """`messages` with each image part replaced by `{"type": "image", "digest": ...}` (in
+    order): what a checkpoint keeps of them."""
+    names = iter(digests)
+    return [{**m, "content": [{"type": "image", "digest": next(names, "")} if _is_image(p) else p for p in _parts(m)]} if _parts(m) else m for m in messages]
+
+
 def _parts(message: Any) -> list[Any]:
     content = message.get("content") if isinstance(message, dict) else None
     return content if isinstance(content, list) else []

@@ -10,7 +10,7 @@ import msgspec
 
 from protocols.api import GenerateRequest
 from protocols.base import Message, Record, Reply
-from protocols.model import CheckpointData, DeviceMemory, DiskPrefix, KvPool, SavedPrefix
+from protocols.model import CheckpointData, DeviceMemory, DiskPrefix, KvPool, SavedPrefix, VisionPrompt
 from protocols.scheduler import CheckpointWritten, PrefixLoaded
 
 
@@ -145,6 +145,8 @@ class SaveCheckpoint(Message, frozen=True):
     max_tokens: int
     stop_token_ids: list[int]
     data: CheckpointData
+    # An image prompt's digests and cache keys (recorded in the header; the images are not).
+    vision: VisionPrompt | None = None
     # Told whether the write succeeded (a write superseded by a newer one is not reported).
     report: Reply[CheckpointWritten] | None = None
 

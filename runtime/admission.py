@@ -168,8 +168,6 @@ class Admission:
         grammar = grammar_spec(request, self._tool_markers)
         fill_mode = fill.resolve_mode(request, config.generation.fill)
         prompt_ids, vision = await self._render_prompt(request)
-        if vision is not None and checkpoint_every:
-            raise InvalidRequestError("image prompts are not checkpointed (their checkpoints would not record the images)", field="checkpoint_every")
         max_tokens = requests.effective_max_tokens(request, len(prompt_ids), info, config.generation.default_max_tokens)
         stop_ids = sorted(set(() if request.ignore_eos else self._eos_ids) | set(request.stop_token_ids))
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
@@ -278,6 +276,8 @@ class Admission:
             resume=ResumeState(generated=header.generated, num_kv_tokens=header.num_kv_tokens, kv_tensors=tensors),
             adapter=request.adapter,
             adapter_digest=self._resume_adapter(header, request_id),
+            # An image prompt resumes from its KV (the images are in it): no pixels, its cache keys.
+            vision=VisionPrompt(arrays={}, digests=header.image_digests, key_ids=header.key_ids) if header.key_ids is not None else None,
         )
         prepared = Prepared(admit=admit, request=request, checkpoint_every=self.checkpoint_every(request))
         return await self._with_features(prepared, grammar, fill_mode)
@@ -343,6 +343,10 @@ class Admission:
             raise InvalidRequestError(f"prompt + max_tokens exceeds the context of {info.max_context}", field="max_tokens")
         if not 0 <= header.seed <= requests.MAX_SEED:
             raise InvalidRequestError("seed out of range", field="seed")
+        if header.key_ids is not None:  # an image prompt's keys: its ids but at the images
+            keys_ok = len(header.key_ids) == len(header.prompt_ids) and header.image_digests
+            if not keys_ok or any(k != t and k < info.vocab_size for k, t in zip(header.key_ids, header.prompt_ids)):
+                raise InvalidRequestError("an image prompt's cache keys do not match its prompt", field="key_ids")
 
 
 def checkpoint_directory_problem(directory: Path) -> str | None:

@@ -27,6 +27,7 @@ from pathlib import Path
 import msgspec
 import safetensors.numpy
 
+from policies.images import without_image_bytes
 from policies.layout import tensor_shapes
 from policies.validation import check_request_id
 from protocols import frames
@@ -69,6 +70,11 @@ class CheckpointHeader(Record, frozen=True):
     adapter_digest: str = ""
     # How the KV tensors are stored (`policies.layout.kv_format`: "float", "int8/g64/start0"...).
     kv_format: str = "float"
+    # An image prompt: its images' sha256 digests and the ids the prefix cache keys the prompt
+    # by (`policies.images.key_ids`). The images themselves are not kept: the KV holds them, and
+    # `request`'s image parts carry only their digests.
+    image_digests: list[str] = msgspec.field(default_factory=list)
+    key_ids: list[int] | None = None
 
 
 class CheckpointDirError(CheckpointError):
@@ -219,8 +225,11 @@ class CheckpointStore:
         self.tokenizer_id = tokenizer_id
         self.kv_format = kv_format
 
-    def write(self, request: GenerateRequest, prompt_ids: list[int], seed: int, max_tokens: int, stop_token_ids: list[int], data) -> None:
-        """Write a request's captured state (`protocols.model.CheckpointData`) atomically."""
+    def write(self, request: GenerateRequest, prompt_ids: list[int], seed: int, max_tokens: int, stop_token_ids: list[int], data, vision=None) -> None:
+        """Write a request's captured state (`protocols.model.CheckpointData`) atomically; an
+        image prompt's (`vision`) with its images' digests in place of the images."""
+        if vision is not None and request.messages is not None:
+            request = msgspec.structs.replace(request, messages=without_image_bytes(request.messages, vision.digests))
         header = CheckpointHeader(
             model_id=self.model_id,
             tokenizer_id=self.tokenizer_id,
@@ -234,6 +243,8 @@ class CheckpointStore:
             created_at=time.time(),
             adapter_digest=data.adapter_digest,
             kv_format=self.kv_format,
+            image_digests=list(vision.digests) if vision is not None else [],
+            key_ids=list(vision.key_ids) if vision is not None else None,
         )
         write_atomic(self.directory, data.request_id, encode(header, data.kv_tensors))
 
