@@ -39,6 +39,8 @@ class DecodeBatch:
         self.layout = list(layers)
         self.row_ids: list[str] = []
         self.lengths: list[int] = []
+        # What each row's rotary positions add to its cache positions (`Step.shifts`).
+        self.shifts: list[int] = []
         # Paged layers (`engine.kv.paged`): each row's block table, its request's own list (the
         # request holds the blocks; the batch extends the table as the row grows).
         self.pool = pool
@@ -77,7 +79,7 @@ class DecodeBatch:
         self._num_paged += 1
         return self._num_paged - 1
 
-    def add_row(self, request_id: str, caches: Sequence | None, length: int, table: list[int] | None = None) -> None:
+    def add_row(self, request_id: str, caches: Sequence | None, length: int, table: list[int] | None = None, shift: int = 0) -> None:
         """Copy a request's per-layer mlx-lm caches (their first `length` positions) into a
         new last row; None: nothing yet (a one-token prompt). Paged layers read the request's
         `table` (required with a pool), where its positions already are."""
@@ -91,6 +93,7 @@ class DecodeBatch:
             slots.join_row(row, caches[layer] if caches else None, length)
         self.row_ids.append(request_id)
         self.lengths.append(length)
+        self.shifts.append(shift)
 
     def extract(self, request_id: str) -> list:
         """One row as mlx-lm caches (contiguous copies, evaluated now: a lazy copy would keep
@@ -114,9 +117,11 @@ class DecodeBatch:
                 slots.move_row(last, row)
             self.row_ids[row] = self.row_ids[last]
             self.lengths[row] = self.lengths[last]
+            self.shifts[row] = self.shifts[last]
             order[row] = last
         self.row_ids.pop()
         self.lengths.pop()
+        self.shifts.pop()
         if not self.row_ids:
             for slots in self.slots:
                 slots.clear()
@@ -168,6 +173,7 @@ class DecodeBatch:
         if self.paged:
             self._extend_tables(rows if rows is not None else range(len(starts)), starts, counts)
         uniform = rows is None and min(starts) == max(starts)
+        shifts = self.shifts if rows is None else [self.shifts[r] for r in rows]
         self.step = Step(
             num_rows=len(self.lengths),
             rows=rows,
@@ -177,6 +183,7 @@ class DecodeBatch:
             positions=mx.array(starts, dtype=mx.int32),
             row_index=None if rows is None else mx.array(rows, dtype=mx.int32),
             uniform_start=starts[0] if uniform else None,
+            shifts=mx.array(shifts, dtype=mx.int32) if any(shifts) else None,
         )
 
     def _extend_tables(self, rows, starts: list[int], counts: list[int]) -> None:

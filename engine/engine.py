@@ -114,7 +114,9 @@ class Engine:
         # A lone row decodes uncompiled when quantized (traced: 12.5 vs 13.5 tok/s at 2,048), paged
         # (read in place: no fixed buffers) or sharded (collectives stay out of traced functions).
         self._quantized = is_quantized(layout)
-        self._decode_step = compile_decode_step(model, layout) if compiled and not self._quantized and self._pool is None else None
+        # (A model whose rotary positions the engine passes, Qwen-VL's, decodes uncompiled.)
+        explicit = getattr(model, "explicit_positions", False)
+        self._decode_step = compile_decode_step(model, layout) if compiled and not self._quantized and self._pool is None and not explicit else None
         # Quantized first chunks prefill together over full attention without a float head only.
         together = not self._quantized or (self._trimmable and quantized_start(layout) == 0)
         self._batched_prefill_limit = float("inf") if together else quantized_start(layout)
@@ -322,6 +324,11 @@ class Engine:
             seq.num_prefilled = n
             if admit.save_prefix:  # kept in RAM too: the next request with this prefix need not read it
                 self._prefixes.save(seq, caches.trimmed(seq.cache, n), n)
+        if admit.vision is not None and getattr(self._model, "explicit_positions", False):
+            if admit.vision.arrays:
+                seq.vision_positions, seq.position_shift = self._model.prompt_positions(admit.prompt_ids, admit.vision.arrays)
+            else:  # resumed: its KV holds the prompt; only the shift after it is needed
+                seq.position_shift = admit.vision.position_shift
         if admit.spec is not None:
             self._speculator.start(seq)
         if admit.adapter is not None:
@@ -470,7 +477,7 @@ class Engine:
             if not seq.is_ready:
                 continue
             admit, context = seq.admit, seq.context
-            self._batch.add_row(rid, seq.cache or [], seq.num_prefilled, table=seq.table if self._pool is not None else None)
+            self._batch.add_row(rid, seq.cache or [], seq.num_prefilled, table=seq.table if self._pool is not None else None, shift=seq.position_shift)
             # Everything the cache lacks is fed next: usually the last token, more after a park
             # (the sampler counts those when they are appended, like any appended token).
             seq.extra = context[seq.num_prefilled + 1 :]

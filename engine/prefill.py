@@ -23,9 +23,13 @@ def prefill_one(model, layout: list[LayerLayout], seq: Sequence, num_tokens: int
     if seq.cache is None:
         seq.cache = new_caches(model, layout)
     inputs = mx.array(seq.admit.prompt_ids[start:end])[None]
-    embeds = _vision_embeds(model, seq, start, end)
+    extra = {}
+    if (embeds := _vision_embeds(model, seq, start, end)) is not None:
+        extra["input_embeddings"] = embeds
+    if seq.vision_positions is not None:
+        extra["positions"] = seq.vision_positions[:, :, start:end]
     with routed(model, [seq.adapter_slot]):
-        logits = model(inputs, cache=seq.cache) if embeds is None else model(inputs, cache=seq.cache, input_embeddings=embeds)
+        logits = model(inputs, cache=seq.cache, **extra)
     mx.eval([c.state for c in seq.cache])
     _score_prompt(seq, logits[0], start, end)
     seq.num_prefilled = end

@@ -71,6 +71,10 @@ class Sequence:
     # An image prompt's input embeddings (1, prompt, hidden), made by the vision tower at its
     # first chunk that has image positions and kept until prefill has passed the last one.
     vision_embeds: Any = None
+    # Models with explicit rotary positions (Qwen-VL's mRoPE): the prompt's positions (3, 1,
+    # prompt), and what positions after it add to the cache position (the image's delta).
+    vision_positions: Any = None
+    position_shift: int = 0
     lookup: LookupSource | None = None
     draft: list[int] | None = None
     # The prompt tokens its prefill scored (`AdmitRequest.prompt_logprobs`), token 1 on.
@@ -163,5 +167,7 @@ def capture_checkpoints(seqs: Iterable[Sequence], batch: DecodeBatch, layout: li
             log.exception("checkpoint_failed", request_id=seq.request_id)
             continue
         admit = seq.admit
-        taken.append(CheckpointData(seq.request_id, list(seq.generated), num_kv, tensors, adapter_digest=admit.adapter_digest))
+        taken.append(
+            CheckpointData(seq.request_id, list(seq.generated), num_kv, tensors, adapter_digest=admit.adapter_digest, position_shift=seq.position_shift)
+        )
     return taken

@@ -30,6 +30,9 @@ class Step:
     positions: mx.array
     row_index: mx.array | None
     uniform_start: int | None  # every row at one position: plain slice writes
+    # Per forwarded row, what its rotary positions add to its cache positions (Qwen-VL's mRoPE
+    # delta after an image); None when no row's is other than 0.
+    shifts: mx.array | None = None
     # Arrays derived once per step and shared by the layers that need them (masks, indices).
     derived: dict[Any, Any] = field(default_factory=dict)
 

@@ -108,6 +108,9 @@ class VisionPrompt(Record, frozen=True):
     arrays: dict[str, Any]
     digests: list[str]
     key_ids: list[int]
+    # A resumed image prompt (no arrays): what its rotary positions add after the prompt
+    # (Qwen-VL's mRoPE delta; 0 for other models).
+    position_shift: int = 0
 
 
 class AdmitRequest(Record, frozen=True):
@@ -187,6 +190,8 @@ class CheckpointData(Record, frozen=True):
     kv_tensors: bytes
     # The digest of the LoRA adapter the KV was computed under ("" for none).
     adapter_digest: str = ""
+    # An image prompt's rotary shift after the prompt (`VisionPrompt.position_shift`).
+    position_shift: int = 0
 
 
 class PrefillWork(Record, frozen=True):

@@ -277,7 +277,9 @@ class Admission:
             adapter=request.adapter,
             adapter_digest=self._resume_adapter(header, request_id),
             # An image prompt resumes from its KV (the images are in it): no pixels, its cache keys.
-            vision=VisionPrompt(arrays={}, digests=header.image_digests, key_ids=header.key_ids) if header.key_ids is not None else None,
+            vision=VisionPrompt(arrays={}, digests=header.image_digests, key_ids=header.key_ids, position_shift=header.position_shift)
+            if header.key_ids is not None
+            else None,
         )
         prepared = Prepared(admit=admit, request=request, checkpoint_every=self.checkpoint_every(request))
         return await self._with_features(prepared, grammar, fill_mode)

@@ -75,6 +75,8 @@ class CheckpointHeader(Record, frozen=True):
     # `request`'s image parts carry only their digests.
     image_digests: list[str] = msgspec.field(default_factory=list)
     key_ids: list[int] | None = None
+    # What rotary positions add after the prompt (Qwen-VL's mRoPE delta), for the resume.
+    position_shift: int = 0
 
 
 class CheckpointDirError(CheckpointError):
@@ -245,6 +247,7 @@ class CheckpointStore:
             kv_format=self.kv_format,
             image_digests=list(vision.digests) if vision is not None else [],
             key_ids=list(vision.key_ids) if vision is not None else None,
+            position_shift=data.position_shift,
         )
         write_atomic(self.directory, data.request_id, encode(header, data.kv_tensors))
 

@@ -81,7 +81,7 @@ class VisionSpec:
 
     @property
     def placeholder(self) -> str:
-        return "<start_of_image>" if self.family == "gemma3" else "<image>"
+        return {"gemma3": "<start_of_image>", "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}.get(self.family, "<image>")
 
     def digest(self) -> str:
         fields = {**dataclasses.asdict(self), "tokenizer": self.tokenizer.digest(), "format": VISION_FORMAT}
@@ -98,10 +98,12 @@ def build_vision_model(spec: VisionSpec, tokenizer_json: Path, out: Path, say) -
 
     started = time.perf_counter()
     say(f"building builtin vision model {spec.name!r}")
-    module, config, parts = (_gemma3 if spec.family == "gemma3" else _idefics3)(spec, tokenizer_json, out)
-    model_config = module.ModelConfig.from_dict(
-        {**config, "text_config": module.TextConfig.from_dict(config["text_config"]), "vision_config": module.VisionConfig.from_dict(config["vision_config"])}
-    )
+    module, config, parts = {"gemma3": _gemma3, "qwen2_5_vl": _qwen2_5_vl}.get(spec.family, _idefics3)(spec, tokenizer_json, out)
+    from mlx_vlm.utils import update_module_configs
+
+    # As mlx-vlm's `load_model` makes the config (some families' `from_dict` rewrites its input).
+    loading = json.loads(json.dumps(config))
+    model_config = update_module_configs(module.ModelConfig.from_dict(loading), module, loading, ["text", "vision"])
     mx.random.seed(spec.seed)
     model = module.Model(model_config)
     projector = getattr(model, "multi_modal_projector", None)
@@ -224,3 +226,52 @@ def _gemma3(spec: VisionSpec, tokenizer_json: Path, out: Path):
         "vision_config": _vision_config(spec, "gemma3_vision"),
     }
     return gemma3, config, f"{spec.image_seq_len} tokens per image"
+
+
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def _qwen2_5_vl(spec: VisionSpec, tokenizer_json: Path, out: Path):
+    """Qwen2.5-VL: `patch_size` patches merged 2x2 into tokens (an image's token count follows
+    its size, within `image_size`^2 pixels), mRoPE positions (time, height, width) over the
+    image, and a windowed vision tower."""
+    from mlx_vlm.models import qwen2_5_vl
+    from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor
+
+    tokenizer = _tokenizer(spec, tokenizer_json, out)
+    tokenizer.add_tokens(list(QWEN_VL_TOKENS), special_tokens=True)
+    _save_tokenizer(spec, tokenizer, out)
+    unit = spec.patch_size * 2
+    Qwen3VLImageProcessor(
+        patch_size=spec.patch_size, temporal_patch_size=2, merge_size=2, min_pixels=unit * unit, max_pixels=spec.image_size * spec.image_size
+    ).save_pretrained(out)
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}, indent=2) + "\n")
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    section = [head_dim // 8, 3 * head_dim // 16, head_dim // 2 - head_dim // 8 - 3 * head_dim // 16]
+    text = _text_config(spec, "qwen2_5_vl", len(tokenizer), rope_scaling={"type": "mrope", "mrope_section": section}, tie_word_embeddings=False)
+    vision = {
+        "model_type": "qwen2_5_vl",
+        "depth": spec.vision_layers,
+        "hidden_size": spec.vision_hidden_size,
+        "intermediate_size": 2 * spec.vision_hidden_size,
+        "out_hidden_size": spec.hidden_size,
+        "num_heads": spec.vision_heads,
+        "patch_size": spec.patch_size,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 4 * spec.patch_size,
+        "fullatt_block_indexes": [spec.vision_layers - 1],
+    }
+    ids = tokenizer.convert_tokens_to_ids
+    config = {
+        **_top_config(spec, tokenizer, "Qwen2_5_VLForConditionalGeneration", [IM_END]),
+        # (Qwen2.5-VL checkpoints keep the language model's fields at the top level.)
+        **{k: v for k, v in text.items() if k != "model_type"},
+        "image_token_id": ids("<|image_pad|>"),
+        "video_token_id": ids("<|video_pad|>"),
+        "vision_start_token_id": ids("<|vision_start|>"),
+        "vision_end_token_id": ids("<|vision_end|>"),
+        "text_config": text,
+        "vision_config": vision,
+    }
+    return qwen2_5_vl, config, "an image's tokens by its size"

@@ -72,6 +72,13 @@ class _AttentionSlots:
         return step.positions
 
     @property
+    def position_shifts(self) -> mx.array | None:
+        """What each forwarded row's rotary positions add to `offset` (`Step.shifts`)."""
+        step = self._batch.step
+        assert step is not None, "a forward outside begin_step/end_step"
+        return step.shifts
+
+    @property
     def nbytes(self) -> int:
         return 0 if self.keys is None or self.values is None else self.keys.nbytes + self.values.nbytes
 

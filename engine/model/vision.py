@@ -6,11 +6,14 @@ model's own `get_input_embeddings` makes (vision tower, projector, merge at the 
 positions), sliced per prefill chunk (`engine.prefill`).
 
 Families are served only where that holds exactly (greedy tokens equal to mlx-vlm's own
-`generate`): a causal language model whose positions come from the cache offset and that
-keeps no state between calls. Idefics3 (and SmolVLM, its subclass) and Gemma 3 (sliding
-windows between global layers; image features scaled and pad tokens zeroed by its own
-`get_input_embeddings`, causal as in mlx-vlm) are; Qwen-VL (mRoPE positions kept on the
-module) is refused with a typed error until it is.
+`generate`, alone and batched): Idefics3 (and SmolVLM, its subclass), Gemma 3 (sliding windows
+between global layers; image features scaled and pad tokens zeroed by its own
+`get_input_embeddings`, causal as in mlx-vlm) and Qwen2.5-VL (mRoPE). Qwen2.5-VL's language
+model keeps positions and deltas on the module and reads them with `.item()`; here its body is
+called with explicit positions instead: an image prompt's (time, height, width) positions from
+the model's `get_rope_index`, sliced per prefill chunk, and after the prompt each row's cache
+position plus its image's delta (`Step.shifts`, per row of the batch). Other families are
+refused with a typed error.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ import mlx.nn as nn
 
 from protocols.errors import ModelLoadError
 
-VISION_FAMILIES = ("idefics3", "smolvlm", "gemma3")
+VISION_FAMILIES = ("idefics3", "smolvlm", "gemma3", "qwen2_5_vl")
+# Families whose rotary positions the engine passes (mRoPE: time, height and width positions over
+# an image, then text positions shifted by the image's delta).
+EXPLICIT_POSITIONS = ("qwen2_5_vl",)
 
 
 def is_vision_config(config: dict[str, Any]) -> bool:
@@ -39,13 +45,45 @@ class VisionLanguageModel(nn.Module):
         self.vlm = vlm
         self.model_type = model_type
         self.image_token_id = image_token_id
+        self.explicit_positions = model_type in EXPLICIT_POSITIONS
 
     @property
     def layers(self) -> list[nn.Module]:
         return self.vlm.language_model.layers
 
-    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None) -> mx.array:
-        return self.vlm.language_model(inputs, inputs_embeds=input_embeddings, cache=cache).logits
+    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None, positions: mx.array | None = None) -> mx.array:
+        language = self.vlm.language_model
+        if not self.explicit_positions:
+            return language(inputs, inputs_embeds=input_embeddings, cache=cache).logits
+        # The body with explicit positions: the language model's own call keeps positions and
+        # deltas on the module (one request at a time) and reads them back with `.item()`.
+        if positions is None:
+            positions = self._positions(inputs, cache)
+        hidden = language.model(inputs, inputs_embeds=input_embeddings, cache=cache, position_ids=positions)
+        return language.lm_head(hidden) if hasattr(language, "lm_head") else language.model.embed_tokens.as_linear(hidden)
+
+    @staticmethod
+    def _positions(inputs: mx.array, cache: Any) -> mx.array:
+        """Text positions (3, rows, tokens): each row's cache position, plus its shift (an image's
+        delta) where the engine's batch gives one."""
+        rows, length = inputs.shape
+        first = cache[0] if cache else None
+        offset = first.offset if first is not None else 0
+        steps = mx.arange(length, dtype=mx.int32)[None]
+        base = steps + offset if isinstance(offset, int) else steps + offset.astype(mx.int32)[:, None]
+        shifts = getattr(first, "position_shifts", None)
+        if shifts is not None:
+            base = base + shifts[:, None]
+        return mx.broadcast_to(base[None], (3, rows, length))
+
+    def prompt_positions(self, prompt_ids: list[int], arrays: dict[str, Any]) -> tuple[mx.array, int]:
+        """An image prompt's positions (3, 1, prompt) and the shift of positions after it, by the
+        model's own rule (`get_rope_index`)."""
+        grid = mx.array(arrays["image_grid_thw"]) if "image_grid_thw" in arrays else None
+        mask = mx.array(arrays["attention_mask"]) if "attention_mask" in arrays else None
+        positions, deltas = self.vlm.language_model.get_rope_index(mx.array(prompt_ids)[None], grid, None, mask)
+        mx.eval(positions, deltas)
+        return positions, int(deltas.reshape(-1)[0].item())
 
     def make_cache(self) -> list[Any]:
         """mlx-lm's caches in the language model's own pattern (Gemma 3: sliding windows
@@ -76,7 +114,8 @@ class VisionLanguageModel(nn.Module):
         """The vision tower and merge once (MLX compiles their kernels), and a forward of the
         result."""
         embeds = self.embed_prompt(prompt_ids, arrays)
-        mx.eval(self(mx.array(prompt_ids)[None], input_embeddings=embeds))
+        positions = self.prompt_positions(prompt_ids, arrays)[0] if self.explicit_positions else None
+        mx.eval(self(mx.array(prompt_ids)[None], input_embeddings=embeds, positions=positions))
 
 
 def load_vision(directory: Path, config: dict[str, Any], lazy: bool) -> tuple[VisionLanguageModel, Any]:

@@ -55,7 +55,7 @@ async def test_image_prompts_equal_mlx_vlm_and_repeat_from_the_prefix_cache(refe
 
 async def test_image_rows_decode_in_one_batch_with_text_rows(reference, monkeypatch):
     texts = [[{"role": "user", "content": f"Tell me about item {i}."}] for i in range(6)]
-    images = [png(2), png(3)]
+    images = [png(2), png(3, 84, 70)]  # two sizes: two token counts (and two mRoPE shifts)
     long = {"max_tokens": 3 * MAX_TOKENS}  # text rows still decode when the image rows join
     requests = [
         _request(image_message(images[0])),
@@ -66,10 +66,10 @@ async def test_image_rows_decode_in_one_batch_with_text_rows(reference, monkeypa
     rows = []
     original = VisionLanguageModel.__call__
 
-    def counting(self, inputs, cache=None, input_embeddings=None):
-        if input_embeddings is None and inputs.shape[1] == 1:
+    def counting(self, inputs, cache=None, **kw):
+        if kw.get("input_embeddings") is None and inputs.shape[1] == 1:
             rows.append(inputs.shape[0])
-        return original(self, inputs, cache=cache, input_embeddings=input_embeddings)
+        return original(self, inputs, cache=cache, **kw)
 
     monkeypatch.setattr(VisionLanguageModel, "__call__", counting)
     async with Runtime.open(make_config(reference.name, max_batch_size=8)) as rt:

@@ -13,8 +13,9 @@ from tests.support.config import builtin_dir
 
 VISION_MODEL = "builtin:tiny-idefics3"
 # One built-in per family served (Idefics3: tiles and a global view, plain llama; Gemma 3: one
-# pooled view, sliding windows between global layers).
-VISION_MODELS = ("builtin:tiny-idefics3", "builtin:tiny-gemma3-vision")
+# pooled view, sliding windows between global layers; Qwen2.5-VL: tokens by the image's size,
+# mRoPE positions).
+VISION_MODELS = ("builtin:tiny-idefics3", "builtin:tiny-gemma3-vision", "builtin:tiny-qwen2.5-vl")
 QUESTION = "Describe this picture."
 
 
