@@ -6,7 +6,8 @@ A message's content part is an image as
 - `{"type": "image", "image": <bytes | base64 text | data: URL>}` (the native API, the socket), or
 - `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}` (OpenAI's shape).
 Only images the request carries are read: a remote URL is refused (a server that fetches what a
-prompt names is an SSRF hole). Limits, each a typed error naming the field: images per request,
+prompt names is an SSRF hole) unless `server.allow_remote_images` is set (`runtime.remote_images`
+fetches it, bounded in bytes and time). Limits, each a typed error naming the field: images per request,
 bytes per image, decoded pixels (read from the header, so a decompression bomb is refused
 before it is decoded), formats.
 
@@ -22,6 +23,7 @@ import base64
 import binascii
 import hashlib
 import io
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,9 +51,13 @@ def has_images(messages: list[dict[str, Any]] | None) -> bool:
     return bool(messages) and any(_is_image(part) for m in messages or () for part in _parts(m))
 
 
-def image_parts(messages: list[dict[str, Any]], limits: LimitsConfig) -> tuple[list[dict[str, Any]], list[bytes]]:
+Fetch = Callable[[str, int], bytes]
+
+
+def image_parts(messages: list[dict[str, Any]], limits: LimitsConfig, fetch: Fetch | None = None) -> tuple[list[dict[str, Any]], list[bytes]]:
     """The messages as the chat template sees them (each image part `{"type": "image"}`) and
-    the images' bytes in order. Raises `InvalidRequestError` / `RequestTooLargeError`."""
+    the images' bytes in order; an http(s) URL is read with `fetch(url, max_bytes)` where the
+    server allows it, else refused. Raises `InvalidRequestError` / `RequestTooLargeError`."""
     images: list[bytes] = []
     rendered = []
     for message in messages:
@@ -64,7 +70,7 @@ def image_parts(messages: list[dict[str, Any]], limits: LimitsConfig) -> tuple[l
             if _is_image(part):
                 if len(images) >= limits.max_images:
                     raise InvalidRequestError(f"at most {limits.max_images} images per request (limits.max_images)", field="messages")
-                images.append(_image_bytes(part, limits))
+                images.append(_image_bytes(part, limits, fetch))
                 parts.append({"type": "image"})
             else:
                 parts.append(part)
@@ -111,7 +117,13 @@ def render_images(text: str, images: list[bytes], processor: Any, image_token_id
 
 
 def render_image_prompt(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tokenizer: Any, vocab_size: int, max_bytes: int, limits: LimitsConfig
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    tokenizer: Any,
+    vocab_size: int,
+    max_bytes: int,
+    limits: LimitsConfig,
+    fetch: Fetch | None = None,
 ) -> RenderedImages:
     """An image chat request's prompt (blocking; run in a worker thread): the messages rendered
     with the chat template (image parts as the model's placeholder), then the processor."""
@@ -120,7 +132,7 @@ def render_image_prompt(
     processor = getattr(tokenizer, "processor", None)
     if processor is None:
         raise InvalidRequestError("this model takes no images (it is not a vision-language model)", field="messages")
-    messages, images = image_parts(messages, limits)
+    messages, images = image_parts(messages, limits, fetch)
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # jinja and template errors come in many types
@@ -168,7 +180,7 @@ def _is_image(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") in _IMAGE_TYPES
 
 
-def _image_bytes(part: dict[str, Any], limits: LimitsConfig) -> bytes:
+def _image_bytes(part: dict[str, Any], limits: LimitsConfig, fetch: Fetch | None) -> bytes:
     if part.get("type") == "image_url":
         source = part.get("image_url")
         source = source.get("url") if isinstance(source, dict) else source
@@ -176,6 +188,8 @@ def _image_bytes(part: dict[str, Any], limits: LimitsConfig) -> bytes:
         source = part.get("image")
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
+    elif isinstance(source, str) and source.startswith(("http://", "https://")) and fetch is not None:
+        data = fetch(source, limits.max_image_bytes)
     elif isinstance(source, str):
         data = _text_image(source, limits)
     else:
@@ -187,7 +201,9 @@ def _image_bytes(part: dict[str, Any], limits: LimitsConfig) -> bytes:
 
 def _text_image(source: str, limits: LimitsConfig) -> bytes:
     if source.startswith(("http://", "https://")):
-        raise InvalidRequestError("remote image URLs are not fetched; send the image itself as a data: URL (base64)", field="messages")
+        raise InvalidRequestError(
+            "remote image URLs are not fetched (server.allow_remote_images is off); send the image itself as a data: URL (base64)", field="messages"
+        )
     if source.startswith("data:"):
         header, sep, source = source.partition(",")
         if not sep or not header.endswith(";base64") or not header[5:].startswith("image/"):

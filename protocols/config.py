@@ -152,6 +152,11 @@ class ServerConfig(Section, frozen=True):
     max_body_bytes: Positive = 4 * 1024 * 1024
     # A request body must arrive completely within this many seconds.
     body_timeout_s: Seconds = 10.0
+    # Images given by http(s) URL in a prompt are fetched only when this is set (off: a server
+    # that fetches what a prompt names lets any client reach the addresses the server can);
+    # each fetch is bounded by `limits.max_image_bytes` and this many seconds.
+    allow_remote_images: bool = False
+    remote_image_timeout_s: Seconds = 10.0
     # Browser origins allowed to call the HTTP API (CORS); [] = CORS off, ["*"] = any.
     cors_origins: list[str] = msgspec.field(default_factory=list)
     # The model name HTTP clients send and /v1/models lists; "" = the model path's last

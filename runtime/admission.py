@@ -34,7 +34,7 @@ from policies.layout import checkpoint_format
 from policies.speculation import plan_speculation
 from protocols.api import FillStats, GenerateRequest, SpecStats
 from protocols.model import AdmitRequest, GrammarSpec, ModelInfo, ResumeState, VisionPrompt
-from runtime import checkpoints
+from runtime import checkpoints, remote_images
 from runtime.config import RuntimeConfig
 from runtime.errors import (
     AdapterNotFoundError,
@@ -148,6 +148,7 @@ class Admission:
             self._info.vocab_size,
             self._max_prompt_bytes,
             self._config.limits,
+            remote_images.fetcher(self._config.server.remote_image_timeout_s) if self._config.server.allow_remote_images else None,
         )
         rendered = await anyio.to_thread.run_sync(render_images)
         return rendered.prompt_ids, VisionPrompt(arrays=rendered.arrays, digests=rendered.digests, key_ids=rendered.key_ids)

@@ -5,9 +5,14 @@ typed 400s."""
 from __future__ import annotations
 
 import base64
+import contextlib
+import http.server
 import io
+import threading
+import time
 
 import anthropic
+import msgspec
 import openai
 import pytest
 from PIL import Image
@@ -19,6 +24,12 @@ from tests.support.http_serving import serving
 from tests.support.vision import QUESTION, VISION_MODEL, data_url, image_message, png
 
 pytestmark = pytest.mark.server
+
+
+def _rss() -> int:
+    """This process's resident bytes now (Linux)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
 
 
 def _chat(url: str) -> list[dict]:
@@ -36,9 +47,11 @@ async def test_a_data_url_image_gets_the_native_apis_text_and_bad_images_are_400
         with pytest.raises(openai.BadRequestError, match="remote image URLs"):
             await client.chat.completions.create(model=served.model, messages=_chat("https://169.254.169.254/latest/meta-data.png"), max_tokens=4)
         bomb = io.BytesIO()
-        Image.new("RGB", (8000, 8000)).save(bomb, format="PNG")  # 64M pixels, ~190 KB
+        Image.new("RGB", (8000, 8000)).save(bomb, format="PNG")  # 64M pixels (192 MB decoded), ~190 KB
+        before = _rss()
         with pytest.raises(openai.BadRequestError, match="max_image_pixels"):
             await client.chat.completions.create(model=served.model, messages=_chat(data_url(bomb.getvalue())), max_tokens=4)
+        assert _rss() - before < 64 * 2**20  # (the server is this process: decoding it would add 192 MB)
         # Text-only chats on the same server are unchanged.
         text = await client.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0)
         assert text.usage.completion_tokens == 3
@@ -63,3 +76,48 @@ async def test_an_anthropic_image_block_gets_the_native_apis_text():
         with pytest.raises(anthropic.BadRequestError, match="remote image URLs"):
             await client.messages.create(model=served.model, max_tokens=4, messages=[{"role": "user", "content": [remote]}])
         await client.close()
+
+
+@contextlib.contextmanager
+def _image_host(routes: dict[str, tuple[int, bytes, float]]):
+    """A local HTTP server answering `path -> (status, body, seconds to wait first)`."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            status, body, wait = routes.get(self.path, (404, b"", 0.0))
+            time.sleep(wait)
+            self.send_response(status)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_remote_images_are_fetched_only_when_allowed_and_within_limits():
+    big = png(10, 600, 600)
+    routes = {"/cat.png": (200, png(9), 0.0), "/big.png": (200, big, 0.0), "/slow.png": (200, png(9), 5.0), "/gone.png": (404, b"", 0.0)}
+    config = msgspec.structs.replace(make_config(VISION_MODEL), limits=msgspec.structs.replace(make_config().limits, max_image_bytes=len(big) - 1))
+    with _image_host(routes) as host:
+        async with serving(config, allow_remote_images=True, remote_image_timeout_s=2.0) as served, served.client() as client:
+            fetched = await client.chat.completions.create(model=served.model, messages=_chat(f"{host}/cat.png"), max_tokens=8, temperature=0)
+            sent = await client.chat.completions.create(model=served.model, messages=_chat(data_url(png(9))), max_tokens=8, temperature=0)
+            assert fetched.choices[0].message.content == sent.choices[0].message.content
+            for path, words in (("/big.png", "max_image_bytes"), ("/slow.png", "could not be fetched"), ("/gone.png", "could not be fetched")):
+                with pytest.raises(openai.BadRequestError, match=words):
+                    await client.chat.completions.create(model=served.model, messages=_chat(f"{host}{path}"), max_tokens=4)
+        async with serving(make_config(VISION_MODEL)) as served, served.client() as client:  # the default: off
+            with pytest.raises(openai.BadRequestError, match="allow_remote_images"):
+                await client.chat.completions.create(model=served.model, messages=_chat(f"{host}/cat.png"), max_tokens=4)
