@@ -144,6 +144,7 @@ async def run_vision_bench(config: RuntimeConfig, options: VisionBenchOptions) -
             if "beside" in options.workloads:
                 progress.step(f"beside ({rep + 1}/{options.repeats}): an image request among {options.text_rows} decoding text rows")
                 beside.append(await _beside(rt, options, 100 + rep))
+                progress.step(f"beside ({rep + 1}): {beside[-1]}")  # (each repeat's figures, as they come)
             if "repeat" in options.workloads:
                 progress.step(f"repeat ({rep + 1}/{options.repeats}): an image request, then the same again")
                 image = _png(200 + rep, options.width, options.height)
@@ -158,6 +159,7 @@ async def run_vision_bench(config: RuntimeConfig, options: VisionBenchOptions) -
                         "prompt_tokens": warm["prompt_tokens"],
                     }
                 )
+                progress.step(f"repeat ({rep + 1}): {repeat[-1]}")
             if "batch" in options.workloads:
                 progress.step(f"batch ({rep + 1}/{options.repeats}): {options.batch} image requests at once, mlxrt")
                 images = [_png(300 + 10 * rep + i, options.width, options.height) for i in range(options.batch)]
@@ -173,11 +175,13 @@ async def run_vision_bench(config: RuntimeConfig, options: VisionBenchOptions) -
                 wall = time.perf_counter() - start
                 tokens = sum(r["tokens"] for r in runs)
                 ours.append({"tokens": tokens, "prompt_tokens": sum(r["prompt_tokens"] for r in runs), "wall_s": wall, "tok_s": tokens / wall})
+                progress.step(f"batch ({rep + 1}) mlxrt: {ours[-1]}")
         if "batch" in options.workloads:
             progress.step(f"batch ({rep + 1}/{options.repeats}): the same through mlx-vlm's batch_generate")
             # On this thread, with no runtime open (MLX streams are per thread).
             loaded = loaded or _load_mlx_vlm(info.path)
             theirs.append(_mlx_vlm_batch(images, options.new_tokens, loaded))
+            progress.step(f"batch ({rep + 1}) mlx-vlm: {theirs[-1]}")
     if beside:
         results["beside"] = {key: statistics.median(r[key] for r in beside) for key in beside[0]}
         results["beside"]["kept"] = results["beside"]["text_tok_s_during"] / results["beside"]["text_tok_s_before"]
