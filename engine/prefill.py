@@ -43,8 +43,8 @@ def _vision_embeds(model, seq: Sequence, start: int, end: int) -> mx.array | Non
     vision = seq.admit.vision
     if vision is None:
         return None
-    image_key = vision.key_ids[next(i for i, t in enumerate(vision.key_ids) if t != seq.admit.prompt_ids[i])]
-    last_image = len(vision.key_ids) - 1 - vision.key_ids[::-1].index(image_key)
+    # (Image positions are where the cache keys differ from the ids.)
+    last_image = max(i for i, (key, token) in enumerate(zip(vision.key_ids, seq.admit.prompt_ids)) if key != token)
     if start > last_image:
         return None
     if seq.vision_embeds is None:

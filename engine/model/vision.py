@@ -40,11 +40,10 @@ class VisionLanguageModel(nn.Module):
     """mlx-vlm's model, called as the engine calls an mlx-lm model: `model(ids, cache=...)`
     returns logits; `input_embeddings` replaces the ids' embeddings for a prefill chunk."""
 
-    def __init__(self, vlm: nn.Module, model_type: str, image_token_id: int) -> None:
+    def __init__(self, vlm: nn.Module, model_type: str) -> None:
         super().__init__()
         self.vlm = vlm
         self.model_type = model_type
-        self.image_token_id = image_token_id
         self.explicit_positions = model_type in EXPLICIT_POSITIONS
 
     @property
@@ -132,7 +131,6 @@ def load_vision(directory: Path, config: dict[str, Any], lazy: bool) -> tuple[Vi
         processor = load_processor(directory, add_detokenizer=False)
     except Exception as exc:  # mlx-vlm and transformers report missing files and bad weights variously
         raise ModelLoadError(f"{directory}: mlx-vlm cannot load it: {type(exc).__name__}: {exc}") from exc
-    image_token_id = config.get("image_token_id", config.get("image_token_index"))
-    if not isinstance(image_token_id, int):
+    if not isinstance(config.get("image_token_id", config.get("image_token_index")), int):
         raise ModelLoadError(f"{directory}: config.json names no image_token_id")
-    return VisionLanguageModel(vlm, model_type, image_token_id), processor
+    return VisionLanguageModel(vlm, model_type), processor
