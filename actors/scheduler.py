@@ -170,7 +170,13 @@ class SchedulerActor:
         for report in outcome.prefilled:
             tracked = self.policy.get(report.request_id)
             if tracked is not None and (tracked.report_progress or report.prompt_logprobs):
-                tracked.session.send_nowait(PrefillProgressed(**msgspec.structs.asdict(report)))
+                progress = PrefillProgressed(
+                    request_id=report.request_id,
+                    processed_tokens=report.processed_tokens,
+                    total_tokens=report.total_tokens,
+                    prompt_logprobs=report.prompt_logprobs,
+                )
+                tracked.session.send_nowait(progress)
         for row in outcome.outputs:
             tracked = self.policy.get(row.request_id)
             if row.fill is not None and tracked is not None:

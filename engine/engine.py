@@ -37,7 +37,7 @@ from engine.kv.quantized import is_quantized, packed_nbytes, quantized_start
 from engine.kv.tables import RequestBlocks
 from engine.lora import AdapterBank
 from engine.model.wired import WiredScope, model_bytes, recommended_working_set
-from engine.prefill import prefill_one, prefill_together
+from engine.prefill import encode_unit, prefill_one, prefill_together
 from engine.sampler import BatchSampler, RowSampling
 from engine.sequence import InFlight, Sequence, capture_checkpoints
 from engine.speculation import Speculator
@@ -391,7 +391,10 @@ class Engine:
     def _prefill(self, works: list[PrefillWork]) -> list[PrefillReport]:
         """Forward prompt chunks. First chunks go through batched forwards (padded, or for
         models with recurrent layers only chunks of one length together); later chunks extend
-        their request's own cache one at a time."""
+        their request's own cache one at a time. Vision tower units (`PrefillWork.encode`) run
+        first: the scheduler plans a request's chunks only once its tower is done."""
+        encoded = [self._encode(work) for work in works if work.encode]
+        works = [work for work in works if not work.encode]
         seqs = [self._prefill_target(work) for work in works]
         scored = [len(seq.prompt_logprobs) for seq in seqs]
         in_flight = self._in_flight.result.arrays() if self._in_flight is not None and self._in_flight.result is not None else []
@@ -421,7 +424,7 @@ class Engine:
             wanted = seq.admit.snapshot_at == seq.num_prefilled or (not self._trimmable and seq.num_prefilled == seq.prompt_len - 1)
             if seq.admit.save_prefix and wanted and seq.cache is not None:
                 self._prefixes.save(seq, caches.trimmed(seq.cache, seq.num_prefilled), seq.num_prefilled)
-        return [
+        return encoded + [
             PrefillReport(
                 request_id=s.request_id,
                 processed_tokens=s.num_prefilled,
@@ -430,6 +433,13 @@ class Engine:
             )
             for s, before in zip(seqs, scored)
         ]
+
+    def _encode(self, work: PrefillWork) -> PrefillReport:
+        seq = self._sequences.get(work.request_id)
+        if seq is None:
+            raise EngineInvariantError(f"vision tower work for unknown request {work.request_id!r}")
+        more = encode_unit(self._model, seq, work.num_tokens)
+        return PrefillReport(request_id=seq.request_id, processed_tokens=seq.num_prefilled, total_tokens=seq.prompt_len, encoding=more)
 
     def _prefill_target(self, work: PrefillWork) -> Sequence:
         seq = self._sequences.get(work.request_id)

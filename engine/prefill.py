@@ -17,6 +17,9 @@ from engine.sequence import Sequence
 from protocols.api import TokenLogprob, TopLogprob
 from protocols.model import LayerLayout
 
+# A unit budget no tower reaches: the rest of it in one unit.
+WHOLE_TOWER = 1 << 40
+
 
 def prefill_one(model, layout: list[LayerLayout], seq: Sequence, num_tokens: int) -> None:
     start, end = seq.num_prefilled, seq.num_prefilled + num_tokens
@@ -35,24 +38,36 @@ def prefill_one(model, layout: list[LayerLayout], seq: Sequence, num_tokens: int
     seq.num_prefilled = end
 
 
+def encode_unit(model, seq: Sequence, budget_tokens: int) -> bool:
+    """One unit of an image prompt's vision tower, worth about `budget_tokens` prompt tokens
+    of compute (`PrefillWork.encode`); True while units remain. Nothing to do (a prefix hit
+    past the images, a tower already run) is no unit."""
+    vision = seq.admit.vision
+    if seq.vision_embeds is not None or vision is None or not vision.needs_tower(seq.admit.prompt_ids, seq.num_prefilled):
+        return False
+    if seq.tower is None:
+        seq.tower = model.start_tower(seq.admit.prompt_ids, vision.arrays)
+    if seq.tower.advance(budget_tokens):
+        seq.vision_embeds, seq.tower = seq.tower.embeds, None
+        return False
+    return True
+
+
 def _vision_embeds(model, seq: Sequence, start: int, end: int) -> mx.array | None:
-    """An image prompt's input embeddings for positions start:end: the vision tower runs
-    (with the model's own merge) at the first chunk up to whose end images remain, once; None
-    once prefill has passed the last image position (a prefix hit past the images never runs
-    it: the KV already holds them)."""
+    """An image prompt's input embeddings for positions start:end, from its tower's units
+    (`encode_unit`; run whole here if a chunk comes first); None once prefill has passed the
+    last image position (a prefix hit past the images never runs it: the KV holds them)."""
     vision = seq.admit.vision
     if vision is None:
         return None
-    # (Image positions are where the cache keys differ from the ids.)
-    last_image = max(i for i, (key, token) in enumerate(zip(vision.key_ids, seq.admit.prompt_ids)) if key != token)
-    if start > last_image:
+    image_end = vision.image_end(seq.admit.prompt_ids)
+    if start >= image_end:
         return None
     if seq.vision_embeds is None:
-        seq.vision_embeds = model.embed_prompt(seq.admit.prompt_ids, vision.arrays)
-        mx.eval(seq.vision_embeds)
+        encode_unit(model, seq, budget_tokens=WHOLE_TOWER)
     # A copy: some models scale their input embeddings in place.
     chunk = mx.array(seq.vision_embeds[:, start:end])
-    if end > last_image:
+    if end >= image_end:
         seq.vision_embeds = None  # no image positions left to prefill
     return chunk
 

@@ -68,8 +68,10 @@ class Sequence:
     spec: SpecRow | None = None
     # The adapter slot its forwards are routed to (0: none).
     adapter_slot: int = 0
-    # An image prompt's input embeddings (1, prompt, hidden), made by the vision tower at its
-    # first chunk that has image positions and kept until prefill has passed the last one.
+    # An image prompt's vision tower being evaluated a unit at a time (`engine.model.vision.
+    # TowerRun`), then its input embeddings (1, prompt, hidden), kept until prefill has passed
+    # the last image position.
+    tower: Any = None
     vision_embeds: Any = None
     # Models with explicit rotary positions (Qwen-VL's mRoPE): the prompt's positions (3, 1,
     # prompt), and what positions after it add to the cache position (the image's delta).

@@ -5,7 +5,9 @@ reports a finish or a release the policy asked for. Each step gets one token
 budget shared by decode rows (one token each) and prefill chunks, so a long
 prompt delays running streams by at most one chunk. Prefill chunks go to the
 request with the least prompt left (short prompts get their first token fast),
-except that a request skipped `max_skips` times in a row goes first.
+except that a request skipped `max_skips` times in a row goes first. An image
+prompt's vision tower runs first, a unit per step costed as a chunk (the engine
+sizes each unit to about a chunk's compute), so it too delays others by one chunk.
 A request's chunk boundaries depend only on its own prompt, never on what
 else is running, so its tokens do not depend on the load.
 """
@@ -77,6 +79,10 @@ class Tracked:
     spans: list[TraceSpan] = field(default_factory=list)
     spans_dropped: int = 0
     open_chunk: tuple[float, int, int] | None = None
+    # An image prompt whose vision tower has units left (they come before its chunks), and
+    # the start of the unit in flight.
+    encoding: bool = False
+    open_encode: float | None = None
     checkpoint_writes: deque[float] = field(default_factory=deque)
 
     @property
@@ -139,6 +145,9 @@ class Tracked:
             start, tokens, offset = self.open_chunk
             self.open_chunk = None
             self.add_span("prefill_chunk", start, now, tokens=tokens, offset=offset)
+        if self.open_encode is not None:
+            self.add_span("vision_encode", self.open_encode, now)
+            self.open_encode = None
 
     def record_fill(self, fill: FillStats, start: float, now: float) -> None:
         """The engine's latest fast-forwarding figures; a step that forwarded or verified a span
@@ -275,6 +284,8 @@ class SchedulePolicy:
         for tracked in self._to_admit:
             tracked.planned = True
             tracked.phase = Phase.PREFILLING if tracked.prefill_left > 0 else Phase.DECODING
+            vision = tracked.admit.vision
+            tracked.encoding = vision is not None and vision.needs_tower(tracked.admit.prompt_ids, tracked.num_prefilled)
             self._active[tracked.request_id] = tracked
             admit.append(tracked.admit)
         self._to_admit.clear()
@@ -327,6 +338,16 @@ class SchedulePolicy:
         prefilling.sort(key=self._prefill_order)
         work: list[PrefillWork] = []
         for tracked in prefilling:
+            if tracked.encoding:  # a unit of its vision tower, costed as a chunk
+                if self.chunk_size > budget and work:
+                    tracked.num_skips += 1
+                    continue
+                budget -= self.chunk_size
+                tracked.num_skips = 0
+                tracked.open_encode = now
+                tracked.stamp("prefill_started", now)
+                work.append(PrefillWork(request_id=tracked.request_id, num_tokens=self.chunk_size, encode=True))
+                continue
             chunk = min(self.chunk_size, tracked.prefill_left)
             snapshot = tracked.admit.snapshot_at
             if snapshot is not None and tracked.num_prefilled < snapshot < tracked.num_prefilled + chunk:
@@ -354,6 +375,9 @@ class SchedulePolicy:
         for tracked in self._active.values():
             tracked.parked_steps += tracked.parked
             tracked.close_chunk(now)
+        for report in outcome.prefilled:
+            if (encoded := self._active.get(report.request_id)) is not None:
+                encoded.encoding = report.encoding
         for rid in outcome.released:
             tracked = self._active.pop(rid)
             ended.append(Ended(tracked, tracked.release_reason or "cancelled"))

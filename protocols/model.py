@@ -112,6 +112,14 @@ class VisionPrompt(Record, frozen=True):
     # (Qwen-VL's mRoPE delta; 0 for other models).
     position_shift: int = 0
 
+    def image_end(self, prompt_ids: list[int]) -> int:
+        """One past the last image position (where the cache keys differ from the ids)."""
+        return 1 + max((i for i, (key, token) in enumerate(zip(self.key_ids, prompt_ids)) if key != token), default=-1)
+
+    def needs_tower(self, prompt_ids: list[int], num_prefilled: int) -> bool:
+        """Whether prefill from `num_prefilled` reaches image positions the KV lacks."""
+        return bool(self.arrays) and num_prefilled < self.image_end(prompt_ids)
+
 
 class AdmitRequest(Record, frozen=True):
     """A request entering the engine; no compute happens until it is prefilled."""
@@ -195,10 +203,12 @@ class CheckpointData(Record, frozen=True):
 
 
 class PrefillWork(Record, frozen=True):
-    """Forward the next `num_tokens` prompt tokens of one request into its cache."""
+    """Forward the next `num_tokens` prompt tokens of one request into its cache; or, with
+    `encode`, run a unit of an image prompt's vision tower worth about `num_tokens` of them."""
 
     request_id: str
     num_tokens: int
+    encode: bool = False
 
 
 class StepPlan(Record, frozen=True):
@@ -247,6 +257,8 @@ class PrefillReport(Record, frozen=True):
     total_tokens: int
     # With `AdmitRequest.prompt_logprobs`: the prompt tokens this chunk scored, in order.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # After a vision tower unit (`PrefillWork.encode`): whether units remain.
+    encoding: bool = False
 
 
 class DeviceMemory(Record, frozen=True):

@@ -1,7 +1,8 @@
 """`mlxrt bench --vision`: image requests (vision-language models, `docs/vision.md`).
 
 - `beside`: 8 text rows decoding; an image request arrives: its time to first token, and the text
-  rows' decode tokens/s while its vision tower and prefill run against before it came.
+  rows' decode tokens/s while its vision tower and prefill run against before it came; then a text
+  prompt of the same length arrives (the same figures: what any prompt of that length costs them).
 - `repeat`: an image request's TTFT cold, then the same image and question again (a prefix-cache
   hit: its `cached_tokens`, and the TTFT ratio).
 - `batch`: 8 image requests (8 images) at once through mlxrt against mlx-vlm's own
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import itertools
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -77,7 +79,8 @@ async def _timed(rt, request: GenerateRequest) -> dict:
 
 
 async def _beside(rt, options: VisionBenchOptions, seed: int) -> dict:
-    """Text rows decoding; an image request arrives once every row has its first token."""
+    """Text rows decoding; an image request arrives once every row has its first token; then,
+    for comparison, a text prompt of the image prompt's length (its own random ids)."""
     stamps: list[float] = []
     started = anyio.Event()
     first_tokens = 0
@@ -94,22 +97,35 @@ async def _beside(rt, options: VisionBenchOptions, seed: int) -> dict:
                     if first_tokens == options.text_rows:
                         started.set()
 
+    async def arrival(request: GenerateRequest) -> tuple[dict, float, float]:
+        """The request's figures, the text rows' tokens/s from its arrival to its first token,
+        and the longest the rows went without a token meanwhile."""
+        arrived = time.perf_counter()
+        timed = await _timed(rt, request)
+        answered = arrived + timed["ttft_s"]
+        during = [t for t in stamps if arrived <= t < answered]
+        edges = [arrived, *during, answered]
+        return timed, len(during) / max(answered - arrived, 1e-9), max(b - a for a, b in itertools.pairwise(edges))
+
     result: dict = {}
     async with anyio.create_task_group() as tg:
         for _ in range(options.text_rows):
             tg.start_soon(text_row)
         await started.wait()
         await anyio.sleep(3.0)  # the rows' decode rate alone
-        arrived = time.perf_counter()
-        image = await _timed(rt, _image_request(_png(seed, options.width, options.height), 4))
-        answered = arrived + image["ttft_s"]
+        before = [t for t in stamps if t >= time.perf_counter() - 3.0]
+        image, image_during, image_gap = await arrival(_image_request(_png(seed, options.width, options.height), 4))
+        ids = np.random.RandomState(seed).randint(100, 1000, image["prompt_tokens"]).tolist()
+        text, text_during, text_gap = await arrival(GenerateRequest(prompt_ids=ids, max_tokens=4, ignore_eos=True, sampling=GREEDY))
         tg.cancel_scope.cancel()
-    before = [t for t in stamps if arrived - 3.0 <= t < arrived]
-    during = [t for t in stamps if arrived <= t < answered]
     result["image_ttft_s"] = image["ttft_s"]
     result["image_prompt_tokens"] = image["prompt_tokens"]
     result["text_tok_s_before"] = len(before) / 3.0
-    result["text_tok_s_during"] = len(during) / max(answered - arrived, 1e-9)
+    result["text_tok_s_during"] = image_during
+    result["text_max_gap_s"] = image_gap
+    result["text_prompt_ttft_s"] = text["ttft_s"]
+    result["text_tok_s_during_text_prompt"] = text_during
+    result["text_max_gap_s_text_prompt"] = text_gap
     return result
 
 
@@ -213,7 +229,9 @@ def format_vision_table(results: dict) -> str:
         b = results["beside"]
         lines.append(
             f"beside {results['options']['text_rows']} text rows: image TTFT {b['image_ttft_s']:.2f} s ({b['image_prompt_tokens']:.0f} prompt tokens);"
-            f" text decode {b['text_tok_s_before']:.1f} tok/s before, {b['text_tok_s_during']:.1f} during its prefill ({b['kept']:.2f}x kept)"
+            f" text decode {b['text_tok_s_before']:.1f} tok/s before, {b['text_tok_s_during']:.1f} during its prefill ({b['kept']:.2f}x kept),"
+            f" longest without a token {b['text_max_gap_s']:.2f} s; a text prompt of that length: TTFT {b['text_prompt_ttft_s']:.2f} s,"
+            f" text decode {b['text_tok_s_during_text_prompt']:.1f} tok/s during it, longest without a token {b['text_max_gap_s_text_prompt']:.2f} s"
         )
     if "repeat" in results:
         r = results["repeat"]

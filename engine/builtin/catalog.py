@@ -312,7 +312,7 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
 VISION_MODELS: dict[str, VisionSpec] = {
     spec.name: spec
     for spec in (
-        VisionSpec(name="tiny-idefics3", seed=30, tokenizer=TINY_TOKENIZER),
+        VisionSpec(name="tiny-idefics3", seed=32, tokenizer=TINY_TOKENIZER),
         VisionSpec(name="tiny-gemma3-vision", seed=31, tokenizer=TINY_TOKENIZER, family="gemma3", scale_factor=2),
         # Qwen2.5-VL's: 14-pixel patches merged 2x2, images up to 84x84 pixels (up to 9 tokens).
         VisionSpec(name="tiny-qwen2.5-vl", seed=33, tokenizer=TINY_TOKENIZER, family="qwen2_5_vl", patch_size=14, image_size=84),

@@ -61,7 +61,7 @@ class VisionSpec:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     vision_hidden_size: int = 32
-    vision_layers: int = 1
+    vision_layers: int = 2
     vision_heads: int = 2
     patch_size: int = 8
     image_size: int = 32

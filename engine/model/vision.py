@@ -14,12 +14,18 @@ called with explicit positions instead: an image prompt's (time, height, width) 
 the model's `get_rope_index`, sliced per prefill chunk, and after the prompt each row's cache
 position plus its image's delta (`Step.shifts`, per row of the batch). Other families are
 refused with a typed error.
+
+The vision tower does not run in one piece: `start_tower` builds the whole image path (tower,
+projector, merge) as MLX's lazy graph with every encoder layer's output noted, and `TowerRun`
+evaluates a few layers of it per scheduler step, sized to a prefill chunk's cost, so rows that
+are decoding keep stepping while a large image is encoded. The graph is the one the model's
+own `get_input_embeddings` builds, evaluated in pieces, so the result is the same.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,6 +36,13 @@ VISION_FAMILIES = ("idefics3", "smolvlm", "gemma3", "qwen2_5_vl")
 # Families whose rotary positions the engine passes (mRoPE: time, height and width positions over
 # an image, then text positions shifted by the image's delta).
 EXPLICIT_POSITIONS = ("qwen2_5_vl",)
+# Where each family keeps its vision encoder's layers (or blocks).
+TOWER_LAYERS = {
+    "idefics3": "vision_model.encoder.layers",
+    "smolvlm": "vision_model.encoder.layers",
+    "gemma3": "vision_tower.vision_model.encoder.layers",
+    "qwen2_5_vl": "vision_tower.blocks",
+}
 
 
 def is_vision_config(config: dict[str, Any]) -> bool:
@@ -45,6 +58,7 @@ class VisionLanguageModel(nn.Module):
         self.vlm = vlm
         self.model_type = model_type
         self.explicit_positions = model_type in EXPLICIT_POSITIONS
+        self._lm_params: int | None = None
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -109,12 +123,103 @@ class VisionLanguageModel(nn.Module):
         extra = {("mask" if name == "attention_mask" else name): mx.array(value) for name, value in arrays.items() if name != "pixel_values"}
         return self.vlm.get_input_embeddings(mx.array(prompt_ids)[None], mx.array(arrays["pixel_values"]), **extra).inputs_embeds
 
+    def start_tower(self, prompt_ids: list[int], arrays: dict[str, Any]) -> TowerRun:
+        """The prompt's image path as a lazy graph (nothing computed yet), with each vision
+        encoder layer's output and its cost noted, to be evaluated a unit at a time."""
+        layers = self._tower_layers()
+        original = list(layers)
+        stages: list[tuple[mx.array, int]] = []
+        layers[:] = [_Noted(layer, stages) for layer in original]
+        try:
+            embeds = self.embed_prompt(prompt_ids, arrays)
+        finally:
+            layers[:] = original
+        return TowerRun(stages, embeds, self._token_cost)
+
+    def _tower_layers(self) -> list[Any]:
+        module: Any = self.vlm
+        for name in TOWER_LAYERS[self.model_type].split("."):
+            module = getattr(module, name)
+        return module
+
+    @property
+    def _token_cost(self) -> int:
+        """A prompt token's cost through the language model, in the units `_layer_cost` uses."""
+        if self._lm_params is None:
+            self._lm_params = sum(_num_params(layer) for layer in self.layers)
+        return self._lm_params
+
     def warm_up(self, prompt_ids: list[int], arrays: dict[str, Any]) -> None:
         """The vision tower and merge once (MLX compiles their kernels), and a forward of the
         result."""
         embeds = self.embed_prompt(prompt_ids, arrays)
         positions = self.prompt_positions(prompt_ids, arrays)[0] if self.explicit_positions else None
         mx.eval(self(mx.array(prompt_ids)[None], input_embeddings=embeds, positions=positions))
+
+
+class TowerRun:
+    """One image prompt's tower, evaluated a unit at a time: each unit evaluates encoder layers
+    (all of the prompt's images or tiles together, as the model batches them) until the next
+    would pass the unit's budget (at least one), and the last unit the projector and merge.
+    Costs are multiply-adds, a prompt token's being the language model's parameter count."""
+
+    def __init__(self, stages: list[tuple[mx.array, int]], embeds: mx.array, token_cost: int) -> None:
+        self._stages = stages
+        self._token_cost = max(token_cost, 1)
+        self.embeds: mx.array | None = None
+        self._pending: mx.array | None = embeds
+        self.num_units = 0
+
+    @property
+    def done(self) -> bool:
+        return self.embeds is not None
+
+    def advance(self, budget_tokens: int) -> bool:
+        """One unit, worth about `budget_tokens` prompt tokens of the language model; True
+        once the embeddings are made."""
+        budget = budget_tokens * self._token_cost
+        spent = 0
+        while self._stages and (spent == 0 or spent + self._stages[0][1] <= budget):
+            out, cost = self._stages.pop(0)
+            mx.eval(out)
+            spent += cost
+        if not self._stages and self._pending is not None:
+            mx.eval(self._pending)
+            self.embeds, self._pending = self._pending, None
+        self.num_units += 1
+        return self.done
+
+
+class _Noted:
+    """A vision encoder layer whose outputs (and their costs) are noted as the graph is built."""
+
+    def __init__(self, layer: Any, stages: list[tuple[mx.array, int]]) -> None:
+        self._layer = layer
+        self._stages = stages
+        self._params = _num_params(layer)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._layer(*args, **kwargs)
+        first = out[0] if isinstance(out, tuple) else out
+        self._stages.append((first, _layer_cost(first, self._params)))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._layer, name)
+
+
+def _num_params(module: nn.Module) -> int:
+    from mlx.utils import tree_flatten
+
+    return sum(value.size for _, value in cast(list[tuple[str, Any]], tree_flatten(module.parameters())))
+
+
+def _layer_cost(out: mx.array, params: int) -> int:
+    """An encoder layer's multiply-adds: its weights once per patch, and attention over each
+    image's patches where the output keeps images apart (batch, patches, hidden)."""
+    patches = out.size // out.shape[-1]
+    attention = out.shape[0] * out.shape[1] ** 2 * out.shape[2] * 2 if out.ndim == 3 else 0
+    return patches * params + attention
 
 
 def load_vision(directory: Path, config: dict[str, Any], lazy: bool) -> tuple[VisionLanguageModel, Any]:

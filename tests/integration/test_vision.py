@@ -4,19 +4,22 @@ keys images by their digest; limits refuse what must be refused before it is dec
 
 from __future__ import annotations
 
+import contextlib
 import io
 
+import anyio
 import msgspec
 import pytest
 from PIL import Image
 
 from engine.model.vision import VisionLanguageModel
 from protocols import GenerateRequest, SamplingParams
+from protocols.api import TokenDelta
 from protocols.errors import InvalidRequestError, ModelLoadError, RequestTooLargeError
 from runtime import Runtime
 from runtime.config import KvConfig, LimitsConfig
 from tests.support.config import make_config
-from tests.support.events import collect, collect_all
+from tests.support.events import Outcome, collect, collect_all
 from tests.support.vision import QUESTION, VISION_MODEL, VISION_MODELS, VisionReference, data_url, image_message, png
 
 MAX_TOKENS = 10
@@ -79,6 +82,85 @@ async def test_image_rows_decode_in_one_batch_with_text_rows(reference, monkeypa
     assert outcomes[4].tokens == reference.greedy(image_message(images[1]), [images[1]], MAX_TOKENS)
     for i, messages in zip([1, 2, 3, 5, 6, 7], texts):
         assert outcomes[i].tokens == reference.greedy(messages, [], 3 * MAX_TOKENS)
+
+
+async def test_the_vision_tower_runs_in_units_while_text_rows_decode(reference, monkeypatch):
+    # One-token chunks: each tower unit is one encoder layer of this tiny tower.
+    from engine.engine import Engine
+    from engine.model.vision import TowerRun
+
+    events: list[tuple[str, list[str]]] = []
+    advance, decode = TowerRun.advance, Engine._decode
+    monkeypatch.setattr(TowerRun, "advance", lambda self, budget: events.append(("unit", [])) or advance(self, budget))
+
+    def decoding(self):
+        outputs = decode(self)
+        events.append(("decode", [o.request_id for o in outputs if o.token_ids]))
+        return outputs
+
+    monkeypatch.setattr(Engine, "_decode", decoding)
+    text = [{"role": "user", "content": "Tell me about item 1."}]
+    image = png(4)
+    async with Runtime.open(make_config(reference.name, prefill_chunk_size=1)) as rt:
+        text_request = GenerateRequest(messages=text, max_tokens=200, ignore_eos=True, sampling=GREEDY, request_id="text")
+        text_outcome = Outcome()
+        async with anyio.create_task_group() as tg:
+            events_stream = rt.generate(text_request)
+            first = await anext(aiter(events_stream))  # the text row is decoding
+            tg.start_soon(_rest, events_stream, text_outcome)
+            with anyio.fail_after(300):
+                image_outcome = await collect(rt.generate(_request(image_message(image))))
+            await rt.cancel("text")
+    units = [i for i, (kind, _) in enumerate(events) if kind == "unit"]
+    assert len(units) >= 2  # the tower ran in several units ...
+    between = [rows for kind, rows in events[units[0] : units[-1]] if kind == "decode"]
+    assert sum("text" in rows for rows in between) >= len(units) - 1  # ... with the text row decoding between them
+    assert image_outcome.tokens == reference.greedy(image_message(image), [image], MAX_TOKENS)
+    assert [*first.token_ids, *text_outcome.tokens][:MAX_TOKENS] == reference.greedy(text, [], MAX_TOKENS)
+
+
+async def test_cancelling_an_image_request_between_tower_units_frees_it(reference, monkeypatch):
+    import time
+
+    from engine.model.vision import TowerRun
+    from engine.prefill import prefill_one
+    from protocols.api import Finished, PrefillProgress
+
+    units, chunks = [], []
+    advance = TowerRun.advance
+
+    def slow(self, budget):
+        units.append(budget)
+        time.sleep(0.3)  # (the MLX thread) time for the cancel to arrive while units remain
+        return advance(self, budget)
+
+    monkeypatch.setattr(TowerRun, "advance", slow)
+    monkeypatch.setattr("engine.engine.prefill_one", lambda model, layout, seq, n: chunks.append(seq.request_id) or prefill_one(model, layout, seq, n))
+    image = png(5)
+    async with Runtime.open(make_config(reference.name, prefill_chunk_size=1)) as rt:
+        victim = _request(image_message(image), request_id="victim", report_progress=True)
+        finished = None
+        async for event in rt.generate(victim):
+            if isinstance(event, PrefillProgress) and finished is None:
+                await rt.cancel("victim")
+            elif isinstance(event, Finished):
+                finished = event
+        with anyio.fail_after(10):
+            while (stats := await rt.stats()).live_requests or stats.kv.live_tokens:
+                await anyio.sleep(0.01)
+        monkeypatch.setattr(TowerRun, "advance", advance)
+        after = await collect(rt.generate(_request(image_message(image))))
+    assert finished is not None and finished.finish_reason == "cancelled"
+    assert "victim" not in chunks  # it ended in its tower: no prompt chunk ran
+    assert after.tokens == reference.greedy(image_message(image), [image], MAX_TOKENS)
+    assert after.last.usage.cached_tokens == 0  # nothing of the cancelled tower was kept
+
+
+async def _rest(events, outcome: Outcome) -> None:
+    with contextlib.suppress(Exception):
+        async for event in events:
+            if isinstance(event, TokenDelta):
+                outcome.tokens += event.token_ids
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from policies.scheduling import MAX_SPANS, Ended, Phase, SchedulePolicy, Tracked
 from protocols.api import FillStats, SamplingParams
-from protocols.model import AdmitRequest, PrefillReport, RowOutput, StepOutcome, StepPlan
+from protocols.model import AdmitRequest, PrefillReport, RowOutput, StepOutcome, StepPlan, VisionPrompt
 from protocols.session import RequestTimeline
 
 # -- helpers -----------------------------------------------------------------------
@@ -71,6 +71,7 @@ class FakeSeq:
     num_generated: int = 0
     in_batch: bool = False
     kv: int = 0
+    tower_units: int = 0
 
     @property
     def is_ready(self) -> bool:
@@ -80,9 +81,10 @@ class FakeSeq:
 class FakeEngine:
     """The plan-level behaviour of engine.engine.Engine, without MLX."""
 
-    def __init__(self, tokens=default_token, *, sync_after_prefill: bool = False):
+    def __init__(self, tokens=default_token, *, sync_after_prefill: bool = False, tower_units: dict[str, int] | None = None):
         self.tokens = tokens  # (request_id, index of the generated token) -> token id
         self.sync_after_prefill = sync_after_prefill
+        self.tower_units = tower_units or {}  # image prompts: vision tower units each takes
         self.seqs: dict[str, FakeSeq] = {}
         self.batch: list[str] = []
         self.in_flight: list[str] | None = None
@@ -91,10 +93,20 @@ class FakeEngine:
         released = [rid for rid in plan.release if self._release(rid)]
         for admit in plan.admit:
             assert admit.request_id not in self.seqs, f"{admit.request_id} admitted twice"
-            self.seqs[admit.request_id] = FakeSeq(admit)
+            seeded = admit.prefix_tokens if admit.prefix_entry is not None else 0
+            self.seqs[admit.request_id] = FakeSeq(admit, num_prefilled=seeded, tower_units=self.tower_units.get(admit.request_id, 0))
         prefilled = []
         for work in plan.prefill:
             seq = self.seqs[work.request_id]
+            if work.encode:
+                seq.tower_units -= 1
+                prefilled.append(
+                    PrefillReport(
+                        request_id=work.request_id, processed_tokens=seq.num_prefilled, total_tokens=len(seq.admit.prompt_ids), encoding=seq.tower_units > 0
+                    )
+                )
+                continue
+            assert seq.tower_units <= 0, "a chunk of an image prompt before its vision tower ran"
             end = seq.num_prefilled + work.num_tokens
             prompt_len = len(seq.admit.prompt_ids)
             assert work.num_tokens > 0 and end <= prompt_len - 1, f"prefill {seq.num_prefilled}:{end} of {prompt_len}"
@@ -728,6 +740,44 @@ def test_each_prefill_chunk_is_a_span_from_its_plan_to_its_outcome():
         (2.0, 2.25, {"tokens": 4, "offset": 4}),
         (3.0, 3.25, {"tokens": 4, "offset": 8}),
     ]
+
+
+def _image_prompt(request_id: str, prompt_len: int, image: range, max_tokens: int = 3) -> Tracked:
+    tracked = make_tracked(request_id, prompt_len, max_tokens)
+    ids = tracked.admit.prompt_ids
+    keys = [10_000 + i if i in image else t for i, t in enumerate(ids)]
+    tracked.admit = msgspec.structs.replace(tracked.admit, vision=VisionPrompt(arrays={"pixel_values": [0]}, digests=["d"], key_ids=keys))
+    return tracked
+
+
+def test_a_vision_tower_runs_a_unit_a_step_before_its_chunks_while_rows_decode():
+    sim = Sim(make_policy(chunk_size=4, token_budget=6), engine=FakeEngine(tower_units={"image": 3}))
+    sim.add(make_tracked("text", prompt_len=3, max_tokens=12))
+    sim.admit_all()
+    sim.step()
+    sim.step()  # "text" is decoding
+    sim.add(_image_prompt("image", prompt_len=13, image=range(2, 9)))
+    sim.run()
+    work = [(w.encode, w.num_tokens) for s in sim.steps for w in s.plan.prefill if w.request_id == "image"]
+    # Three tower units (each costed as a chunk), then the prompt's chunks.
+    assert work == [(True, 4)] * 3 + [(False, 4)] * 3
+    encoding = [i for i, s in enumerate(sim.steps) if any(w.encode for w in s.plan.prefill)]
+    assert all(sim.steps[i].plan.decode for i in encoding)
+    # The text row got a token in every step a unit ran.
+    assert all(any(o.request_id == "text" and o.token_ids for o in sim.steps[i].outcome.outputs) for i in encoding)
+    assert sim.ended["image"].reason == "length" and sim.ended["text"].reason == "length"
+    spans = [s.name for s in sim.tracked["image"].make_timeline().spans]
+    assert spans == ["vision_encode"] * 3 + ["prefill_chunk"] * 3
+
+
+def test_an_image_prompt_whose_images_are_in_its_prefix_hit_runs_no_tower():
+    sim = Sim(make_policy(chunk_size=4, token_budget=8), engine=FakeEngine(tower_units={"image": 3}))
+    tracked = sim.add(_image_prompt("image", prompt_len=13, image=range(2, 9)))
+    tracked.start_from_prefix("entry", 9)
+    sim.engine.tower_units = {}  # the engine finds the images' KV in the prefix
+    sim.run()
+    assert [(w.encode, w.num_tokens) for s in sim.steps for w in s.plan.prefill] == [(False, 3)]
+    assert sim.ended["image"].reason == "length"
 
 
 def test_spans_beyond_the_cap_are_counted_not_kept():
