@@ -4,10 +4,12 @@ to a message and to its stream events, errors to Anthropic's error body.
 A conversation maps onto the chat messages the OpenAI route would send for the same
 conversation (`mapping.chat_messages` renders both), so both routes render the same prompt:
 `system` is a leading system message, text blocks are joined, a `tool_use` block is an assistant
-tool call (its input the arguments object), a `tool_result` block a `tool` message, a `thinking`
-block the assistant's `reasoning_content`; tools are OpenAI function tools and `tool_choice`
-any / tool / none is "required" / that function / "none". Images, documents, server tools and
-a final assistant message to continue (prefill) are refused, naming the field.
+tool call (its input the arguments object), a `tool_result` block a `tool` message (its images,
+a screenshot a tool took, a user turn right after it: chat templates place images in user
+turns), a `thinking` block the assistant's `reasoning_content`; `image` blocks are image parts
+(vision-language models); tools are OpenAI function tools and `tool_choice` any / tool / none is
+"required" / that function / "none". Documents, server tools and a final assistant message to
+continue (prefill) are refused, naming the field.
 
 `MessagesOutput` takes the events one at a time: reasoning, text and tool calls become
 thinking, text and tool_use blocks, in the order they come, streamed as `content_block_*`
@@ -115,7 +117,10 @@ def _user(blocks: list[at.ContentBlock], where: str) -> list[oa.ChatMessage]:
                 if texts:
                     out.append(oa.ChatMessage(role="user", content=texts))
                     texts = []
-                out.append(oa.ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=_tool_result(block.content, place)))
+                content, images = _tool_result(block.content, place)
+                out.append(oa.ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=content))
+                if images:  # (chat templates render images in user turns: the result's follow it)
+                    out.append(oa.ChatMessage(role="user", content=images))
             case _:
                 raise _refused(block, place, "user")
     if texts or not out:
@@ -133,15 +138,23 @@ def _image_url(source: at.ImageSource, where: str) -> str:
     raise HttpError("invalid_request", "an image source is base64 (media_type, data) or url", f"{where}.source")
 
 
-def _tool_result(content: str | list[at.TextBlock | at.ImageBlock | at.DocumentBlock] | None, where: str) -> str | list[oa.ContentPart] | None:
+def _tool_result(
+    content: str | list[at.TextBlock | at.ImageBlock | at.DocumentBlock] | None, where: str
+) -> tuple[str | list[oa.ContentPart] | None, list[oa.ContentPart]]:
+    """A tool result's text (the tool message), and its images (a screenshot a tool took: they
+    follow the tool message as a user turn, where chat templates place images)."""
     if not isinstance(content, list):
-        return content
-    parts = []
+        return content, []
+    parts, images = [], []
     for k, block in enumerate(content):
-        if not isinstance(block, at.TextBlock):
-            raise _refused(block, f"{where}.content[{k}]", "tool_result")
-        parts.append(oa.ContentPart(type="text", text=block.text))
-    return parts
+        match block:
+            case at.TextBlock(text=text):
+                parts.append(oa.ContentPart(type="text", text=text))
+            case at.ImageBlock(source=source):
+                images.append(oa.ContentPart(type="image_url", image_url=oa.ImageUrl(url=_image_url(source, f"{where}.content[{k}]"))))
+            case _:
+                raise _refused(block, f"{where}.content[{k}]", "tool_result")
+    return parts, images
 
 
 def _assistant(blocks: list[at.ContentBlock], where: str) -> oa.ChatMessage:

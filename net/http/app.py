@@ -253,6 +253,11 @@ class Api:
     async def tokenize(self, request: Request) -> Response:
         body = decode_body(await self._read_body(request), tokens.TokenizeRequest)
         tokenizer, info = self._tokenizer(body.model)
+        if (generate := tokens.image_request(body)) is not None:
+            # Images: the prompt a chat request would run (each image expanded to its tokens).
+            model = self._check_model(body.model)[0] if body.model is not None else None
+            ids = await self._ready().prompt_token_ids(msgspec.structs.replace(generate, model=model))
+            return json_response(tokens.token_response(tokenizer, ids, body, info.max_context))
         max_bytes = self.config.max_body_bytes
         answer = await anyio.to_thread.run_sync(lambda: tokens.tokenize(tokenizer, body, max_bytes, info.max_context))
         return json_response(answer)

@@ -11,6 +11,7 @@ import msgspec
 
 from net.http import openai_types as oa
 from net.http.mapping import HttpError, chat_messages
+from policies.images import has_images
 from policies.validation import render_prompt
 from protocols.api import GenerateRequest
 from protocols.errors import MlxrtError
@@ -60,8 +61,26 @@ def tokenize(tokenizer: Any, body: TokenizeRequest, max_bytes: int, max_model_le
             tokens = _render(tokenizer, body, max_bytes)
     except MlxrtError as exc:
         raise HttpError("invalid_request", str(exc), "messages") from None
+    return token_response(tokenizer, tokens, body, max_model_len)
+
+
+def token_response(tokenizer: Any, tokens: list[int], body: TokenizeRequest, max_model_len: int) -> TokenizeResponse:
     strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
     return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens, token_strs=strs)
+
+
+def image_request(body: TokenizeRequest) -> GenerateRequest | None:
+    """Messages with images, as a chat request renders them: counted by the runtime (each image
+    expanded by the model's processor, as generation runs it); None without images. Another
+    rendering of images is refused: it would count each image as its placeholder."""
+    if body.messages is None:
+        return None
+    messages = chat_messages(body.messages)
+    if not has_images(messages):
+        return None
+    if not body.add_generation_prompt or body.add_special_tokens or body.continue_final_message:
+        raise HttpError("invalid_request", "messages with images are tokenized only as a chat request renders them", "messages")
+    return GenerateRequest(messages=messages, tools=body.tools)
 
 
 def _render(tokenizer: Any, body: TokenizeRequest, max_bytes: int) -> list[int]:

@@ -8,6 +8,7 @@ import base64
 import contextlib
 import http.server
 import io
+import json
 import threading
 import time
 
@@ -20,7 +21,7 @@ from PIL import Image
 from protocols import GenerateRequest, SamplingParams
 from tests.support.config import make_config
 from tests.support.events import collect
-from tests.support.http_serving import serving
+from tests.support.http_serving import raw_request, serving
 from tests.support.vision import QUESTION, VISION_MODEL, data_url, image_message, png
 
 pytestmark = pytest.mark.server
@@ -52,6 +53,18 @@ async def test_a_data_url_image_gets_the_native_apis_text_and_bad_images_are_400
         with pytest.raises(openai.BadRequestError, match="max_image_pixels"):
             await client.chat.completions.create(model=served.model, messages=_chat(data_url(bomb.getvalue())), max_tokens=4)
         assert _rss() - before < 64 * 2**20  # (the server is this process: decoding it would add 192 MB)
+        # /tokenize counts the image's tokens as the chat request prefilled them.
+        head = "POST /tokenize HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n"
+
+        async def tokenize(**extra) -> tuple[int, bytes]:
+            body = json.dumps({"messages": _chat(data_url(png(7))), **extra}).encode()
+            code, _, answered = await raw_request(served.url, head.format(len(body)).encode(), body)
+            return code, answered
+
+        code, answered = await tokenize()
+        assert code == 200 and json.loads(answered)["count"] == native.last.usage.prompt_tokens, answered
+        code, answered = await tokenize(add_special_tokens=True)
+        assert code == 400 and b"only as a chat request renders them" in answered, answered
         # Text-only chats on the same server are unchanged.
         text = await client.chat.completions.create(model=served.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0)
         assert text.usage.completion_tokens == 3
@@ -76,6 +89,34 @@ async def test_an_anthropic_image_block_gets_the_native_apis_text():
         with pytest.raises(anthropic.BadRequestError, match="remote image URLs"):
             await client.messages.create(model=served.model, max_tokens=4, messages=[{"role": "user", "content": [remote]}])
         await client.close()
+
+
+async def test_an_image_in_an_anthropic_tool_result_is_read_as_a_user_turn_after_it():
+    # A screenshot a tool took (as Claude Code sends one): the model sees the image.
+    tool = {"name": "screenshot", "description": "Take a screenshot.", "input_schema": {"type": "object", "properties": {}}}
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png(9)).decode()}}
+    asked = [
+        {"role": "user", "content": "What is on the screen?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {}}]},
+    ]
+
+    def result(content: list) -> dict:
+        return {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": content}]}
+
+    async with serving(make_config(VISION_MODEL)) as served:
+        client = anthropic.AsyncAnthropic(base_url=served.url, api_key="unused", max_retries=0)
+
+        async def ask(messages: list[dict]):
+            return await client.messages.create(model=served.model, max_tokens=8, tools=[tool], messages=messages, extra_body={"temperature": 0})
+
+        text = {"type": "text", "text": "Here it is."}
+        in_result = await ask([*asked, result([text, image])])
+        after = await ask([*asked, result([text]), {"role": "user", "content": [image]}])
+        without = await ask([*asked, result([text])])
+        await client.close()
+    used = lambda m: m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)  # noqa: E731
+    assert used(in_result) == used(after) and in_result.content == after.content
+    assert used(in_result) > used(without) + 16  # the image's tokens are in the prompt
 
 
 @contextlib.contextmanager
