@@ -35,6 +35,7 @@ import structlog
 from actors.mailbox import Mailbox, abandoned, answer
 from actors.mlx_thread import MlxThread
 from engine.build import BuiltEngine, EngineSpec, MakeGrammars, build_engine
+from engine.denoise import DenoiseEngine
 from engine.embed import Embedder
 from engine.engine import Engine, Grammars
 from engine.lora import AdapterBank, AdapterFiles, read_adapter_files, read_staged
@@ -141,8 +142,9 @@ class ModelActor:
 
             built = await self._thread.run(build)
             loaded, grammars, bank = built.loaded, built.grammars, built.bank
-            engine: Engine | Leader = built.engine
+            engine: Engine | Leader | DenoiseEngine = built.engine
             if built.world is not None:
+                assert isinstance(built.engine, Engine)
                 leader = engine = Leader(built.engine, built.world)
                 self.world = WorldState(leader, self._distributed.step_timeout_s)
             for adapter in self._adapters:  # like any adapter load: files read off the MLX thread
@@ -157,7 +159,8 @@ class ModelActor:
                 log.info("model_warmed_up", warm_up_s=round(warm_s, 3))
             adapters = await self._thread.run(bank.infos)
             # (A world's body is sharded: a forward on this rank alone would wait for the others.)
-            embedder = await self._thread.run(Embedder, loaded.model, loaded.info.vocab_size) if built.world is None else None
+            # (Nor a diffusion model's: its body is an encoder-decoder with no final hidden states per token.)
+            embedder = await self._thread.run(Embedder, loaded.model, loaded.info.vocab_size) if built.world is None and not loaded.info.denoising else None
             info = msgspec.structs.replace(loaded.info, embedding_size=embedder.width) if embedder is not None else loaded.info
             task_status.started(ModelReady(info=info, tokenizer=loaded.tokenizer, grammars=grammars, adapters=adapters, world=self.world))
             try:
@@ -180,7 +183,7 @@ class ModelActor:
         await self._thread.run(loaded.model.warm_up, rendered.prompt_ids, rendered.arrays)
         return time.perf_counter() - started
 
-    async def _serve(self, engine: Engine | Leader, bank: AdapterBank, embedder: Embedder | None) -> None:
+    async def _serve(self, engine: Engine | Leader | DenoiseEngine, bank: AdapterBank, embedder: Embedder | None) -> None:
         # One load's files in memory at a time (each up to `bank.max_file_bytes`).
         reading = anyio.Lock()
         async with anyio.create_task_group() as tg:
@@ -286,7 +289,7 @@ class ModelActor:
             return InternalError("the model's embedder is missing")
         return ServerBusyError(f"{MAX_EMBEDS} embedding calls are running; retry later")
 
-    async def _step(self, engine: Engine | Leader, bank: AdapterBank, plan: StepPlan) -> StepOutcome | StepFailed:
+    async def _step(self, engine: Engine | Leader | DenoiseEngine, bank: AdapterBank, plan: StepPlan) -> StepOutcome | StepFailed:
         if self.world is not None:
             if self.world.error is None:
                 outcome = await self._on_world(engine.step, plan)

@@ -124,8 +124,10 @@ class SchedulerActor:
         while (tracked := self.policy.admission_candidate()) is not None:
             rid, need, prompt = tracked.request_id, tracked.kv_tokens_needed, tracked.admit.cache_ids
             # A resumed request brings its own cache; others may start from a saved prefix.
-            # A request scoring its prompt forwards every position of it.
-            max_prefix = 0 if tracked.admit.resume is not None or tracked.admit.prompt_logprobs is not None else len(prompt) - 1
+            # A request scoring its prompt forwards every position of it; a denoising request
+            # (a diffusion model's encoder cache) keeps no prefix entries.
+            admit = tracked.admit
+            max_prefix = 0 if admit.resume is not None or admit.prompt_logprobs is not None or admit.denoise is not None else len(prompt) - 1
             namespace = prefix_namespace(tracked.admit.adapter, tracked.admit.adapter_digest)
             reservation = await ask(
                 self._kv, ReserveKv, request_id=rid, num_tokens=need, prompt_ids=prompt, max_prefix_tokens=max_prefix, namespace=namespace, notify=self.inbox

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from engine.denoise import DenoiseEngine
 from engine.draft import DraftRunner
 from engine.engine import Engine, Grammars
 from engine.lora import AdapterBank
@@ -43,7 +44,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
 
 @dataclass
 class BuiltEngine:
-    engine: Engine
+    engine: Engine | DenoiseEngine
     loaded: LoadedModel
     grammars: Grammars
     bank: AdapterBank
@@ -69,6 +70,11 @@ def build_engine(
     if world is not None:
         loaded.info = msgspec.structs.replace(loaded.info, world=f"{world.config.mode}/{world.size}")
     grammars = make_grammars(loaded.tokenizer, loaded.info)
+    if loaded.info.denoising:
+        if spec.speculative.draft:
+            raise ModelLoadError("speculative decoding does not apply to a diffusion language model: leave speculative.draft unset")
+        bank = AdapterBank(loaded.model, 0, spec.lora.max_rank)
+        return BuiltEngine(engine=DenoiseEngine(loaded.model), loaded=loaded, grammars=grammars, bank=bank, world=world)
     speculator = load_speculator(loaded, spec.speculative, spec.model, builtin_root, progress)
     bank = AdapterBank(loaded.model, spec.lora.max_resident, spec.lora.max_rank)
     engine = Engine(loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator, bank, spec.kv.budget_bytes, compiled=world is None)

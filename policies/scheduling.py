@@ -35,6 +35,8 @@ class Phase(enum.Enum):
     WAITING = "waiting"
     PREFILLING = "prefilling"
     DECODING = "decoding"
+    # A diffusion model's request whose prompt is prefilled: a denoising step a plan.
+    DENOISING = "denoising"
     RELEASING = "releasing"
 
 
@@ -104,6 +106,11 @@ class Tracked:
     @property
     def request_id(self) -> str:
         return self.admit.request_id
+
+    @property
+    def generating(self) -> Phase:
+        """The phase after its prompt: decoding, or denoising (a diffusion model's request)."""
+        return Phase.DENOISING if self.admit.denoise is not None else Phase.DECODING
 
     @property
     def prefill_left(self) -> int:
@@ -283,7 +290,7 @@ class SchedulePolicy:
         admit = []
         for tracked in self._to_admit:
             tracked.planned = True
-            tracked.phase = Phase.PREFILLING if tracked.prefill_left > 0 else Phase.DECODING
+            tracked.phase = Phase.PREFILLING if tracked.prefill_left > 0 else tracked.generating
             vision = tracked.admit.vision
             tracked.encoding = vision is not None and vision.needs_tower(tracked.admit.prompt_ids, tracked.num_prefilled)
             self._active[tracked.request_id] = tracked
@@ -291,14 +298,24 @@ class SchedulePolicy:
         self._to_admit.clear()
         park, unpark = self._plan_parking()
         decoding = [t for t in self._active.values() if t.phase is Phase.DECODING]
-        prefill = self._plan_prefill(self.token_budget - len(decoding), now)
+        denoise = self._plan_denoise(self.token_budget - len(decoding))
+        budget = self.token_budget - len(decoding) - sum(self._canvas_cost(self._active[rid]) for rid in denoise)
+        prefill = self._plan_prefill(budget, now)
         # A parked row may still have a token in flight: decode runs until it is read.
         decode = any(t.phase is Phase.DECODING and not t.is_idle for t in self._active.values())
         self.num_steps += 1
         checkpoint = self._plan_checkpoints()
         forget, self._forgotten = self._forgotten, []
         return StepPlan(
-            release=release, admit=admit, prefill=prefill, decode=decode, checkpoint=checkpoint, park=park, unpark=unpark, forget_checkpoints=forget
+            release=release,
+            admit=admit,
+            prefill=prefill,
+            decode=decode,
+            checkpoint=checkpoint,
+            park=park,
+            unpark=unpark,
+            forget_checkpoints=forget,
+            denoise=denoise,
         )
 
     def forget_checkpoint(self, request_id: str) -> None:
@@ -362,8 +379,28 @@ class SchedulePolicy:
             tracked.stamp("prefill_started", now)
             work.append(PrefillWork(request_id=tracked.request_id, num_tokens=chunk))
             if tracked.prefill_left == 0:
-                tracked.phase = Phase.DECODING
+                tracked.phase = tracked.generating
         return work
+
+    def _plan_denoise(self, budget: int) -> list[str]:
+        """Denoising requests (not parked) that take a denoising step this plan, each costed as
+        its canvas's positions (a forward over them), the first always; the longest-waiting
+        first, so that none starves while others step."""
+        denoising = sorted((t for t in self._active.values() if t.phase is Phase.DENOISING and not t.parked), key=lambda t: -t.num_skips)
+        chosen: list[str] = []
+        for tracked in denoising:
+            cost = self._canvas_cost(tracked)
+            if cost > budget and chosen:
+                tracked.num_skips += 1
+                continue
+            budget -= cost
+            tracked.num_skips = 0
+            chosen.append(tracked.request_id)
+        return chosen
+
+    def _canvas_cost(self, tracked: Tracked) -> int:
+        options = tracked.admit.denoise
+        return (options.canvas_length or self.chunk_size) if options is not None else 0
 
     def _prefill_order(self, tracked: Tracked) -> tuple:
         aged = tracked.num_skips >= self.max_skips
@@ -405,7 +442,7 @@ class SchedulePolicy:
         return {
             "waiting": len(self._waiting) + len(self._to_admit),
             "prefilling": phases.count(Phase.PREFILLING),
-            "decoding": phases.count(Phase.DECODING) + phases.count(Phase.RELEASING),
+            "decoding": phases.count(Phase.DECODING) + phases.count(Phase.DENOISING) + phases.count(Phase.RELEASING),
             "paused": sum(t.parked for t in self._active.values()),
         }
 

@@ -83,7 +83,62 @@ def validate(request: GenerateRequest, info: ModelInfo, limits: LimitsConfig = L
     if request.messages is not None and (not request.messages or not all(isinstance(m, dict) for m in request.messages)):
         raise InvalidRequestError("messages must be a non-empty list of objects", field="messages")
     validate_sampling(request.sampling)
+    validate_denoising(request, info)
     validate_logit_controls(request.sampling, info.vocab_size, request.max_tokens)
+
+
+# Denoising settings' bounds.
+MAX_DENOISING_STEPS = 1024
+
+
+def validate_denoising(request: GenerateRequest, info: ModelInfo) -> None:
+    """A diffusion model's request: its options in range, and what its denoising rule does not
+    define refused by name (never silently ignored); options for another model refused."""
+    options = request.denoising
+    if not info.denoising:
+        if options is not None:
+            raise InvalidRequestError("denoising options apply to diffusion language models only", field="denoising")
+        return
+    if options is not None:
+        for name, value, ok, expected in (
+            ("max_steps", options.max_steps, lambda v: 1 <= v <= MAX_DENOISING_STEPS, f"an integer in [1, {MAX_DENOISING_STEPS}]"),
+            ("canvas_length", options.canvas_length, lambda v: v >= 1, "an integer >= 1"),
+            ("min_canvas_length", options.min_canvas_length, lambda v: v >= 1, "an integer >= 1"),
+            ("threshold", options.threshold, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+        ):
+            if value is not None and not ok(value):
+                raise InvalidRequestError(f"denoising.{name} must be {expected}", field=f"denoising.{name}")
+    s, defaults = request.sampling, SamplingParams()
+    refused = {
+        "logprobs": request.logprobs or request.top_logprobs > 0,
+        "prompt_logprobs": request.prompt_logprobs is not None,
+        "response_format": request.response_format is not None,
+        "tool_choice": request.tool_choice not in (None, "auto", "none"),
+        "speculative": request.speculative is True,
+        "fill": request.fill not in (None, "off"),
+        "checkpoint_every": bool(request.checkpoint_every),
+        "adapter": request.adapter is not None,
+        "snapshot_at": request.snapshot_at is not None,
+        "sampling": any(
+            getattr(s, name) != getattr(defaults, name)
+            for name in (
+                "top_p",
+                "top_k",
+                "min_p",
+                "repetition_penalty",
+                "presence_penalty",
+                "frequency_penalty",
+                "logit_bias",
+                "min_tokens",
+                "allowed_token_ids",
+                "bad_words",
+            )
+        ),
+    }
+    for name, asked in refused.items():
+        if asked:
+            what = "sampling filters, penalties and logits controls" if name == "sampling" else name
+            raise InvalidRequestError(f"{what} do not apply to a diffusion language model's denoising (its rule: temperature and seed)", field=name)
 
 
 def validate_sampling(s: SamplingParams) -> None:

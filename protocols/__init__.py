@@ -7,6 +7,7 @@ are one inbox each (`model`, `kv`, `scheduler`, `session`).
 from protocols.api import (
     AdapterInfo,
     CheckpointReport,
+    DenoisingOptions,
     Event,
     FillStats,
     Finished,
@@ -26,6 +27,7 @@ from protocols.api import (
 __all__ = [
     "AdapterInfo",
     "CheckpointReport",
+    "DenoisingOptions",
     "Event",
     "FillStats",
     "FinishReason",

@@ -59,6 +59,20 @@ class SamplingParams(Record, frozen=True):
         return bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None or bool(self.bad_words)
 
 
+class DenoisingOptions(Record, frozen=True):
+    """A denoising request's settings (diffusion language models; `docs/denoising.md`); None
+    takes the model's default (its generation config, then mlx-vlm's)."""
+
+    # Denoising steps per canvas at most (mlx-vlm's default 48).
+    max_steps: int | None = None
+    # Positions per canvas at most (the model's `canvas_length`); the last canvas is cut to
+    # what `max_tokens` leaves (at least `min_canvas_length`).
+    canvas_length: int | None = None
+    min_canvas_length: int | None = None
+    # A position is revealed once its token's probability reaches this (0.9).
+    threshold: float | None = None
+
+
 class GenerateRequest(Record, frozen=True):
     """One generation. Exactly one of `prompt`, `prompt_ids`, `messages` is set.
 
@@ -130,6 +144,8 @@ class GenerateRequest(Record, frozen=True):
     adapter: str | None = None
     # With a `ModelPool`: the model (`[[models]]` name) that serves it; None: the default one.
     model: str | None = None
+    # A diffusion language model's denoising settings (refused for other models).
+    denoising: DenoisingOptions | None = None
 
 
 class ModelStatus(Record, frozen=True):

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from protocols.api import AdapterInfo, FillStats, SamplingParams, SpecStats, TokenLogprob
+from protocols.api import AdapterInfo, DenoisingOptions, FillStats, SamplingParams, SpecStats, TokenLogprob
 from protocols.base import Message, Record, Reply
 from protocols.config import Pooling
 
@@ -162,6 +162,8 @@ class AdmitRequest(Record, frozen=True):
     adapter: str | None = None
     adapter_digest: str = ""
     vision: VisionPrompt | None = None
+    # A diffusion language model's request: its answer is denoised a canvas at a time.
+    denoise: DenoisingOptions | None = None
 
     @property
     def cache_ids(self) -> list[int]:
@@ -228,6 +230,8 @@ class StepPlan(Record, frozen=True):
     # Checkpoints deleted since the last step (the engine ignores this; in a distributed world
     # each follower deletes its shard of them).
     forget_checkpoints: list[str] = msgspec.field(default_factory=list)
+    # Denoising requests (diffusion models) that run one denoising step each.
+    denoise: list[str] = msgspec.field(default_factory=list)
 
 
 class RowOutput(Record, frozen=True):
@@ -378,6 +382,10 @@ class ModelInfo(Record, frozen=True):
     # The width of the final hidden states (`Embed`'s vectors); 0: the model's body (the model
     # without its LM head) was not found, or a distributed world (embeddings are refused).
     embedding_size: int = 0
+    # A diffusion language model (its requests are denoised: `AdmitRequest.denoise`), and its
+    # positions per canvas.
+    denoising: bool = False
+    canvas_length: int = 0
 
 
 class StepFailed(Record, frozen=True):

@@ -32,7 +32,7 @@ from policies import validation as requests
 from policies.adapters import AdapterRegistry
 from policies.layout import checkpoint_format
 from policies.speculation import plan_speculation
-from protocols.api import FillStats, GenerateRequest, SpecStats
+from protocols.api import DenoisingOptions, FillStats, GenerateRequest, SpecStats
 from protocols.model import AdmitRequest, GrammarSpec, ModelInfo, ResumeState, VisionPrompt
 from runtime import checkpoints, remote_images
 from runtime.config import RuntimeConfig
@@ -162,12 +162,12 @@ class Admission:
     async def _prepare(self, request: GenerateRequest, request_id: str) -> Prepared:
         config, info = self._config, self._info
         self._check(request)
-        checkpoint_every = self.checkpoint_every(request)
+        checkpoint_every = self.checkpoint_every(request) if not info.denoising else 0
         if checkpoint_every and await anyio.to_thread.run_sync(self._names_foreign_checkpoint, request_id, request):
             # That file is another request's (a crashed one, to be resumed): never overwritten or deleted.
             raise InvalidRequestError(f"a checkpoint of another request {request_id!r} exists: resume it, or choose another request_id", field="request_id")
         grammar = grammar_spec(request, self._tool_markers)
-        fill_mode = fill.resolve_mode(request, config.generation.fill)
+        fill_mode = fill.resolve_mode(request, config.generation.fill) if not info.denoising else "off"
         prompt_ids, vision = await self._render_prompt(request)
         max_tokens = requests.effective_max_tokens(request, len(prompt_ids), info, config.generation.default_max_tokens)
         stop_ids = sorted(set(() if request.ignore_eos else self._eos_ids) | set(request.stop_token_ids))
@@ -182,14 +182,23 @@ class Admission:
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
             prompt_logprobs=request.prompt_logprobs,
-            save_prefix=self._config.kv.prefix_cache_bytes > 0,
+            save_prefix=self._config.kv.prefix_cache_bytes > 0 and not info.denoising,
             # The last prompt token is never prefilled; a snapshot there is the end-of-request entry.
             snapshot_at=request.snapshot_at if request.snapshot_at and request.snapshot_at < len(prompt_ids) - 1 else None,
             adapter=request.adapter,
             adapter_digest=self._adapter_digest(request.adapter),
             vision=vision,
+            denoise=self._denoising(request),
         )
         return await self._with_features(Prepared(admit=admit, request=request, checkpoint_every=checkpoint_every), grammar, fill_mode)
+
+    def _denoising(self, request: GenerateRequest) -> DenoisingOptions | None:
+        """A diffusion model's request: its options, the canvas bounded by the model's."""
+        canvas = self._info.canvas_length
+        if not self._info.denoising:
+            return None
+        options = request.denoising or DenoisingOptions()
+        return msgspec.structs.replace(options, canvas_length=min(options.canvas_length or canvas, canvas))
 
     async def _with_features(self, prepared: Prepared, grammar: GrammarSpec | None, fill_mode: str) -> Prepared:
         """Add the grammar (compiled and pinned: bad grammars are refused before any compute),
@@ -197,6 +206,10 @@ class Admission:
         released if this fails."""
         request, admit = prepared.request, prepared.admit
         spec_plan, spec_stats = plan_speculation(request, self._config.speculative, has_draft=bool(self._config.speculative.draft))
+        if admit.denoise is not None:
+            spec_plan, spec_stats = None, None  # (nothing to speculate: a canvas is denoised whole)
+            if grammar is not None:
+                raise InvalidRequestError("structured output does not apply to a diffusion language model's denoising", field="tools")
         if spec_plan is not None and spec_stats is not None and self._config.distributed.backend:
             spec_plan, spec_stats = None, msgspec.structs.replace(spec_stats, refused="a distributed world does not speculate")
         if grammar is not None:

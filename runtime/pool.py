@@ -100,6 +100,8 @@ class _PoolRequest:
     delivered: Delivered = field(default_factory=Delivered)
     runs: int = 0
     finished: bool = False
+    # Whether its checkpoint cadence is the pool's (`model_pool.checkpoint_every`), not its own.
+    pool_cadence: bool = False
 
 
 class ModelPool:
@@ -305,6 +307,7 @@ class ModelPool:
         assert rid is not None
         seed = request.sampling.seed if request.sampling.seed is not None else self._seeds.getrandbits(63)
         every = request.checkpoint_every if request.checkpoint_every is not None else self._checkpoint_every
+        pending_cadence = request.checkpoint_every is None
         if request.checkpoint_every is None and every and await anyio.to_thread.run_sync(path_for(model.config.checkpoint_directory(), rid).exists):
             # The id names another request's checkpoint (a crashed one): leave it alone, and
             # generate this request again after a swap instead of checkpointing it.
@@ -312,7 +315,7 @@ class ModelPool:
         request = msgspec.structs.replace(
             request, model=None, request_id=rid, sampling=msgspec.structs.replace(request.sampling, seed=seed), checkpoint_every=every
         )
-        return _PoolRequest(rid, request)
+        return _PoolRequest(rid, request, pool_cadence=pending_cadence)
 
     async def _run(self, model: _Model, rt: Runtime, pending: _PoolRequest) -> AsyncIterator[Event]:
         """One run on the model's runtime: resumed from the request's own checkpoint (only one
@@ -324,6 +327,10 @@ class ModelPool:
         model.replaying += catching_up
         self._running[rid] = model
         try:
+            if pending.pool_cadence and pending.request.checkpoint_every and rt.model_info.denoising:
+                # A denoising request is not checkpointed: after a swap it is denoised again
+                # from its seed (the same answer; what was delivered is skipped).
+                pending.request = msgspec.structs.replace(pending.request, checkpoint_every=0)
             every = pending.request.checkpoint_every or 0
             resume = pending.runs > 0 and every > 0 and await rt.checkpointed_request(rid) == pending.request
             pending.runs += 1

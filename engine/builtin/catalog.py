@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from engine.builtin.diffusion import DiffusionSpec
 from engine.builtin.fields import config_fields
-from engine.builtin.models import BUILTIN_PREFIX, BuiltinSpec, Progress, ensure_model, ensure_vision_model
+from engine.builtin.models import BUILTIN_PREFIX, BuiltinSpec, Progress, ensure_diffusion_model, ensure_model, ensure_vision_model
 from engine.builtin.packaged import PACKAGED_MODELS, packaged_model_path
 from engine.builtin.tokenizer import TokenizerSpec
 from engine.builtin.vision import VisionSpec
@@ -339,11 +340,16 @@ VISION_MODELS: dict[str, VisionSpec] = {
 }
 
 
+# Diffusion language built-ins (mlx-vlm's DiffusionGemma classes), text only, the tiny tokenizer:
+# a 16-position canvas, at most 12 denoising steps per canvas.
+DIFFUSION_MODELS: dict[str, DiffusionSpec] = {spec.name: spec for spec in (DiffusionSpec(name="tiny-diffusion-gemma", seed=40, tokenizer=TINY_TOKENIZER),)}
+
+
 class UnknownBuiltinModelError(ValueError):
     """Raised for a name that is not a key of `BUILTIN_MODELS`."""
 
     def __init__(self, name: str) -> None:
-        known = ", ".join(sorted([*BUILTIN_MODELS, *VISION_MODELS, *PACKAGED_MODELS]))
+        known = ", ".join(sorted([*BUILTIN_MODELS, *VISION_MODELS, *DIFFUSION_MODELS, *PACKAGED_MODELS]))
         super().__init__(f"unknown builtin model {name!r}; known models: {known}")
         self.name = name
 
@@ -362,6 +368,8 @@ def ensure_builtin(name: str, *, root: Path | str, progress: Progress | None = N
         return packaged_model_path(name)
     if name in VISION_MODELS:
         return ensure_vision_model(VISION_MODELS[name], root=root, progress=progress)
+    if name in DIFFUSION_MODELS:
+        return ensure_diffusion_model(DIFFUSION_MODELS[name], root=root, progress=progress)
     spec = BUILTIN_MODELS.get(name)
     if spec is None:
         raise UnknownBuiltinModelError(name)

@@ -34,6 +34,7 @@ from typing import Any, Literal, cast
 import numpy as np
 
 from engine.builtin.copying import build_copy_weights
+from engine.builtin.diffusion import DIFFUSION_FILES, DiffusionSpec, build_diffusion_model
 from engine.builtin.fields import ConfigFields, freeze, thaw
 from engine.builtin.tokenizer import (
     CHAT_TEMPLATE,
@@ -228,6 +229,15 @@ def ensure_vision_model(spec: VisionSpec, *, root: Path | str, progress: Progres
     say = progress or (lambda _message: None)
     target = root / "models" / spec.directory_name()
     return _ensure_dir(target, VISION_FILES, lambda tmp: build_vision_model(spec, _ensure_tokenizer(spec.tokenizer, root, say), tmp, say))
+
+
+def ensure_diffusion_model(spec: DiffusionSpec, *, root: Path | str, progress: Progress | None = None) -> Path:
+    """Return the directory of the diffusion built-in `spec` under `root`, building it first if
+    needed (`engine.builtin.diffusion`)."""
+    root = Path(root)
+    say = progress or (lambda _message: None)
+    target = root / "models" / spec.directory_name()
+    return _ensure_dir(target, DIFFUSION_FILES, lambda tmp: build_diffusion_model(spec, _ensure_tokenizer(spec.tokenizer, root, say), tmp, say))
 
 
 def _ensure_dir(target: Path, required: tuple[str, ...], build: Callable[[Path], None]) -> Path:

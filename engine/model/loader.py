@@ -30,6 +30,7 @@ from mlx_lm.utils import load_tokenizer
 
 from engine.builtin import PackagedModelMissingError, builtin_name, ensure_builtin
 from engine.kv.layout import dtype_name, probe_layout
+from engine.model.diffusion import is_diffusion_config, load_diffusion
 from engine.model.gguf import is_gguf, load_gguf
 from engine.model.patches import adapt_for_batches
 from engine.model.vision import VisionLanguageModel, is_vision_config, load_vision
@@ -60,6 +61,8 @@ def with_kv_format(loaded: LoadedModel, kv: KvConfig) -> LoadedModel:
     none of whose layers can store quantized KV is refused: the configuration asks for what
     cannot be."""
     layout = loaded.layout
+    if loaded.info.denoising and (kv.bits or kv.block_size):
+        raise ModelLoadError("kv.bits and kv.block_size are not served for diffusion language models: leave them 0")
     if isinstance(loaded.model, VisionLanguageModel) and (kv.bits or kv.block_size):
         # mlx-vlm's attention is not routed to the runtime's quantized and paged caches.
         raise ModelLoadError("kv.bits and kv.block_size are not served for vision-language models yet: leave them 0")
@@ -109,7 +112,11 @@ def load_model(config: ModelConfig, builtin_root: Path, progress: Callable[[str]
     else:
         model, tokenizer, identity = _load_directory(source, config, lazy=world is not None)
     if world is not None:
+        if is_diffusion_config(identity.config):
+            raise ModelLoadError(f"{source}: a diffusion language model is not served in a distributed world")
         shard(model, identity.config.get("model_type", "?"), world)
+    if is_diffusion_config(identity.config):
+        return _inspect_diffusion(model, tokenizer, source, identity, config, started)
     try:
         return _inspect(model, tokenizer, source, identity, config, started, progress)
     except ModelLoadError:
@@ -129,6 +136,9 @@ class _Identity:
 
 def _load_directory(directory: Path, config: ModelConfig, lazy: bool) -> tuple[nn.Module, TokenizerWrapper, _Identity]:
     hf_config = _read_config(directory)
+    if is_diffusion_config(hf_config):
+        model = load_diffusion(directory, hf_config, lazy)
+        return model, _tokenizer(directory, hf_config), _Identity(hf_config, model_digest(directory), tokenizer_digest(directory))
     if is_vision_config(hf_config):
         return _load_vision(directory, hf_config, lazy)
     try:
@@ -152,13 +162,47 @@ def _load_vision(directory: Path, hf_config: dict[str, Any], lazy: bool) -> tupl
     """A vision-language model (`engine.model.vision`); its processor rides on the tokenizer
     wrapper (`processor`), which the runtime hands to admission."""
     model, processor = load_vision(directory, hf_config, lazy)
-    eos = hf_config.get("eos_token_id")
-    try:
-        tokenizer = load_tokenizer(directory, eos_token_ids=[eos] if isinstance(eos, int) else eos)
-    except Exception as exc:
-        raise ModelLoadError(f"{directory}: its tokenizer cannot be loaded: {type(exc).__name__}: {exc}") from exc
+    tokenizer = _tokenizer(directory, hf_config)
     tokenizer.processor = processor
     return model, tokenizer, _Identity(hf_config, model_digest(directory), tokenizer_digest(directory))
+
+
+def _tokenizer(directory: Path, hf_config: dict[str, Any]) -> TokenizerWrapper:
+    """An mlx-vlm model's tokenizer, with config.json's end tokens."""
+    eos = hf_config.get("eos_token_id")
+    try:
+        return load_tokenizer(directory, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+    except Exception as exc:
+        raise ModelLoadError(f"{directory}: its tokenizer cannot be loaded: {type(exc).__name__}: {exc}") from exc
+
+
+def _inspect_diffusion(model: nn.Module, tokenizer: TokenizerWrapper, source: Path, identity: _Identity, config: ModelConfig, started: float) -> LoadedModel:
+    """A diffusion model's facts (`engine.denoise` serves it: no decode layout is probed)."""
+    dtype = _target_dtype(config.dtype)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    text_config = identity.config.get("text_config") or {}
+    info = ModelInfo(
+        path=str(source),
+        model_type=str(identity.config.get("model_type")),
+        vocab_size=int(model.config.text_config.vocab_size),
+        max_context=config.max_context or int(text_config.get("max_position_embeddings") or DEFAULT_CONTEXT),
+        num_layers=len(model.layers),
+        kv_bytes_per_token=0,
+        dtype=_float_dtype(model),
+        device=str(mx.default_device()),
+        eos_token_ids=sorted(tokenizer.eos_token_ids),
+        num_parameters=sum(v.size for _, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters()))),
+        load_s=time.perf_counter() - started,
+        model_id=identity.model_id,
+        tokenizer_id=identity.tokenizer_id,
+        max_token_bytes=max_token_bytes(tokenizer),
+        has_chat_template=bool(getattr(tokenizer, "has_chat_template", False)),
+        denoising=True,
+        canvas_length=int(model.config.canvas_length),
+    )
+    return LoadedModel(model=model, tokenizer=tokenizer, layout=[], info=info)
 
 
 def _load_gguf(path: Path, config: ModelConfig, cache_root: Path, progress: Callable[[str], None] | None) -> tuple[nn.Module, TokenizerWrapper, _Identity]:

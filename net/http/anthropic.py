@@ -70,6 +70,7 @@ def messages_request(body: at.MessagesRequest) -> GenerateRequest:
         stop=list(body.stop_sequences or []),
         request_id=new_request_id(),
         stream_tool_calls=body.stream,
+        denoising=body.denoising,
     )
 
 

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from protocols.api import DenoisingOptions
+
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
 # -- requests ----------------------------------------------------------------------
@@ -142,6 +144,8 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     # Accepted; `user_id` is not used.
     metadata: dict[str, Any] | None = None
     stream: bool = False
+    # mlxrt's: a diffusion language model's denoising settings (`docs/denoising.md`).
+    denoising: DenoisingOptions | None = None
 
 
 # -- responses ---------------------------------------------------------------------

@@ -159,6 +159,7 @@ def _common(body: oa.ChatCompletionRequest | oa.CompletionRequest) -> dict[str, 
         "fill": body.fill,
         "speculative": body.speculative,
         "acceptance": body.acceptance,
+        "denoising": body.denoising,
     }
 
 

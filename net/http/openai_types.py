@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from protocols.api import DenoisingOptions
+
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -55,6 +57,8 @@ class NativeExtras(msgspec.Struct, kw_only=True):
     min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # A diffusion language model's denoising settings (`docs/denoising.md`).
+    denoising: DenoisingOptions | None = None
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.scheduling import MAX_SPANS, Ended, Phase, SchedulePolicy, Tracked
-from protocols.api import FillStats, SamplingParams
+from protocols.api import DenoisingOptions, FillStats, SamplingParams
 from protocols.model import AdmitRequest, PrefillReport, RowOutput, StepOutcome, StepPlan, VisionPrompt
 from protocols.session import RequestTimeline
 
@@ -72,10 +72,12 @@ class FakeSeq:
     in_batch: bool = False
     kv: int = 0
     tower_units: int = 0
+    denoise_steps: int = 0
 
     @property
     def is_ready(self) -> bool:
-        return not self.in_batch and self.num_generated == 0 and self.num_prefilled == len(self.admit.prompt_ids) - 1
+        ready = not self.in_batch and self.num_generated == 0 and self.num_prefilled == len(self.admit.prompt_ids) - 1
+        return ready and self.admit.denoise is None  # (a denoising request never joins the decode batch)
 
 
 class FakeEngine:
@@ -113,6 +115,7 @@ class FakeEngine:
             seq.num_prefilled = seq.kv = end
             prefilled.append(PrefillReport(request_id=work.request_id, processed_tokens=end, total_tokens=prompt_len))
         outputs = self._decode(synchronous=self.sync_after_prefill and bool(prefilled)) if plan.decode else []
+        outputs += [self._denoise(rid) for rid in plan.denoise]
         return StepOutcome(
             outputs=outputs,
             prefilled=prefilled,
@@ -122,6 +125,21 @@ class FakeEngine:
             kv_bytes=sum(s.kv for s in self.seqs.values()),
             step_s=0.0,
         )
+
+    def _denoise(self, rid: str) -> RowOutput:
+        """One denoising step: every `canvas_steps`-th finishes a canvas of `canvas_length` tokens."""
+        seq = self.seqs[rid]
+        assert seq.admit.denoise is not None and seq.num_prefilled == len(seq.admit.prompt_ids) - 1
+        seq.denoise_steps += 1
+        if seq.denoise_steps % 3:
+            return RowOutput(request_id=rid, token_ids=[])
+        canvas = min(seq.admit.denoise.canvas_length or 4, seq.admit.max_tokens - seq.num_generated)
+        tokens = [self.tokens(rid, seq.num_generated + i) for i in range(canvas)]
+        seq.num_generated += canvas
+        if seq.num_generated >= seq.admit.max_tokens:
+            del self.seqs[rid]
+            return RowOutput(request_id=rid, token_ids=tokens, finish_reason="length")
+        return RowOutput(request_id=rid, token_ids=tokens)
 
     def _release(self, rid: str) -> bool:
         seq = self.seqs.pop(rid, None)
@@ -778,6 +796,43 @@ def test_an_image_prompt_whose_images_are_in_its_prefix_hit_runs_no_tower():
     sim.run()
     assert [(w.encode, w.num_tokens) for s in sim.steps for w in s.plan.prefill] == [(False, 3)]
     assert sim.ended["image"].reason == "length"
+
+
+def test_denoising_requests_step_beside_decoding_rows_within_the_budget():
+    # Two denoising requests (canvases of 4, 3 steps each) and a decoding row; a budget of 10:
+    # the decoding row (1) and one canvas (4) always fit, a second canvas (4) too, a prompt
+    # chunk (4) waits for room.
+    sim = Sim(make_policy(chunk_size=4, token_budget=10))
+    sim.add(make_tracked("text", prompt_len=3, max_tokens=20))
+    for rid in ("d1", "d2"):
+        tracked = make_tracked(rid, prompt_len=5, max_tokens=8)
+        tracked.admit = msgspec.structs.replace(tracked.admit, denoise=DenoisingOptions(canvas_length=4))
+        sim.add(tracked)
+    sim.run()
+    assert all(sim.ended[rid].reason == "length" for rid in ("text", "d1", "d2"))
+    assert sim.tokens["d1"] == [1000 + i for i in range(8)]
+    denoising = [s for s in sim.steps if s.plan.denoise]
+    assert len(denoising) == 6  # 2 canvases x 3 steps, both requests in the same steps
+    assert all(set(s.plan.denoise) == {"d1", "d2"} for s in denoising)
+    assert all(s.plan.decode for s in denoising[:4])  # the text row decodes beside them
+    assert all(4 * len(s.plan.denoise) + s.num_decoding + prefill_tokens(s.plan) <= 10 or len(s.plan.denoise) == 1 for s in sim.steps)
+
+
+def test_a_denoising_request_that_is_not_read_stops_stepping_until_it_is():
+    sim = Sim(make_policy(chunk_size=4, token_budget=16))
+    tracked = make_tracked("d", prompt_len=5, max_tokens=8)
+    tracked.admit = msgspec.structs.replace(tracked.admit, denoise=DenoisingOptions(canvas_length=4))
+    sim.add(tracked)
+    sim.admit_all()
+    sim.step()
+    sim.step()
+    sim.policy.set_paused("d", True)
+    for _ in range(3):
+        sim.step()
+    assert not any(s.plan.denoise for s in sim.steps[-2:])
+    sim.policy.set_paused("d", False)
+    sim.run()
+    assert sim.ended["d"].reason == "length" and len(sim.tokens["d"]) == 8
 
 
 def test_spans_beyond_the_cap_are_counted_not_kept():

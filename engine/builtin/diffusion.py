@@ -1,0 +1,127 @@
+"""Random-weight diffusion language built-ins, made from mlx-vlm's own classes (MLX thread).
+
+A directory mlx-vlm's `load_model` reads like a published DiffusionGemma checkpoint (text only):
+config.json (`text_config`, `canvas_length`, `generation_config`), model.safetensors, and the
+built-ins' trained tokenizer with their ChatML template. Deterministic: the same spec gives the
+same files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.builtin.tokenizer import CHAT_TEMPLATE, ENDOFTEXT, IM_END, TokenizerSpec
+
+# Bump when the files a diffusion built-in is made of change.
+DIFFUSION_FORMAT = 1
+DIFFUSION_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+@dataclass(frozen=True)
+class DiffusionSpec:
+    """A DiffusionGemma (Gemma 4's mixture-of-experts backbone as an encoder over the prompt
+    and a decoder that denoises a canvas of `canvas_length` positions), text only."""
+
+    name: str
+    seed: int
+    tokenizer: TokenizerSpec
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    moe_intermediate_size: int = 32
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    num_global_key_value_heads: int = 1
+    head_dim: int = 16
+    global_head_dim: int = 32
+    sliding_window: int = 8
+    num_experts: int = 4
+    top_k_experts: int = 2
+    canvas_length: int = 16
+    max_denoising_steps: int = 12
+    max_position_embeddings: int = 4096
+
+    def digest(self) -> str:
+        fields = {**dataclasses.asdict(self), "tokenizer": self.tokenizer.digest(), "format": DIFFUSION_FORMAT}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+    def directory_name(self) -> str:
+        return f"{self.name}-{self.digest()[:12]}"
+
+
+def build_diffusion_model(spec: DiffusionSpec, tokenizer_json: Path, out: Path, say) -> None:
+    """Write `spec`'s directory into the empty directory `out`."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models import diffusion_gemma
+    from transformers import PreTrainedTokenizerFast
+
+    started = time.perf_counter()
+    say(f"building builtin diffusion model {spec.name!r}")
+    shutil.copyfile(tokenizer_json, out / "base-tokenizer.json")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(out / "base-tokenizer.json"), eos_token=IM_END, pad_token=ENDOFTEXT)
+    (out / "base-tokenizer.json").unlink()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.model_max_length = spec.max_position_embeddings
+    tokenizer.save_pretrained(out)
+    eos = [tokenizer.convert_tokens_to_ids(IM_END)]
+    config = {
+        "architectures": ["DiffusionGemma4ForDiffusionLM"],
+        "model_type": "diffusion_gemma",
+        "canvas_length": spec.canvas_length,
+        "eos_token_id": eos,
+        "torch_dtype": "float32",
+        "generation_config": {"max_denoising_steps": spec.max_denoising_steps, "eos_token_id": eos},
+        "text_config": {
+            "model_type": "diffusion_gemma_text",
+            "vocab_size": len(tokenizer),
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size,
+            "moe_intermediate_size": spec.moe_intermediate_size,
+            "num_hidden_layers": spec.num_hidden_layers,
+            "num_attention_heads": spec.num_attention_heads,
+            "num_key_value_heads": spec.num_key_value_heads,
+            "num_global_key_value_heads": spec.num_global_key_value_heads,
+            "head_dim": spec.head_dim,
+            "global_head_dim": spec.global_head_dim,
+            "sliding_window": spec.sliding_window,
+            "layer_types": ["sliding_attention"] * (spec.num_hidden_layers - 1) + ["full_attention"],
+            "num_experts": spec.num_experts,
+            "top_k_experts": spec.top_k_experts,
+            "max_position_embeddings": spec.max_position_embeddings,
+            "pad_token_id": tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+            "eos_token_id": eos,
+        },
+        # (mlx-vlm builds a vision tower whatever the config says: a tiny one, unused: the
+        # runtime serves this family's text prompts.)
+        "vision_config": {
+            "model_type": "gemma4_vision",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "global_head_dim": 16,
+            "patch_size": 8,
+            "position_embedding_size": 64,
+        },
+    }
+    from mlx_vlm.utils import update_module_configs
+
+    # As mlx-vlm's `load_model` makes the config.
+    loading = json.loads(json.dumps(config))
+    model_config = update_module_configs(diffusion_gemma.ModelConfig.from_dict(loading), diffusion_gemma, loading, ["text", "vision"])
+    mx.random.seed(spec.seed)
+    model = diffusion_gemma.Model(model_config)
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    num_parameters = sum(v.size for v in weights.values())
+    say(f"built {spec.name!r} ({num_parameters / 1e6:.2f}M params, {spec.canvas_length}-position canvas) in {time.perf_counter() - started:.1f}s")

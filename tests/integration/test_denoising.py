@@ -1,0 +1,127 @@
+"""Denoising requests (diffusion language models through mlx-vlm): answers equal mlx-vlm's own
+`stream_diffusion_generate` alone, together and beside autoregressive requests on the same MLX
+thread; cancellation frees a request between denoising steps; what the denoising rule does not
+define is refused by name."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+
+from protocols import DenoisingOptions, GenerateRequest, SamplingParams
+from protocols.api import Finished, TokenDelta
+from protocols.errors import InvalidRequestError
+from runtime import Runtime
+from runtime.config import PoolModelConfig
+from runtime.pool import ModelPool
+from tests.support.config import make_config
+from tests.support.diffusion import DIFFUSION_MODEL, DiffusionReference
+from tests.support.events import collect, collect_all
+
+
+@pytest.fixture(scope="module")
+def reference() -> DiffusionReference:
+    return DiffusionReference()
+
+
+def _prompt(reference: DiffusionReference, i: int) -> list[int]:
+    return reference.prompt_ids([{"role": "user", "content": f"Tell me story number {i} about the sea and the wind."}])
+
+
+def _request(prompt: list[int], max_tokens: int, seed: int, temperature: float = 0.0, **kw) -> GenerateRequest:
+    return GenerateRequest(prompt_ids=prompt, max_tokens=max_tokens, ignore_eos=True, sampling=SamplingParams(temperature=temperature, seed=seed), **kw)
+
+
+async def test_denoised_answers_equal_mlx_vlms_loop_alone_and_together(reference):
+    # Greedy and seeded sampling; several canvases (16 positions each); the prompt prefilled in
+    # 16-token chunks; an end token inside a canvas ends the answer there.
+    prompts = [_prompt(reference, i) for i in range(4)]
+    greedy = reference.generate(prompts[0], 40, seed=3)
+    stop = greedy[21]  # (a token of the second canvas)
+    expected = [
+        greedy[: greedy.index(stop)],
+        reference.generate(prompts[1], 33, seed=4, temperature=0.7),
+        reference.generate(prompts[2], 36, seed=5),
+        reference.generate(prompts[3], 12, seed=6, temperature=1.0, max_denoising_steps=5),
+    ]
+    requests = [
+        _request(prompts[0], 40, 3, stop_token_ids=[stop]),
+        _request(prompts[1], 33, 4, 0.7),
+        _request(prompts[2], 36, 5),
+        _request(prompts[3], 12, 6, 1.0, denoising=DenoisingOptions(max_steps=5)),
+    ]
+    async with Runtime.open(make_config(DIFFUSION_MODEL)) as rt:
+        alone = await collect(rt.generate(requests[0]))
+        together = await collect_all(rt.generate, requests)
+        stats = await rt.stats()
+    assert alone.tokens == expected[0] and alone.last.finish_reason == "stop"
+    assert [o.tokens for o in together] == expected
+    assert [o.last.finish_reason for o in together] == ["stop", "length", "length", "length"]
+    assert together[1].last.usage.completion_tokens == 33
+    assert stats.live_requests == 0 and stats.kv.live_tokens == 0
+
+
+async def test_denoising_and_decoding_requests_share_the_device(reference):
+    ar = [GenerateRequest(prompt_ids=[(5 * i + j) % 900 + 7 for j in range(9 + i)], max_tokens=24, ignore_eos=True) for i in range(4)]
+    async with Runtime.open(make_config()) as alone:
+        decoded = [o.tokens for o in await collect_all(alone.generate, ar)]
+    prompts = [_prompt(reference, i) for i in range(4)]
+    denoised = [reference.generate(p, 32, seed=20 + i) for i, p in enumerate(prompts)]
+    config = msgspec.structs.replace(make_config(), models=[PoolModelConfig(name="diffusion", path=DIFFUSION_MODEL)])
+    requests = [*ar, *(_request(p, 32, 20 + i, model="diffusion") for i, p in enumerate(prompts))]
+    async with ModelPool.open(config) as pool:
+        outcomes = await collect_all(pool.generate, requests)
+    assert [o.tokens for o in outcomes[:4]] == decoded
+    assert [o.tokens for o in outcomes[4:]] == denoised
+
+
+async def test_cancelling_a_denoising_request_frees_it_between_steps(reference):
+    prompt = _prompt(reference, 9)
+    async with Runtime.open(make_config(DIFFUSION_MODEL)) as rt:
+        finished = None
+        async for event in rt.generate(_request(prompt, 400, 1, request_id="victim")):
+            if isinstance(event, TokenDelta):
+                await rt.cancel("victim")  # after its first canvas: mid-denoise of the next
+            elif isinstance(event, Finished):
+                finished = event
+        with anyio.fail_after(10):
+            while (stats := await rt.stats()).live_requests or stats.kv.live_tokens:
+                await anyio.sleep(0.01)
+        after = await collect(rt.generate(_request(prompt, 20, 2)))
+    assert finished is not None and finished.finish_reason == "cancelled"
+    assert 0 < finished.usage.completion_tokens < 400
+    assert after.tokens == reference.generate(prompt, 20, seed=2)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"logprobs": True}, "logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"sampling": SamplingParams(top_p=0.5)}, "sampling"),
+        ({"sampling": SamplingParams(repetition_penalty=1.2)}, "sampling"),
+        ({"checkpoint_every": 8, "request_id": "kept"}, "checkpoint_every"),
+        ({"denoising": DenoisingOptions(max_steps=0)}, "denoising.max_steps"),
+        ({"denoising": DenoisingOptions(threshold=1.5)}, "denoising.threshold"),
+    ],
+)
+async def test_what_denoising_does_not_define_is_refused_by_name(diffusion_runtime, change, field):
+    with pytest.raises(InvalidRequestError) as refused:
+        await collect(diffusion_runtime.generate(msgspec.structs.replace(GenerateRequest(prompt="Hello", max_tokens=4), **change)))
+    assert refused.value.field == field
+    # The runtime goes on.
+    assert (await collect(diffusion_runtime.generate(GenerateRequest(prompt="Hello", max_tokens=4)))).last.finish_reason in ("length", "stop")
+
+
+async def test_an_autoregressive_model_refuses_denoising_options():
+    async with Runtime.open(make_config()) as rt:
+        with pytest.raises(InvalidRequestError) as refused:
+            await collect(rt.generate(GenerateRequest(prompt="Hello", max_tokens=4, denoising=DenoisingOptions(max_steps=4))))
+    assert refused.value.field == "denoising"
+
+
+@pytest.fixture(scope="module")
+async def diffusion_runtime():
+    async with Runtime.open(make_config(DIFFUSION_MODEL)) as rt:
+        yield rt
