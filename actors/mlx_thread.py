@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -38,6 +39,8 @@ class MlxThread:
         self._jobs: queue.Queue = queue.Queue(maxsize=max_pending)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._stopped = threading.Event()
+        # When each user of the thread (a model actor, by `note`) last ran a step on it.
+        self._activity: dict[int, float] = {}
 
     @property
     def ident(self) -> int | None:
@@ -55,6 +58,15 @@ class MlxThread:
         if len(outcome) == 2:
             raise outcome[1]
         return outcome[0]
+
+    def note(self, user: int) -> None:
+        """`user` (any id) has just run work on the thread."""
+        self._activity[user] = time.monotonic()
+
+    def busy_besides(self, user: int, within_s: float) -> bool:
+        """Whether another user ran work on the thread in the last `within_s` seconds."""
+        now = time.monotonic()
+        return any(other != user and now - at <= within_s for other, at in self._activity.items())
 
     async def stop(self) -> None:
         """Finish queued jobs; the thread then parks for good (see `_loop`)."""

@@ -115,8 +115,10 @@ class ModelActor:
         kv: KvConfig | None = None,
         distributed: DistributedConfig | None = None,
         world_secret: str = "",
+        denoise_share: float = 1.0,
     ):
         self._config = config
+        self._denoise_share = denoise_share
         self._kv = kv or KvConfig()
         self._speculative = speculative or SpeculativeConfig()
         self._lora = lora or LoraConfig()
@@ -303,7 +305,12 @@ class ModelActor:
                 with bank.staged(files):
                     return engine.step(plan)
 
-            return await self._thread.run(run)
+            outcome = await self._thread.run(run)
+            self._thread.note(id(self))
+            if plan.denoise and self._denoise_share < 1 and self._thread.busy_besides(id(self), within_s=max(1.0, 4 * outcome.step_s)):
+                # (Another model decodes on this thread: denoising keeps to its share of it.)
+                await anyio.sleep(outcome.step_s * (1 - self._denoise_share) / self._denoise_share)
+            return outcome
         except Exception as exc:
             log.exception("step_failed")
             await self._thread.run(engine.reset)

@@ -261,5 +261,6 @@ class SchedulerActor:
                 fill=tracked.fill,
                 spec=tracked.spec,
                 checkpoint=tracked.checkpoint_report(),
+                denoising_steps=tracked.num_denoise_steps if tracked.admit.denoise is not None else None,
             )
         )

@@ -249,6 +249,7 @@ class SessionActor:
             fill=message.fill or self._fill,
             checkpoint=message.checkpoint,
             spec=message.spec or self._spec,
+            denoising_steps=message.denoising_steps,
         )
         if self._observer is not None:
             self._observer.request_ended(finished, message.timeline)

@@ -1,8 +1,8 @@
 """The denoising engine (MLX thread): diffusion language models' requests, a denoising step at a
 time, under the same `step(plan) -> StepOutcome` contract as the autoregressive engine.
 
-A request's prompt prefills into its own encoder cache in the scheduler's chunks (the last
-token too: a canvas attends to the whole prompt). Then its answer is made a canvas at a time:
+A request's prompt prefills into its own encoder cache in the scheduler's chunks (all of it,
+the last token too: a canvas attends to the whole prompt). Then its answer is made a canvas at a time:
 a canvas of random tokens over `canvas_length` positions is refined by denoising steps, each one
 forward of the decoder over the canvas and one unit of work the scheduler plans beside other
 work (`StepPlan.denoise`), so a long denoise never freezes the device. A step reveals the
@@ -198,7 +198,7 @@ class DenoiseEngine:
         row = self._rows[work.request_id]
         end = row.num_prefilled + work.num_tokens
         prompt = row.admit.prompt_ids
-        if work.num_tokens <= 0 or end > len(prompt) - 1:
+        if work.num_tokens <= 0 or end > len(prompt):
             raise EngineInvariantError(f"prefill to {end} outside the prompt of {len(prompt)}")
         self._encode(row, prompt[row.num_prefilled : end])
         row.num_prefilled = end
@@ -251,11 +251,9 @@ class DenoiseEngine:
     def _start_canvas(self, row: DenoiseRow) -> Canvas:
         """The next canvas: the prompt's last token (first canvas) or the finished canvas
         (later ones) into the encoder cache, then random tokens over the canvas's positions."""
-        prompt = row.admit.prompt_ids
-        if row.num_prefilled < len(prompt):
-            self._encode(row, prompt[row.num_prefilled :])
-            row.num_prefilled = len(prompt)
-        elif row.pending is not None:
+        if row.num_prefilled < len(row.admit.prompt_ids):
+            raise EngineInvariantError(f"denoising before the prompt of {row.admit.request_id!r} is prefilled")
+        if row.pending is not None:
             self._encode(row, row.pending)
             row.pending = None
         settings = row.settings
@@ -314,7 +312,7 @@ class DenoiseEngine:
             save_prefix=False,
             denoise=DenoisingOptions(max_steps=2, canvas_length=1, min_canvas_length=1),
         )
-        self.step(StepPlan(admit=[admit], prefill=[PrefillWork(request_id="warm-up", num_tokens=len(prompt) - 1)]))
+        self.step(StepPlan(admit=[admit], prefill=[PrefillWork(request_id="warm-up", num_tokens=len(prompt))]))
         for _ in range(8):
             if "warm-up" not in self._rows:
                 break

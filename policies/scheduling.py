@@ -85,6 +85,8 @@ class Tracked:
     # the start of the unit in flight.
     encoding: bool = False
     open_encode: float | None = None
+    # A denoising request's denoising steps planned so far.
+    num_denoise_steps: int = 0
     checkpoint_writes: deque[float] = field(default_factory=deque)
 
     @property
@@ -114,7 +116,8 @@ class Tracked:
 
     @property
     def prefill_left(self) -> int:
-        return len(self.admit.context_ids) - 1 - self.num_prefilled
+        # (Decoding feeds the last token; a denoising request's canvas attends to all of them.)
+        return len(self.admit.context_ids) - (self.admit.denoise is None) - self.num_prefilled
 
     @property
     def kv_tokens_needed(self) -> int:
@@ -395,6 +398,7 @@ class SchedulePolicy:
                 continue
             budget -= cost
             tracked.num_skips = 0
+            tracked.num_denoise_steps += 1
             chosen.append(tracked.request_id)
         return chosen
 

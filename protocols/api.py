@@ -378,6 +378,8 @@ class Finished(Message, frozen=True):
     # With finish_reason "error": the error's code (`protocols.errors`), e.g. "unavailable"
     # when a rank of a distributed world died under the request.
     error_code: str | None = None
+    # A denoising request (a diffusion model): the denoising steps its answer took.
+    denoising_steps: int | None = None
 
 
 Event = TokenDelta | ToolCall | ToolCallDelta | PrefillProgress | Finished

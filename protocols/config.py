@@ -46,6 +46,10 @@ class SchedulerConfig(Section, frozen=True):
     # A request whose caller has not read for this long is cancelled (it was paused, holding
     # its KV but no batch slot, since its caller fell behind); its stream ends `cancelled`.
     max_pause_s: Seconds = 300.0
+    # A diffusion model's denoising steps take at most this share of the MLX thread while
+    # another model on it (a model pool's) is working: after a step, its scheduler waits so
+    # that the other model's decode keeps its pace. 1: no limit. Alone on the thread, none.
+    denoise_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.3
 
 
 class KvConfig(Section, frozen=True):

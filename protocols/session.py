@@ -60,6 +60,7 @@ class RequestFinished(Message, frozen=True):
     fill: FillStats | None = None
     checkpoint: CheckpointReport | None = None
     spec: SpecStats | None = None
+    denoising_steps: int | None = None
 
 
 class RequestRejected(Message, frozen=True):

@@ -403,6 +403,7 @@ async def _start_model(config: RuntimeConfig, thread: MlxThread, tg) -> tuple[Mo
         adapters=config.adapters,
         distributed=config.distributed,
         world_secret=env.world_secret(),
+        denoise_share=config.scheduler.denoise_share,
     )
     try:
         ready: ModelReady = await tg.start(model.run)

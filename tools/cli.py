@@ -169,6 +169,12 @@ def _add_bench(sub) -> None:
         help="image requests (default model builtin:bench-idefics3): TTFT beside 8 decoding text rows, a repeated image from the prefix cache, 8 at once against mlx-vlm's batch_generate",
     )
     bench.add_argument("--vision-workloads", default="beside,repeat,batch", help="with --vision: comma-separated subset")
+    bench.add_argument(
+        "--denoise",
+        action="store_true",
+        help="denoising requests (default model builtin:bench-diffusion-gemma): tokens/s and steps against mlx-vlm's loop; an AR request's decode beside them",
+    )
+    bench.add_argument("--denoise-workloads", default="alone,beside", help="with --denoise: comma-separated subset")
     bench.add_argument("--disk-workloads", default="restart,writes", help="with --disk: comma-separated subset")
     bench.add_argument("--disk-formats", default="float,int8,int4", help="with --disk: KV formats measured (comma-separated)")
     bench.add_argument(
@@ -433,6 +439,8 @@ def _bench(args) -> int:
         return _bench_disk(args, config)
     if args.vision:
         return _bench_vision(args, config)
+    if args.denoise:
+        return _bench_denoise(args, config)
     if args.distributed:
         return _bench_world(args)
     config = _with_model(config, args.model)
@@ -584,6 +592,21 @@ def _bench_vision(args, config: RuntimeConfig) -> int:
     options = VisionBenchOptions(workloads=workloads, repeats=min(args.repeats, 3), new_tokens=args.new_tokens)
     results = anyio.run(run_vision_bench, _with_model(config, args.model or DEFAULT_MODEL), options)
     print(format_vision_table(results))
+    dump(results, args.json_path)
+    return EXIT_OK
+
+
+def _bench_denoise(args, config: RuntimeConfig) -> int:
+    from tools.bench import dump
+    from tools.bench_denoise import DEFAULT_MODEL, WORKLOADS, DenoiseBenchOptions, format_denoise_table, run_denoise_bench
+
+    workloads = tuple(w for w in args.denoise_workloads.split(",") if w)
+    if set(workloads) - set(WORKLOADS):
+        print(f"mlxrt bench --denoise: workloads are {', '.join(WORKLOADS)}", file=sys.stderr)
+        return EXIT_USAGE
+    options = DenoiseBenchOptions(workloads=workloads, repeats=min(args.repeats, 3), new_tokens=args.new_tokens)
+    results = anyio.run(run_denoise_bench, _with_model(config, args.model or DEFAULT_MODEL), options)
+    print(format_denoise_table(results))
     dump(results, args.json_path)
     return EXIT_OK
 

@@ -342,7 +342,33 @@ VISION_MODELS: dict[str, VisionSpec] = {
 
 # Diffusion language built-ins (mlx-vlm's DiffusionGemma classes), text only, the tiny tokenizer:
 # a 16-position canvas, at most 12 denoising steps per canvas.
-DIFFUSION_MODELS: dict[str, DiffusionSpec] = {spec.name: spec for spec in (DiffusionSpec(name="tiny-diffusion-gemma", seed=40, tokenizer=TINY_TOKENIZER),)}
+# `bench-diffusion-gemma`: an 8-layer, 512-wide one with 8 experts and a 64-position canvas
+# (`mlxrt bench --denoise`).
+DIFFUSION_MODELS: dict[str, DiffusionSpec] = {
+    spec.name: spec
+    for spec in (
+        DiffusionSpec(name="tiny-diffusion-gemma", seed=40, tokenizer=TINY_TOKENIZER),
+        DiffusionSpec(
+            name="bench-diffusion-gemma",
+            seed=41,
+            tokenizer=BENCH_TOKENIZER,
+            hidden_size=512,
+            intermediate_size=1024,
+            moe_intermediate_size=256,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            num_global_key_value_heads=2,
+            head_dim=64,
+            global_head_dim=128,
+            sliding_window=128,
+            num_experts=8,
+            top_k_experts=2,
+            canvas_length=64,
+            max_denoising_steps=24,
+        ),
+    )
+}
 
 
 class UnknownBuiltinModelError(ValueError):

@@ -39,6 +39,7 @@ async def test_denoised_answers_equal_mlx_vlms_loop_alone_and_together(reference
     prompts = [_prompt(reference, i) for i in range(4)]
     greedy = reference.generate(prompts[0], 40, seed=3)
     stop = greedy[21]  # (a token of the second canvas)
+    steps = reference.last_steps
     expected = [
         greedy[: greedy.index(stop)],
         reference.generate(prompts[1], 33, seed=4, temperature=0.7),
@@ -59,7 +60,14 @@ async def test_denoised_answers_equal_mlx_vlms_loop_alone_and_together(reference
     assert [o.tokens for o in together] == expected
     assert [o.last.finish_reason for o in together] == ["stop", "length", "length", "length"]
     assert together[1].last.usage.completion_tokens == 33
+    # Steps per answer as mlx-vlm's loop counts them (40 tokens: 3 canvases).
+    assert (await _alone_steps(prompts[0])) == steps
     assert stats.live_requests == 0 and stats.kv.live_tokens == 0
+
+
+async def _alone_steps(prompt: list[int]) -> int | None:
+    async with Runtime.open(make_config(DIFFUSION_MODEL)) as rt:
+        return (await collect(rt.generate(_request(prompt, 40, 3)))).last.denoising_steps
 
 
 async def test_denoising_and_decoding_requests_share_the_device(reference):

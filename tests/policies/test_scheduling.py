@@ -111,7 +111,7 @@ class FakeEngine:
             assert seq.tower_units <= 0, "a chunk of an image prompt before its vision tower ran"
             end = seq.num_prefilled + work.num_tokens
             prompt_len = len(seq.admit.prompt_ids)
-            assert work.num_tokens > 0 and end <= prompt_len - 1, f"prefill {seq.num_prefilled}:{end} of {prompt_len}"
+            assert work.num_tokens > 0 and end <= prompt_len - (seq.admit.denoise is None), f"prefill {seq.num_prefilled}:{end} of {prompt_len}"
             seq.num_prefilled = seq.kv = end
             prefilled.append(PrefillReport(request_id=work.request_id, processed_tokens=end, total_tokens=prompt_len))
         outputs = self._decode(synchronous=self.sync_after_prefill and bool(prefilled)) if plan.decode else []
@@ -129,7 +129,7 @@ class FakeEngine:
     def _denoise(self, rid: str) -> RowOutput:
         """One denoising step: every `canvas_steps`-th finishes a canvas of `canvas_length` tokens."""
         seq = self.seqs[rid]
-        assert seq.admit.denoise is not None and seq.num_prefilled == len(seq.admit.prompt_ids) - 1
+        assert seq.admit.denoise is not None and seq.num_prefilled == len(seq.admit.prompt_ids)
         seq.denoise_steps += 1
         if seq.denoise_steps % 3:
             return RowOutput(request_id=rid, token_ids=[])

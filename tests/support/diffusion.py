@@ -47,20 +47,25 @@ class DiffusionReference:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def generate(self, prompt_ids: list[int], max_tokens: int, *, seed: int, temperature: float = 0.0, stop_ids: list[int] = (), **options) -> list[int]:
-        """The answer's tokens (an end token in `stop_ids` ends it, not included)."""
+        """The answer's tokens (an end token in `stop_ids` ends it, not included); the denoising
+        steps it took in `last_steps`."""
         tokenizer = self.tokenizer._tokenizer
         tokenizer.stopping_criteria = _Stops(list(stop_ids))
         mx.random.seed(seed)
-        results = self._loop.stream_diffusion_generate(
-            self.model,
-            self._processor,
-            tokenizer,
-            mx.array([prompt_ids]),
-            None,
-            None,
-            max_tokens=max_tokens,
-            skip_special_token_ids=[],
-            temperature=temperature,
-            **options,
+        results = list(
+            self._loop.stream_diffusion_generate(
+                self.model,
+                self._processor,
+                tokenizer,
+                mx.array([prompt_ids]),
+                None,
+                None,
+                max_tokens=max_tokens,
+                skip_special_token_ids=[],
+                temperature=temperature,
+                **options,
+            )
         )
-        return [r.token for r in results if r.text or (r.finish_reason is None and not r.diffusion_block_complete and not r.is_draft)][:max_tokens]
+        self.last_steps = results[-1].diffusion_denoising_steps
+        # One result per token; a canvas's end and the last result repeat a token.
+        return [r.token for r in results if r.finish_reason is None and not r.diffusion_block_complete and not r.is_draft]

@@ -1,0 +1,36 @@
+"""The MLX thread's record of who ran work on it (what keeps denoising to its share in a pool)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from actors.mlx_thread import MlxThread
+
+
+def test_busy_besides_sees_only_other_users_and_only_recently(monkeypatch):
+    thread = MlxThread()
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    assert not thread.busy_besides(1, within_s=1.0)  # nobody ran anything
+    thread.note(1)
+    assert not thread.busy_besides(1, within_s=1.0)  # only itself
+    thread.note(2)
+    now[0] += 0.5
+    assert thread.busy_besides(1, within_s=1.0)
+    now[0] += 1.0
+    assert not thread.busy_besides(1, within_s=1.0)  # the other went quiet
+    assert thread.busy_besides(1, within_s=2.0)
+
+
+async def test_jobs_run_on_the_thread_and_errors_come_back():
+    thread = MlxThread()
+    thread.start()
+    try:
+        assert await thread.run(threading.get_ident) == thread.ident
+        with pytest.raises(ZeroDivisionError):
+            await thread.run(lambda: 1 / 0)
+    finally:
+        await thread.stop()
