@@ -12,9 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as nn
 
+from engine.kv.layout import dtype_name
 from protocols.errors import ModelLoadError
+from protocols.model import LayerLayout
 
 DIFFUSION_FAMILIES = ("diffusion_gemma",)
 # Families mlx-vlm also ships that are not served yet (their loops differ).
@@ -23,6 +26,24 @@ KNOWN_DIFFUSION = ("llada2_moe", "nemotron_labs_diffusion")
 
 def is_diffusion_config(config: dict[str, Any]) -> bool:
     return config.get("model_type") in (*DIFFUSION_FAMILIES, *KNOWN_DIFFUSION)
+
+
+def diffusion_layout(model: nn.Module) -> list[LayerLayout]:
+    """What a request's encoder cache keeps per layer (MLX thread): probed from one token
+    through the model's own caches (mlx-vlm's: sliding-window layers rotate, the others grow)."""
+    cache = model.diffusion_prefill_cache(
+        mx.array([[0]]), attention_mask=None, cache=model.make_cache(), pixel_values=None, mm_token_type_ids=None, prefill_step_size=None, chunk_prefill=False
+    )
+    mx.eval([c.state for c in cache if getattr(c, "keys", None) is not None])
+    layers = []
+    for c in cache:
+        if getattr(c, "keys", None) is None:
+            continue  # (a layer that reads another's cache)
+        keys, values = c.keys, c.values
+        common = {"heads": keys.shape[1], "key_dim": keys.shape[3], "value_dim": values.shape[3], "dtype": dtype_name(keys.dtype)}
+        rotating = type(c).__name__ == "RotatingKVCache"
+        layers.append(LayerLayout(kind="window", window=c.max_size, **common) if rotating else LayerLayout(kind="full", **common))
+    return layers
 
 
 def load_diffusion(directory: Path, config: dict[str, Any], lazy: bool) -> nn.Module:

@@ -30,7 +30,7 @@ from mlx_lm.utils import load_tokenizer
 
 from engine.builtin import PackagedModelMissingError, builtin_name, ensure_builtin
 from engine.kv.layout import dtype_name, probe_layout
-from engine.model.diffusion import is_diffusion_config, load_diffusion
+from engine.model.diffusion import diffusion_layout, is_diffusion_config, load_diffusion
 from engine.model.gguf import is_gguf, load_gguf
 from engine.model.patches import adapt_for_batches
 from engine.model.vision import VisionLanguageModel, is_vision_config, load_vision
@@ -177,19 +177,22 @@ def _tokenizer(directory: Path, hf_config: dict[str, Any]) -> TokenizerWrapper:
 
 
 def _inspect_diffusion(model: nn.Module, tokenizer: TokenizerWrapper, source: Path, identity: _Identity, config: ModelConfig, started: float) -> LoadedModel:
-    """A diffusion model's facts (`engine.denoise` serves it: no decode layout is probed)."""
+    """A diffusion model's facts (`engine.denoise` serves it: no decode batch; its encoder
+    cache's layout is what the KV budget counts)."""
     dtype = _target_dtype(config.dtype)
     if dtype is not None:
         model.set_dtype(dtype)
     mx.eval(model.parameters())
     text_config = identity.config.get("text_config") or {}
+    layout = diffusion_layout(model)
     info = ModelInfo(
         path=str(source),
         model_type=str(identity.config.get("model_type")),
         vocab_size=int(model.config.text_config.vocab_size),
         max_context=config.max_context or int(text_config.get("max_position_embeddings") or DEFAULT_CONTEXT),
         num_layers=len(model.layers),
-        kv_bytes_per_token=0,
+        kv_bytes_per_token=full_token_bytes(layout),
+        layers=layout,
         dtype=_float_dtype(model),
         device=str(mx.default_device()),
         eos_token_ids=sorted(tokenizer.eos_token_ids),

@@ -11,9 +11,9 @@ import pytest
 
 from protocols import DenoisingOptions, GenerateRequest, SamplingParams
 from protocols.api import Finished, TokenDelta
-from protocols.errors import InvalidRequestError
+from protocols.errors import InvalidRequestError, RequestTooLargeError
 from runtime import Runtime
-from runtime.config import PoolModelConfig
+from runtime.config import KvConfig, PoolModelConfig
 from runtime.pool import ModelPool
 from tests.support.config import make_config
 from tests.support.diffusion import DIFFUSION_MODEL, DiffusionReference
@@ -100,6 +100,19 @@ async def test_cancelling_a_denoising_request_frees_it_between_steps(reference):
     assert finished is not None and finished.finish_reason == "cancelled"
     assert 0 < finished.usage.completion_tokens < 400
     assert after.tokens == reference.generate(prompt, 20, seed=2)
+
+
+async def test_the_kv_budget_counts_a_denoising_requests_encoder_cache(reference):
+    # The tiny model's cache: 256 bytes a token on its global layer and as much on its windowed one (its
+    # 8-position ring, with the margin the ledger counts, holds every token of these requests).
+    prompt = _prompt(reference, 3)
+    config = msgspec.structs.replace(make_config(DIFFUSION_MODEL), kv=KvConfig(budget_bytes=30_000, prefix_cache_bytes=0))
+    async with Runtime.open(config) as rt:
+        assert rt.model_info.kv_bytes_per_token == 256
+        with pytest.raises(RequestTooLargeError):
+            await collect(rt.generate(_request(prompt, 200, 1)))
+        fits = await collect(rt.generate(_request(prompt, 16, 1)))
+    assert fits.tokens == reference.generate(prompt, 16, seed=1)
 
 
 @pytest.mark.parametrize(
