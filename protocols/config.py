@@ -49,7 +49,7 @@ class SchedulerConfig(Section, frozen=True):
     # A diffusion model's denoising steps take at most this share of the MLX thread while
     # another model on it (a model pool's) is working: after a step, its scheduler waits so
     # that the other model's decode keeps its pace. 1: no limit. Alone on the thread, none.
-    denoise_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.3
+    denoise_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.25
 
 
 class KvConfig(Section, frozen=True):
