@@ -8,15 +8,13 @@ same files.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.builtin.tokenizer import CHAT_TEMPLATE, ENDOFTEXT, IM_END, TokenizerSpec
+from engine.builtin.tokenizer import CHAT_TEMPLATE, ENDOFTEXT, IM_END, TokenizerSpec, spec_digest
 
 # Bump when the files a diffusion built-in is made of change.
 DIFFUSION_FORMAT = 1
@@ -48,8 +46,7 @@ class DiffusionSpec:
     max_position_embeddings: int = 4096
 
     def digest(self) -> str:
-        fields = {**dataclasses.asdict(self), "tokenizer": self.tokenizer.digest(), "format": DIFFUSION_FORMAT}
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+        return spec_digest(self, DIFFUSION_FORMAT)
 
     def directory_name(self) -> str:
         return f"{self.name}-{self.digest()[:12]}"

@@ -163,6 +163,12 @@ CHAT_TEMPLATE = r"""{%- macro render_content(content) -%}
 TOKENIZER_FORMAT = 1
 
 
+def spec_digest(spec, build_format: int) -> str:
+    """sha256 over a built-in's dataclass spec (its tokenizer by digest) and its build format."""
+    fields = {**dataclasses.asdict(spec), "tokenizer": spec.tokenizer.digest(), "format": build_format}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenizerSpec:
     """What determines a trained tokenizer; `vocab_size` includes the added tokens."""

@@ -10,15 +10,13 @@ built-ins' trained one).
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.builtin.tokenizer import CHAT_TEMPLATE, ENDOFTEXT, IM_END, TokenizerSpec
+from engine.builtin.tokenizer import CHAT_TEMPLATE, ENDOFTEXT, IM_END, TokenizerSpec, spec_digest
 
 # Bump when the files a vision built-in is made of change.
 VISION_FORMAT = 2
@@ -84,8 +82,7 @@ class VisionSpec:
         return {"gemma3": "<start_of_image>", "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>"}.get(self.family, "<image>")
 
     def digest(self) -> str:
-        fields = {**dataclasses.asdict(self), "tokenizer": self.tokenizer.digest(), "format": VISION_FORMAT}
-        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+        return spec_digest(self, VISION_FORMAT)
 
     def directory_name(self) -> str:
         return f"{self.name}-{self.digest()[:12]}"

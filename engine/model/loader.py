@@ -193,15 +193,7 @@ def _inspect_diffusion(model: nn.Module, tokenizer: TokenizerWrapper, source: Pa
         num_layers=len(model.layers),
         kv_bytes_per_token=full_token_bytes(layout),
         layers=layout,
-        dtype=_float_dtype(model),
-        device=str(mx.default_device()),
-        eos_token_ids=sorted(tokenizer.eos_token_ids),
-        num_parameters=sum(v.size for _, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters()))),
-        load_s=time.perf_counter() - started,
-        model_id=identity.model_id,
-        tokenizer_id=identity.tokenizer_id,
-        max_token_bytes=max_token_bytes(tokenizer),
-        has_chat_template=bool(getattr(tokenizer, "has_chat_template", False)),
+        **_facts(model, tokenizer, identity, started),
         denoising=True,
         canvas_length=int(model.config.canvas_length),
     )
@@ -250,19 +242,26 @@ def _inspect(
         max_context=config.max_context or int(hf_config.get("max_position_embeddings") or text_config.get("max_position_embeddings") or DEFAULT_CONTEXT),
         num_layers=len(layout),
         kv_bytes_per_token=full_token_bytes(layout),
-        dtype=_float_dtype(model),
-        device=str(mx.default_device()),
-        eos_token_ids=sorted(tokenizer.eos_token_ids),
-        num_parameters=sum(v.size for _, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters()))),
-        load_s=time.perf_counter() - started,
-        model_id=identity.model_id,
-        tokenizer_id=identity.tokenizer_id,
         layers=layout,
-        max_token_bytes=max_token_bytes(tokenizer),
         quantization=quantization.reason if quantization.quantized_modules else "",
-        has_chat_template=bool(getattr(tokenizer, "has_chat_template", False)),
+        **_facts(model, tokenizer, identity, started),
     )
     return LoadedModel(model=model, tokenizer=tokenizer, layout=layout, info=info)
+
+
+def _facts(model: nn.Module, tokenizer: TokenizerWrapper, identity: _Identity, started: float) -> dict[str, Any]:
+    """The `ModelInfo` fields every kind of model reports alike."""
+    return {
+        "dtype": _float_dtype(model),
+        "device": str(mx.default_device()),
+        "eos_token_ids": sorted(tokenizer.eos_token_ids),
+        "num_parameters": sum(v.size for _, v in cast(list[tuple[str, Any]], tree_flatten(model.parameters()))),
+        "load_s": time.perf_counter() - started,
+        "model_id": identity.model_id,
+        "tokenizer_id": identity.tokenizer_id,
+        "max_token_bytes": max_token_bytes(tokenizer),
+        "has_chat_template": bool(getattr(tokenizer, "has_chat_template", False)),
+    }
 
 
 def max_token_bytes(tokenizer) -> int:
