@@ -109,7 +109,6 @@ class Canvas:
     step: int  # the schedule's step, counting down to 1
     self_conditioning: Any = None
     history: list[mx.array] = field(default_factory=list)
-    steps: int = 0
 
 
 @dataclass
@@ -127,7 +126,6 @@ class DenoiseRow:
     canvas: Canvas | None = None
     # The last finished canvas, not yet in the encoder cache (the next canvas adds it).
     pending: mx.array | None = None
-    num_steps: int = 0
 
     def next_key(self) -> mx.array:
         """The next key of this request's sequence (as MLX's global generator: split, keep the
@@ -221,8 +219,6 @@ class DenoiseEngine:
         if row.canvas is None:
             row.canvas = self._start_canvas(row)
         canvas, settings, ref = row.canvas, row.settings, _reference()
-        canvas.steps += 1
-        row.num_steps += 1
         fn_plain, fn_conditioned = canvas.logits_fns
         logits = fn_plain(canvas.current) if canvas.self_conditioning is None else fn_conditioned(canvas.current, canvas.self_conditioning)
         temperature = ref._diffusion_linear_temperature(canvas.step, settings.max_steps, settings.schedule)
