@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -105,6 +107,8 @@ class Canvas:
     reveal: mx.array
     draft: mx.array
     argmax: mx.array
+    masks: dict[str, Any]  # the decoder's attention masks by layer type (over cache and canvas)
+    offset: int  # the canvas's first position (the encoder cache's length)
     logits_fns: tuple[Any, Any]
     step: int  # the schedule's step, counting down to 1
     self_conditioning: Any = None
@@ -153,14 +157,10 @@ class DenoiseEngine:
             self._admit(admit)
         outputs: list[RowOutput] = []
         prefilled = [self._prefill(work) for work in plan.prefill if work.request_id in self._rows]
-        for rid in plan.denoise:
-            row = self._rows.get(rid)
-            if row is None:
-                raise EngineInvariantError(f"denoise for unknown request {rid!r}")
-            if (output := self._denoise(row)) is not None:
-                outputs.append(output)
-                if output.finish_reason is not None:
-                    del self._rows[rid]
+        for output in self._denoise([self._denoising(rid) for rid in plan.denoise]):
+            outputs.append(output)
+            if output.finish_reason is not None:
+                del self._rows[output.request_id]
         if not self._rows:
             mx.clear_cache()
         kv_bytes = self.kv_bytes()
@@ -213,14 +213,51 @@ class DenoiseEngine:
 
     # -- denoising --------------------------------------------------------------------------
 
-    def _denoise(self, row: DenoiseRow) -> RowOutput | None:
-        """One denoising step of the request (starting a canvas first where none is open); its
-        output once the canvas ends."""
-        if row.canvas is None:
-            row.canvas = self._start_canvas(row)
-        canvas, settings, ref = row.canvas, row.settings, _reference()
-        fn_plain, fn_conditioned = canvas.logits_fns
-        logits = fn_plain(canvas.current) if canvas.self_conditioning is None else fn_conditioned(canvas.current, canvas.self_conditioning)
+    def _denoising(self, rid: str) -> DenoiseRow:
+        row = self._rows.get(rid)
+        if row is None:
+            raise EngineInvariantError(f"denoise for unknown request {rid!r}")
+        return row
+
+    def _denoise(self, rows: list[DenoiseRow]) -> list[RowOutput]:
+        """One denoising step of each request (starting a canvas first where none is open); the
+        outputs of the canvases that ended. Canvases of the same length (and the same kind of
+        self-conditioning input) go through one batched decoder forward."""
+        groups: dict[tuple[int, bool], list[DenoiseRow]] = {}
+        for row in rows:
+            if row.canvas is None:
+                row.canvas = self._start_canvas(row)
+            groups.setdefault((row.canvas.length, row.canvas.self_conditioning is None), []).append(row)
+        logits = {id(row): one for group in groups.values() for row, one in zip(group, self._forward(group))}
+        settled = [(row, self._settle(row, logits[id(row)])) for row in rows]
+        mx.eval(
+            [c for row, _ in settled if (canvas := row.canvas) is not None for c in (canvas.current, canvas.reveal, canvas.draft, canvas.self_conditioning)]
+        )
+        return [output for _, output in settled if output is not None]
+
+    def _forward(self, rows: list[DenoiseRow]) -> list[mx.array]:
+        """The decoder's logits over each row's canvas: a lone row through mlx-vlm's own logits
+        function; several in one forward whose dense weights are read once for all of them, attention
+        (each row over its own encoder cache, with its own masks and positions), router and
+        experts row by row: each row's computation is a lone row's forward, so its tokens are
+        the same."""
+        canvases = [cast(Canvas, row.canvas) for row in rows]
+        if len(rows) == 1:
+            canvas = canvases[0]
+            plain, conditioned = canvas.logits_fns
+            return [plain(canvas.current) if canvas.self_conditioning is None else conditioned(canvas.current, canvas.self_conditioning)]
+        conditioning = None if canvases[0].self_conditioning is None else mx.concatenate([c.self_conditioning for c in canvases])
+        layers = [_LayerRows([row.cache[i] for row in rows], [c.masks for c in canvases], [c.offset for c in canvases]) for i in range(len(rows[0].cache))]
+        with _by_row(self._model.model.decoder.layers, len(rows)):
+            logits = self._model.diffusion_decoder_logits(
+                mx.concatenate([c.current for c in canvases]), cache=layers, self_conditioning=conditioning, decoder_attention_mask={}
+            )
+        return [logits[i : i + 1] for i in range(len(rows))]
+
+    def _settle(self, row: DenoiseRow, logits: mx.array) -> RowOutput | None:
+        """mlx-vlm's step rule on the canvas's logits: reveal what is confident enough; the
+        canvas's output when it ends."""
+        canvas, settings, ref = cast(Canvas, row.canvas), row.settings, _reference()
         temperature = ref._diffusion_linear_temperature(canvas.step, settings.max_steps, settings.schedule)
         if temperature is not None:
             logits = logits / temperature
@@ -240,7 +277,6 @@ class DenoiseEngine:
         if ref._diffusion_stable_and_confident(canvas.argmax, logits, canvas.history, settings.stopping):
             return self._end_canvas(row)
         canvas.self_conditioning = self._model.diffusion_self_conditioning(logits, row.self_conditioning_context)
-        mx.eval(canvas.current, canvas.reveal, canvas.draft, canvas.self_conditioning)
         canvas.step -= 1
         return None
 
@@ -259,7 +295,17 @@ class DenoiseEngine:
         masks = self._model.diffusion_decoder_masks(current, row.cache, None)
         fns = _reference()._make_diffusion_decoder_logits_fns(self._model, row.cache, masks, compile_graph=False)
         reveal = mx.zeros(current.shape, dtype=mx.bool_)
-        return Canvas(length=length, current=current, reveal=reveal, draft=current, argmax=current, logits_fns=fns, step=settings.max_steps)
+        return Canvas(
+            length=length,
+            current=current,
+            reveal=reveal,
+            draft=current,
+            argmax=current,
+            masks=masks,
+            offset=_cache_offset(row.cache),
+            logits_fns=fns,
+            step=settings.max_steps,
+        )
 
     def _end_canvas(self, row: DenoiseRow) -> RowOutput:
         """The canvas's tokens as the request's output, up to an end token or `max_tokens`."""
@@ -339,3 +385,69 @@ def _state_arrays(cache: Any) -> list[mx.array]:
         return []
     state = cache.state
     return [a for a in (state if isinstance(state, (list, tuple)) else [state]) if isinstance(a, mx.array)]
+
+
+def _cache_offset(cache: list[Any]) -> int:
+    """The position after the encoder cache (the decoder's canvas offset, as mlx-vlm takes it)."""
+    return int(getattr(cache[0], "offset", 0)) if getattr(cache[0], "keys", None) is not None else 0
+
+
+@dataclass(frozen=True)
+class _LayerRows:
+    """A decoder layer's per-row inputs in a batched denoising forward: each row's encoder cache
+    of the layer, its masks (by layer type) and its canvas's offset. Has no `keys`, so the
+    decoder takes no offset or masks of its own from it."""
+
+    caches: list[Any]
+    masks: list[dict[str, Any]]
+    offsets: list[int]
+
+
+class _RowAttention:
+    """A decoder layer's attention, run row by row over a batch's hidden states (each row its
+    own encoder cache, mask and positions) with mlx-vlm's own attention module."""
+
+    def __init__(self, attention: Any) -> None:
+        self.attention = attention
+
+    def __call__(self, h: mx.array, mask: Any, rows: _LayerRows, *, decoder: bool, offset: int | None = None) -> mx.array:
+        layer_type = self.attention.layer_type
+        return mx.concatenate(
+            [self.attention(h[i : i + 1], rows.masks[i].get(layer_type), rows.caches[i], decoder=decoder, offset=rows.offsets[i]) for i in range(h.shape[0])]
+        )
+
+
+class _RowTokens:
+    """A decoder layer's router or experts, run row by row over a batch's flattened tokens.
+    Their matmuls are small (a router's width is its number of experts; an expert's rows are the
+    tokens routed to it) and BLAS picks a small-matrix path by shape, whose float order differs:
+    a row alone is what mlx-vlm's loop computes."""
+
+    def __init__(self, module: Any, rows: int) -> None:
+        self.module, self.rows = module, rows
+
+    def __call__(self, *arrays: mx.array) -> Any:
+        n = arrays[0].shape[0] // self.rows
+        outs = [self.module(*(a[i * n : (i + 1) * n] for a in arrays)) for i in range(self.rows)]
+        if isinstance(outs[0], tuple):
+            return tuple(mx.concatenate(list(parts)) for parts in zip(*outs))
+        return mx.concatenate(outs)
+
+
+@contextmanager
+def _by_row(layers: list[Any], rows: int) -> Iterator[None]:
+    """The decoder layers' attention, router and experts swapped for row-by-row ones while a
+    batched forward's graph is built (the MLX thread's own model: nothing else runs it
+    meanwhile)."""
+    per_token = [name for name in ("router", "experts") if hasattr(layers[0], name)]
+    originals = [{name: getattr(layer, name) for name in ("self_attn", *per_token)} for layer in layers]
+    for layer, modules in zip(layers, originals):
+        layer.self_attn = _RowAttention(modules["self_attn"])
+        for name in per_token:
+            setattr(layer, name, _RowTokens(modules[name], rows))
+    try:
+        yield
+    finally:
+        for layer, modules in zip(layers, originals):
+            for name, module in modules.items():
+                setattr(layer, name, module)

@@ -4,6 +4,10 @@
   own `stream_diffusion_generate` on the same model directory (alternating which goes first):
   answer tokens per second over the wall time, denoising steps per answer, and whether the
   answers are the same tokens.
+- `together`: `together` denoising requests submitted at once through mlxrt (canvases of one
+  length step in one batched decoder forward), against the same requests one after another
+  through mlx-vlm's loop (which denoises one sequence at a time): answer tokens per second over
+  the wall time of all of them, and whether every answer is the same tokens.
 - `beside`: an autoregressive request decoding alone, then with denoising requests running beside
   it on the same MLX thread (a model pool serving both models): its decode tokens/s while they
   run against alone, and the longest it went without a token.
@@ -28,7 +32,7 @@ from protocols.api import Finished, GenerateRequest, SamplingParams, TokenDelta
 from runtime.config import PoolModelConfig, RuntimeConfig
 from runtime.progress import Progress
 
-WORKLOADS = ("alone", "beside")
+WORKLOADS = ("alone", "together", "beside")
 DEFAULT_MODEL = "builtin:bench-diffusion-gemma"
 AR_MODEL = "builtin:bench"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -41,6 +45,8 @@ class DenoiseBenchOptions:
     new_tokens: int = 64
     # Denoising requests running beside the autoregressive one.
     beside: int = 2
+    # Denoising requests submitted at once (`together`).
+    together: int = 4
 
 
 async def _timed(generate, request: GenerateRequest) -> dict:
@@ -57,8 +63,9 @@ async def _timed(generate, request: GenerateRequest) -> dict:
     return {"tokens": tokens, "wall_s": wall, "tok_s": len(tokens) / wall, "ttft_s": first, "steps": finished.denoising_steps, "stamps": stamps}
 
 
-def _mlx_vlm_alone(path: str, prompt_ids: list[int], new_tokens: int, seed: int) -> dict:
-    """mlx-vlm's loop on this thread (no runtime open: MLX streams are per thread)."""
+def _mlx_vlm_runs(path: str, prompts: list[list[int]], new_tokens: int, seeds: list[int]) -> list[dict]:
+    """mlx-vlm's loop on this thread (no runtime open: MLX streams are per thread), one prompt
+    after another (the model loaded once, before the clock starts)."""
     import mlx.core as mx
     from mlx_lm.utils import load_tokenizer
     from mlx_vlm.tokenizer_utils import NaiveStreamingDetokenizer
@@ -76,16 +83,19 @@ def _mlx_vlm_alone(path: str, prompt_ids: list[int], new_tokens: int, seed: int)
     class Processor:
         detokenizer = NaiveStreamingDetokenizer(tokenizer)
 
-    mx.random.seed(seed)
-    start = time.perf_counter()
-    results = list(
-        loop.stream_diffusion_generate(
-            model, Processor(), tokenizer, mx.array([prompt_ids]), None, None, max_tokens=new_tokens, skip_special_token_ids=[], temperature=0.0
+    runs = []
+    for prompt_ids, seed in zip(prompts, seeds):
+        mx.random.seed(seed)
+        start = time.perf_counter()
+        results = list(
+            loop.stream_diffusion_generate(
+                model, Processor(), tokenizer, mx.array([prompt_ids]), None, None, max_tokens=new_tokens, skip_special_token_ids=[], temperature=0.0
+            )
         )
-    )
-    wall = time.perf_counter() - start
-    tokens = [r.token for r in results if r.finish_reason is None and not r.diffusion_block_complete and not r.is_draft]
-    return {"tokens": tokens, "wall_s": wall, "tok_s": len(tokens) / wall, "steps": results[-1].diffusion_denoising_steps}
+        wall = time.perf_counter() - start
+        tokens = [r.token for r in results if r.finish_reason is None and not r.diffusion_block_complete and not r.is_draft]
+        runs.append({"tokens": tokens, "wall_s": wall, "tok_s": len(tokens) / wall, "steps": results[-1].diffusion_denoising_steps})
+    return runs
 
 
 def _request(prompt_ids: list[int], new_tokens: int, seed: int, **kw) -> GenerateRequest:
@@ -108,7 +118,7 @@ async def _alone(config: RuntimeConfig, options: DenoiseBenchOptions, rep: int, 
             runs["mlxrt"] = await _timed(rt.generate, _request(ids, options.new_tokens, seed))
 
     def theirs() -> None:
-        runs["mlx_vlm"] = _mlx_vlm_alone(known["path"], known["prompt_ids"], options.new_tokens, seed)
+        runs["mlx_vlm"] = _mlx_vlm_runs(known["path"], [known["prompt_ids"]], options.new_tokens, [seed])[0]
 
     if rep % 2 == 0 or "path" not in known:
         await ours()
@@ -128,6 +138,55 @@ async def _alone(config: RuntimeConfig, options: DenoiseBenchOptions, rep: int, 
         "prompt_tokens": len(known["prompt_ids"]),
     }
     progress.step(f"alone ({rep + 1}): {result}")
+    return result
+
+
+async def _together(config: RuntimeConfig, options: DenoiseBenchOptions, rep: int, progress: Progress, known: dict) -> dict:
+    """All requests at once through mlxrt, then one after another through mlx-vlm's loop
+    (the first repeat learns the prompts from the runtime, so it goes first there; later ones
+    alternate)."""
+    from runtime.runtime import Runtime
+
+    n, seeds = options.together, [300 + 10 * rep + i for i in range(options.together)]
+    runs: dict[str, dict] = {}
+
+    async def ours() -> None:
+        async with Runtime.open(config) as rt:
+            known["prompts"] = prompts = known.get("prompts") or [
+                rt.tokenizer.apply_chat_template([{"role": "user", "content": f"{PROMPT} (Story {i + 1}.)"}], add_generation_prompt=True) for i in range(n)
+            ]
+            known["path"] = rt.model_info.path
+            await _timed(rt.generate, _request(prompts[0][:8], 4, 0))  # (kernels for these shapes)
+            start = time.perf_counter()
+            results: list = [None] * n
+
+            async def one(i: int) -> None:
+                results[i] = await _timed(rt.generate, _request(prompts[i], options.new_tokens, seeds[i]))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(one, i)
+            runs["mlxrt"] = {"wall_s": time.perf_counter() - start, "answers": [r["tokens"] for r in results]}
+
+    def theirs() -> None:
+        answers = _mlx_vlm_runs(known["path"], known["prompts"], options.new_tokens, seeds)
+        runs["mlx_vlm"] = {"wall_s": sum(a["wall_s"] for a in answers), "answers": [a["tokens"] for a in answers]}
+
+    if rep % 2 == 0 or "prompts" not in known:
+        await ours()
+        theirs()
+    else:
+        theirs()
+        await ours()
+    tokens = sum(len(a) for a in runs["mlxrt"]["answers"])
+    result = {
+        "mlxrt_tok_s": tokens / runs["mlxrt"]["wall_s"],
+        "mlx_vlm_tok_s": tokens / runs["mlx_vlm"]["wall_s"],
+        "ratio": runs["mlx_vlm"]["wall_s"] / runs["mlxrt"]["wall_s"],
+        "same_tokens": runs["mlxrt"]["answers"] == runs["mlx_vlm"]["answers"],
+        "tokens": tokens,
+    }
+    progress.step(f"together ({rep + 1}): {result}")
     return result
 
 
@@ -175,16 +234,21 @@ async def run_denoise_bench(config: RuntimeConfig, options: DenoiseBenchOptions)
     progress = Progress("bench")
     results: dict = {"options": asdict(options)}
     alone: list[dict] = []
+    together: list[dict] = []
     beside: list[dict] = []
     known: dict = {}
+    known_together: dict = {}
     for rep in range(options.repeats):
         if "alone" in options.workloads:
             progress.step(f"alone ({rep + 1}/{options.repeats}): one denoising request, mlxrt then mlx-vlm's loop")
             alone.append(await _alone(config, options, rep, progress, known))
+        if "together" in options.workloads:
+            progress.step(f"together ({rep + 1}/{options.repeats}): {options.together} denoising requests at once, then one by one through mlx-vlm's loop")
+            together.append(await _together(config, options, rep, progress, known_together))
         if "beside" in options.workloads:
             progress.step(f"beside ({rep + 1}/{options.repeats}): an AR request alone, then beside {options.beside} denoising requests")
             beside.append(await _beside(config, options, rep, progress))
-    for name, runs in (("alone", alone), ("beside", beside)):
+    for name, runs in (("alone", alone), ("together", together), ("beside", beside)):
         if runs:
             results[name] = {
                 key: (statistics.median(r[key] for r in runs) if not isinstance(runs[0][key], bool) else all(r[key] for r in runs)) for key in runs[0]
@@ -200,6 +264,12 @@ def format_denoise_table(results: dict) -> str:
             f"alone: mlxrt {a['mlxrt_tok_s']:.2f} tok/s, mlx-vlm's loop {a['mlx_vlm_tok_s']:.2f} tok/s ({a['ratio']:.2f}x);"
             f" {a['mlxrt_steps']:.0f} steps per answer (mlx-vlm {a['mlx_vlm_steps']:.0f}); {a['tokens']:.0f} tokens,"
             f" {a['prompt_tokens']:.0f} prompt tokens; same tokens: {a['same_tokens']}"
+        )
+    if "together" in results:
+        t = results["together"]
+        lines.append(
+            f"together ({results['options']['together']} requests): mlxrt {t['mlxrt_tok_s']:.2f} tok/s, mlx-vlm's loop one by one"
+            f" {t['mlx_vlm_tok_s']:.2f} tok/s ({t['ratio']:.2f}x); {t['tokens']:.0f} tokens; same tokens: {t['same_tokens']}"
         )
     if "beside" in results:
         b = results["beside"]

@@ -172,9 +172,9 @@ def _add_bench(sub) -> None:
     bench.add_argument(
         "--denoise",
         action="store_true",
-        help="denoising requests (default model builtin:bench-diffusion-gemma): tokens/s and steps against mlx-vlm's loop; an AR request's decode beside them",
+        help="denoising requests (default model builtin:bench-diffusion-gemma): tokens/s and steps against mlx-vlm's loop, alone and 4 at once; an AR request's decode beside them",
     )
-    bench.add_argument("--denoise-workloads", default="alone,beside", help="with --denoise: comma-separated subset")
+    bench.add_argument("--denoise-workloads", default="alone,together,beside", help="with --denoise: comma-separated subset")
     bench.add_argument("--disk-workloads", default="restart,writes", help="with --disk: comma-separated subset")
     bench.add_argument("--disk-formats", default="float,int8,int4", help="with --disk: KV formats measured (comma-separated)")
     bench.add_argument(

@@ -129,7 +129,11 @@ async def test_a_zero_residence_pool_does_not_livelock(tmp_path):
             outcomes = await collect_all(pool.generate, requests)
         loads = sum(m.loads for m in pool.models())
     assert [o.last.finish_reason for o in outcomes] == ["length"] * 3
-    assert loads <= 30, f"{loads} model loads for three requests"
+    # Every swap bought progress: a model is swapped out only after its requests got tokens since
+    # it came in, so the loads are bounded by the deliveries (plus each model's first load), not
+    # by timing (a zero residence may swap after every delivery on a busy machine).
+    deliveries = sum(1 for o in outcomes for e in o.events if isinstance(e, TokenDelta) and e.token_ids)
+    assert loads <= deliveries + 2, f"{loads} model loads for {deliveries} deliveries"
 
 
 async def test_a_client_leaving_during_a_swap_does_not_poison_its_id(tmp_path):
