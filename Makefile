@@ -5,7 +5,7 @@ STAMP := $(VENV)/.mlxrt-setup
 # AIPerf's own venv (its pins conflict with the project's), built by bootstrap.sh too.
 LOADGEN := .venv-loadgen/bin/aiperf
 
-.PHONY: setup serve demo test test-most test-fast lint bench clean
+.PHONY: setup serve demo test test-all test-fast lint bench clean
 
 setup: $(STAMP)
 
@@ -23,18 +23,18 @@ serve: setup
 demo: setup
 	$(PY) -m tools.cli demo --config configs/default.toml
 
-# Every test, on two pytest-xdist workers (the machine's two cores), a test module to each at a
-# time (module fixtures are built once). docs/tests.md says what runs where.
+# The suite (CI runs it) on two pytest-xdist workers (the machine's two cores), a test module to
+# each at a time (module fixtures are built once), without the `exhaustive` cases (further
+# models, modes or formats of a behaviour whose other cases run). docs/tests.md says what runs where.
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 
 test: setup
-	$(PY) -m pytest -q $(XDIST)
-
-# The suite without the `exhaustive` cases (more models, modes or formats of a behaviour whose
-# other cases still run): a quicker full pass while working on one area.
-test-most: setup
 	$(PY) -m pytest -q $(XDIST) -m "not exhaustive"
+
+# Every test, the `exhaustive` cases too.
+test-all: setup
+	$(PY) -m pytest -q $(XDIST)
 
 # The inner loop: the suite without the tests marked slow, server or distributed (pyproject's
 # [tool.pytest.ini_options] markers; docs/tests.md).

@@ -35,7 +35,7 @@ import structlog
 from actors.mailbox import Mailbox, abandoned, answer
 from actors.mlx_thread import MlxThread
 from engine.build import BuiltEngine, EngineSpec, MakeGrammars, build_engine
-from engine.denoise import DenoiseEngine
+from engine.denoise import Denoiser
 from engine.embed import Embedder
 from engine.engine import Engine, Grammars
 from engine.lora import AdapterBank, AdapterFiles, read_adapter_files, read_staged
@@ -144,7 +144,7 @@ class ModelActor:
 
             built = await self._thread.run(build)
             loaded, grammars, bank = built.loaded, built.grammars, built.bank
-            engine: Engine | Leader | DenoiseEngine = built.engine
+            engine: Engine | Leader | Denoiser = built.engine
             if built.world is not None:
                 assert isinstance(built.engine, Engine)
                 leader = engine = Leader(built.engine, built.world)
@@ -185,7 +185,7 @@ class ModelActor:
         await self._thread.run(loaded.model.warm_up, rendered.prompt_ids, rendered.arrays)
         return time.perf_counter() - started
 
-    async def _serve(self, engine: Engine | Leader | DenoiseEngine, bank: AdapterBank, embedder: Embedder | None) -> None:
+    async def _serve(self, engine: Engine | Leader | Denoiser, bank: AdapterBank, embedder: Embedder | None) -> None:
         # One load's files in memory at a time (each up to `bank.max_file_bytes`).
         reading = anyio.Lock()
         async with anyio.create_task_group() as tg:
@@ -291,7 +291,7 @@ class ModelActor:
             return InternalError("the model's embedder is missing")
         return ServerBusyError(f"{MAX_EMBEDS} embedding calls are running; retry later")
 
-    async def _step(self, engine: Engine | Leader | DenoiseEngine, bank: AdapterBank, plan: StepPlan) -> StepOutcome | StepFailed:
+    async def _step(self, engine: Engine | Leader | Denoiser, bank: AdapterBank, plan: StepPlan) -> StepOutcome | StepFailed:
         if self.world is not None:
             if self.world.error is None:
                 outcome = await self._on_world(engine.step, plan)

@@ -18,10 +18,12 @@ from typing import Any
 
 import msgspec
 
-from engine.denoise import DenoiseEngine
+from engine.denoise import DenoiseEngine, Denoiser
+from engine.denoise_blocks import BlockDenoiseEngine
 from engine.draft import DraftRunner
 from engine.engine import Engine, Grammars
 from engine.lora import AdapterBank
+from engine.model.diffusion import is_block_diffusion
 from engine.model.loader import LoadedModel, load_model, with_kv_format
 from engine.model.world import World
 from engine.speculation import Speculator
@@ -44,7 +46,7 @@ class EngineSpec(msgspec.Struct, frozen=True):
 
 @dataclass
 class BuiltEngine:
-    engine: Engine | DenoiseEngine
+    engine: Engine | Denoiser
     loaded: LoadedModel
     grammars: Grammars
     bank: AdapterBank
@@ -74,7 +76,8 @@ def build_engine(
         if spec.speculative.draft:
             raise ModelLoadError("speculative decoding does not apply to a diffusion language model: leave speculative.draft unset")
         bank = AdapterBank(loaded.model, 0, spec.lora.max_rank)
-        return BuiltEngine(engine=DenoiseEngine(loaded.model), loaded=loaded, grammars=grammars, bank=bank, world=world)
+        denoiser = BlockDenoiseEngine(loaded.model) if is_block_diffusion(loaded.info.model_type) else DenoiseEngine(loaded.model)
+        return BuiltEngine(engine=denoiser, loaded=loaded, grammars=grammars, bank=bank, world=world)
     speculator = load_speculator(loaded, spec.speculative, spec.model, builtin_root, progress)
     bank = AdapterBank(loaded.model, spec.lora.max_resident, spec.lora.max_rank)
     engine = Engine(loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator, bank, spec.kv.budget_bytes, compiled=world is None)

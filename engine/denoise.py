@@ -138,14 +138,14 @@ class DenoiseRow:
         return used
 
 
-class DenoiseEngine:
-    """Steps of denoising requests on one diffusion model (`StepPlan.prefill` and `.denoise`)."""
+class Denoiser:
+    """Steps of denoising requests on one diffusion model (`StepPlan.prefill` and `.denoise`):
+    what every family's engine shares (the step, admission, release, the figures the model
+    actor asks for). A family's engine makes its rows and runs their prefill and steps."""
 
     def __init__(self, model: Any) -> None:
-        check_model(model)
         self._model = model
-        self._rows: dict[str, DenoiseRow] = {}
-        self._vocab = int(model.config.text_config.vocab_size)
+        self._rows: dict[str, Any] = {}
         self._peak_bytes = 0
 
     # -- the step ---------------------------------------------------------------------------
@@ -154,7 +154,11 @@ class DenoiseEngine:
         started = time.perf_counter()
         released = [rid for rid in plan.release if self._rows.pop(rid, None) is not None]
         for admit in plan.admit:
-            self._admit(admit)
+            if admit.request_id in self._rows:
+                raise EngineInvariantError(f"request {admit.request_id!r} admitted twice")
+            if admit.denoise is None:
+                raise EngineInvariantError("a diffusion model's requests are denoising requests")
+            self._rows[admit.request_id] = self._new_row(admit)
         outputs: list[RowOutput] = []
         prefilled = [self._prefill(work) for work in plan.prefill if work.request_id in self._rows]
         for output in self._denoise([self._denoising(rid) for rid in plan.denoise]):
@@ -177,20 +181,83 @@ class DenoiseEngine:
             device=DeviceMemory(active=mx.get_active_memory(), peak=mx.get_peak_memory(), cache=mx.get_cache_memory()),
         )
 
-    def _admit(self, admit: AdmitRequest) -> None:
-        if admit.request_id in self._rows:
-            raise EngineInvariantError(f"request {admit.request_id!r} admitted twice")
-        if admit.denoise is None:
-            raise EngineInvariantError("a diffusion model's requests are denoising requests")
-        settings = DenoiseSettings.resolve(self._model, admit)
-        self._rows[admit.request_id] = DenoiseRow(
+    def _denoising(self, rid: str) -> Any:
+        row = self._rows.get(rid)
+        if row is None:
+            raise EngineInvariantError(f"denoise for unknown request {rid!r}")
+        return row
+
+    def _new_row(self, admit: AdmitRequest) -> Any:
+        raise NotImplementedError
+
+    def _prefill(self, work: PrefillWork) -> PrefillReport:
+        raise NotImplementedError
+
+    def _denoise(self, rows: list[Any]) -> list[RowOutput]:
+        raise NotImplementedError
+
+    # -- what the model actor asks of an engine ---------------------------------------------
+
+    def warm_up(self, vocab_size: int) -> float:
+        """A throwaway request through prefill and two canvases' first steps, so MLX compiles
+        their kernels before the model reports ready. Leaves nothing behind."""
+        from protocols.api import DenoisingOptions, SamplingParams
+
+        started = time.perf_counter()
+        prompt = [i % vocab_size for i in range(1, 9)]
+        admit = AdmitRequest(
+            request_id="warm-up",
+            prompt_ids=prompt,
+            max_tokens=2,
+            sampling=SamplingParams(),
+            seed=0,
+            stop_token_ids=[],
+            save_prefix=False,
+            denoise=DenoisingOptions(max_steps=2, canvas_length=1, min_canvas_length=1),
+        )
+        self.step(StepPlan(admit=[admit], prefill=[PrefillWork(request_id="warm-up", num_tokens=len(prompt))]))
+        for _ in range(8):
+            if "warm-up" not in self._rows:
+                break
+            self.step(StepPlan(denoise=["warm-up"]))
+        self.step(StepPlan(release=["warm-up"]))
+        self._peak_bytes = 0
+        return time.perf_counter() - started
+
+    def reset(self) -> None:
+        self._rows.clear()
+        mx.clear_cache()
+
+    def kv_tokens(self) -> dict[str, int]:
+        return {rid: row.kv_tokens for rid, row in self._rows.items() if row.kv_tokens}
+
+    def kv_bytes(self) -> int:
+        return sum(sum(a.nbytes for c in row.cache for a in _state_arrays(c)) for row in self._rows.values())
+
+    def drop_prefixes(self, entry_ids: list[str]) -> None:
+        """(No prefix entries are kept for denoising requests.)"""
+
+    def export_prefix(self, entry_id: str, spans: list[tuple[int, int]], whole: bool) -> list[dict]:
+        raise KeyError(entry_id)
+
+
+class DenoiseEngine(Denoiser):
+    """DiffusionGemma's requests: an encoder cache per request and canvases denoised by
+    mlx-vlm's confidence-threshold rule (the module's docstring)."""
+
+    def __init__(self, model: Any) -> None:
+        check_model(model)
+        super().__init__(model)
+        self._vocab = int(model.config.text_config.vocab_size)
+
+    def _new_row(self, admit: AdmitRequest) -> DenoiseRow:
+        return DenoiseRow(
             admit=admit,
-            settings=settings,
+            settings=DenoiseSettings.resolve(self._model, admit),
             cache=self._model.make_cache(),
             key=mx.random.key(admit.seed),
             self_conditioning_context=self._model.diffusion_prepare_self_conditioning(),
         )
-        return None
 
     def _prefill(self, work: PrefillWork) -> PrefillReport:
         row = self._rows[work.request_id]
@@ -212,12 +279,6 @@ class DenoiseEngine:
         row.kv_tokens += tokens.shape[1]
 
     # -- denoising --------------------------------------------------------------------------
-
-    def _denoising(self, rid: str) -> DenoiseRow:
-        row = self._rows.get(rid)
-        if row is None:
-            raise EngineInvariantError(f"denoise for unknown request {rid!r}")
-        return row
 
     def _denoise(self, rows: list[DenoiseRow]) -> list[RowOutput]:
         """One denoising step of each request (starting a canvas first where none is open); the
@@ -334,50 +395,6 @@ class DenoiseEngine:
         if temperature != 1.0:
             scaled = scaled / temperature
         return mx.random.categorical(scaled, key=row.next_key()).astype(mx.int32)
-
-    # -- what the model actor asks of an engine ---------------------------------------------
-
-    def warm_up(self, vocab_size: int) -> float:
-        """A throwaway request through prefill and two canvases' first steps, so MLX compiles
-        their kernels before the model reports ready. Leaves nothing behind."""
-        from protocols.api import DenoisingOptions, SamplingParams
-
-        started = time.perf_counter()
-        prompt = [i % vocab_size for i in range(1, 9)]
-        admit = AdmitRequest(
-            request_id="warm-up",
-            prompt_ids=prompt,
-            max_tokens=2,
-            sampling=SamplingParams(),
-            seed=0,
-            stop_token_ids=[],
-            save_prefix=False,
-            denoise=DenoisingOptions(max_steps=2, canvas_length=1, min_canvas_length=1),
-        )
-        self.step(StepPlan(admit=[admit], prefill=[PrefillWork(request_id="warm-up", num_tokens=len(prompt))]))
-        for _ in range(8):
-            if "warm-up" not in self._rows:
-                break
-            self.step(StepPlan(denoise=["warm-up"]))
-        self.step(StepPlan(release=["warm-up"]))
-        self._peak_bytes = 0
-        return time.perf_counter() - started
-
-    def reset(self) -> None:
-        self._rows.clear()
-        mx.clear_cache()
-
-    def kv_tokens(self) -> dict[str, int]:
-        return {rid: row.kv_tokens for rid, row in self._rows.items() if row.kv_tokens}
-
-    def kv_bytes(self) -> int:
-        return sum(sum(a.nbytes for c in row.cache for a in _state_arrays(c)) for row in self._rows.values())
-
-    def drop_prefixes(self, entry_ids: list[str]) -> None:
-        """(No prefix entries are kept for denoising requests.)"""
-
-    def export_prefix(self, entry_id: str, spans: list[tuple[int, int]], whole: bool) -> list[dict]:
-        raise KeyError(entry_id)
 
 
 def _state_arrays(cache: Any) -> list[mx.array]:

@@ -386,6 +386,9 @@ class ModelInfo(Record, frozen=True):
     # positions per canvas.
     denoising: bool = False
     canvas_length: int = 0
+    # A block-diffusion model (LLaDA2-MoE): `canvas_length` is its block length; blocks sit at
+    # fixed positions from the sequence's start (no least canvas to ask for).
+    denoises_blocks: bool = False
 
 
 class StepFailed(Record, frozen=True):

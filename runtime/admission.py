@@ -198,6 +198,11 @@ class Admission:
         if not self._info.denoising:
             return None
         options = request.denoising or DenoisingOptions()
+        if self._info.denoises_blocks and options.min_canvas_length:
+            raise InvalidRequestError(
+                f"a block-diffusion model ({self._info.model_type}) unmasks blocks at fixed positions: min_canvas_length does not apply",
+                field="denoising.min_canvas_length",
+            )
         return msgspec.structs.replace(options, canvas_length=min(options.canvas_length or canvas, canvas))
 
     async def _with_features(self, prepared: Prepared, grammar: GrammarSpec | None, fill_mode: str) -> Prepared:

@@ -340,14 +340,17 @@ VISION_MODELS: dict[str, VisionSpec] = {
 }
 
 
-# Diffusion language built-ins (mlx-vlm's DiffusionGemma classes), text only, the tiny tokenizer:
-# a 16-position canvas, at most 12 denoising steps per canvas.
+# Diffusion language built-ins (mlx-vlm's DiffusionGemma and LLaDA2-MoE classes), text only, the
+# tiny tokenizer: a 16-position canvas, at most 12 denoising steps per canvas.
 # `bench-diffusion-gemma`: an 8-layer, 512-wide one with 8 experts and a 64-position canvas
 # (`mlxrt bench --denoise`).
 DIFFUSION_MODELS: dict[str, DiffusionSpec] = {
     spec.name: spec
     for spec in (
         DiffusionSpec(name="tiny-diffusion-gemma", seed=40, tokenizer=TINY_TOKENIZER),
+        # A LLaDA2-MoE: a dense first layer, then 4 experts (2 active) and a shared one; blocks
+        # of 32 positions (the family's default), at most 32 steps each.
+        DiffusionSpec(name="tiny-llada2", seed=42, tokenizer=TINY_TOKENIZER, family="llada2_moe", canvas_length=32),
         DiffusionSpec(
             name="bench-diffusion-gemma",
             seed=41,

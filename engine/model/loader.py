@@ -30,7 +30,8 @@ from mlx_lm.utils import load_tokenizer
 
 from engine.builtin import PackagedModelMissingError, builtin_name, ensure_builtin
 from engine.kv.layout import dtype_name, probe_layout
-from engine.model.diffusion import diffusion_layout, is_diffusion_config, load_diffusion
+from engine.model.diffusion import canvas_length, diffusion_layout, is_block_diffusion, is_diffusion_config, load_diffusion
+from engine.model.diffusion import vocab_size as diffusion_vocab_size
 from engine.model.gguf import is_gguf, load_gguf
 from engine.model.patches import adapt_for_batches
 from engine.model.vision import VisionLanguageModel, is_vision_config, load_vision
@@ -183,19 +184,20 @@ def _inspect_diffusion(model: nn.Module, tokenizer: TokenizerWrapper, source: Pa
     if dtype is not None:
         model.set_dtype(dtype)
     mx.eval(model.parameters())
-    text_config = identity.config.get("text_config") or {}
+    text_config = identity.config.get("text_config") or identity.config
     layout = diffusion_layout(model)
     info = ModelInfo(
         path=str(source),
         model_type=str(identity.config.get("model_type")),
-        vocab_size=int(model.config.text_config.vocab_size),
+        vocab_size=diffusion_vocab_size(model),
         max_context=config.max_context or int(text_config.get("max_position_embeddings") or DEFAULT_CONTEXT),
         num_layers=len(model.layers),
         kv_bytes_per_token=full_token_bytes(layout),
         layers=layout,
         **_facts(model, tokenizer, identity, started),
         denoising=True,
-        canvas_length=int(model.config.canvas_length),
+        canvas_length=canvas_length(model),
+        denoises_blocks=is_block_diffusion(str(identity.config.get("model_type"))),
     )
     return LoadedModel(model=model, tokenizer=tokenizer, layout=[], info=info)
 

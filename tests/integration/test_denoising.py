@@ -5,24 +5,32 @@ define is refused by name."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import anyio
 import msgspec
 import pytest
 
 from protocols import DenoisingOptions, GenerateRequest, SamplingParams
 from protocols.api import Finished, TokenDelta
-from protocols.errors import InvalidRequestError, RequestTooLargeError
+from protocols.errors import InvalidRequestError, ModelLoadError, RequestTooLargeError
 from runtime import Runtime
 from runtime.config import KvConfig, PoolModelConfig
 from runtime.pool import ModelPool
-from tests.support.config import make_config
-from tests.support.diffusion import DIFFUSION_MODEL, DiffusionReference
+from tests.support.config import builtin_dir, make_config
+from tests.support.diffusion import BLOCK_MODEL, DIFFUSION_MODEL, DiffusionReference
 from tests.support.events import collect, collect_all
 
 
 @pytest.fixture(scope="module")
 def reference() -> DiffusionReference:
     return DiffusionReference()
+
+
+@pytest.fixture(scope="module")
+def blocks() -> DiffusionReference:
+    return DiffusionReference(BLOCK_MODEL)
 
 
 def _prompt(reference: DiffusionReference, i: int) -> list[int]:
@@ -82,6 +90,62 @@ async def test_denoising_and_decoding_requests_share_the_device(reference):
         outcomes = await collect_all(pool.generate, requests)
     assert [o.tokens for o in outcomes[:4]] == decoded
     assert [o.tokens for o in outcomes[4:]] == denoised
+
+
+async def test_block_diffusion_answers_equal_llada2s_own_loop_alone_together_and_beside_decoding(blocks):
+    # LLaDA2-MoE: blocks of 32 positions from position 0, so each prompt's tail shares its first
+    # block with the answer (a 32-token prompt: none); greedy and seeded; steps and threshold
+    # overrides (the random model's tokens have probabilities near 0.0045: at that threshold a
+    # step unmasks several positions, at the default one each); a stop token cutting the answer
+    # inside a block; 4 AR requests beside them in one pool.
+    prompts = [blocks.prompt_ids([{"role": "user", "content": f"Story {i}:" + " about the sea" * (4 * i)}]) for i in range(3)]
+    prompts.append(blocks.prompt_ids([{"role": "user", "content": "abc " * 20}])[:32])
+    assert len({len(p) for p in prompts}) == 4 and max(map(len, prompts)) > 32 and len(prompts[3]) == 32
+    greedy = blocks.generate_blocks(prompts[0], 70, seed=1, threshold=0.0045)
+    stop = greedy[45]  # (in the second block)
+    expected = [
+        greedy[: greedy.index(stop)],
+        blocks.generate_blocks(prompts[1], 33, seed=2, temperature=0.8, threshold=0.0045),
+        blocks.generate_blocks(prompts[2], 40, seed=3, steps=6),
+        blocks.generate_blocks(prompts[3], 20, seed=4, temperature=1.0),
+    ]
+    requests = [
+        _request(prompts[0], 70, 1, stop_token_ids=[stop], denoising=DenoisingOptions(threshold=0.0045)),
+        _request(prompts[1], 33, 2, 0.8, denoising=DenoisingOptions(threshold=0.0045)),
+        _request(prompts[2], 40, 3, denoising=DenoisingOptions(max_steps=6)),
+        _request(prompts[3], 20, 4, 1.0),
+    ]
+    ar = [GenerateRequest(prompt_ids=[(7 * i + j) % 900 + 7 for j in range(9 + i)], max_tokens=24, ignore_eos=True) for i in range(4)]
+    async with Runtime.open(make_config()) as alone:
+        decoded = [o.tokens for o in await collect_all(alone.generate, ar)]
+    async with Runtime.open(make_config(BLOCK_MODEL)) as rt:
+        assert rt.model_info.denoising and rt.model_info.denoises_blocks and rt.model_info.canvas_length == 32
+        with pytest.raises(InvalidRequestError) as refused:
+            await collect(rt.generate(_request(prompts[0], 8, 1, denoising=DenoisingOptions(min_canvas_length=8))))
+        assert refused.value.field == "denoising.min_canvas_length"
+        one = await collect(rt.generate(requests[2]))
+        together = await collect_all(rt.generate, requests)
+        stats = await rt.stats()
+    assert one.tokens == expected[2] and one.last.denoising_steps is not None and one.last.denoising_steps > 0
+    assert together[0].last.denoising_steps < 70 - 32  # (several positions unmasked per step)
+    assert [o.tokens for o in together] == expected
+    assert [o.last.finish_reason for o in together] == ["stop", "length", "length", "length"]
+    assert stats.live_requests == 0 and stats.kv.live_tokens == 0
+    config = msgspec.structs.replace(make_config(), models=[PoolModelConfig(name="blocks", path=BLOCK_MODEL)])
+    async with ModelPool.open(config) as pool:
+        outcomes = await collect_all(pool.generate, [*ar, *(msgspec.structs.replace(r, model="blocks") for r in requests)])
+    assert [o.tokens for o in outcomes[:4]] == decoded
+    assert [o.tokens for o in outcomes[4:]] == expected
+
+
+async def test_a_diffusion_family_not_served_is_refused_at_load_by_name(tmp_path):
+    directory = tmp_path / "nemotron"
+    shutil.copytree(builtin_dir(BLOCK_MODEL.removeprefix("builtin:")), directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "model_type": "nemotron_labs_diffusion"}))
+    with pytest.raises(ModelLoadError, match="nemotron_labs_diffusion.*diffusion_gemma, llada2_moe"):
+        async with Runtime.open(make_config(str(directory))):
+            pass
 
 
 async def test_cancelling_a_denoising_request_frees_it_between_steps(reference):

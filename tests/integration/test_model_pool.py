@@ -16,6 +16,10 @@ from runtime.pool import ModelPool
 from tests.support.config import make_config
 
 MODELS = {None: "builtin:tiny", "qwen": "builtin:tiny-qwen2"}
+# Long enough that every request is running when its model is swapped out (a swap waits 0.05 s
+# of residence), short enough that requests preempted without checkpoints, which start over,
+# end in seconds.
+MAX_TOKENS = 48
 
 
 def _config(tmp_path, *, cap: int, pinned: bool = False, min_resident_s: float = 0.05, checkpoint_every: int = 16):
@@ -37,7 +41,7 @@ def _requests() -> list[GenerateRequest]:
     for i in range(8):
         sampling = SamplingParams() if i % 2 == 0 else SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i)
         prompt = [(13 * i + 7 * j) % 900 + 5 for j in range(9 + i)]
-        requests.append(GenerateRequest(prompt_ids=prompt, max_tokens=100, ignore_eos=True, sampling=sampling, model=(None, "qwen")[i % 2 == 1]))
+        requests.append(GenerateRequest(prompt_ids=prompt, max_tokens=MAX_TOKENS, ignore_eos=True, sampling=sampling, model=(None, "qwen")[i % 2 == 1]))
     return requests
 
 

@@ -10,6 +10,7 @@ import mlx.core as mx
 from tests.support.config import builtin_dir
 
 DIFFUSION_MODEL = "builtin:tiny-diffusion-gemma"
+BLOCK_MODEL = "builtin:tiny-llada2"
 
 
 class _Stops:
@@ -69,3 +70,25 @@ class DiffusionReference:
         self.last_steps = results[-1].diffusion_denoising_steps
         # One result per token; a canvas's end and the last result repeat a token.
         return [r.token for r in results if r.finish_reason is None and not r.diffusion_block_complete and not r.is_draft]
+
+    def generate_blocks(
+        self, prompt_ids: list[int], max_tokens: int, *, seed: int, temperature: float = 0.0, steps: int | None = None, threshold: float | None = None
+    ) -> list[int]:
+        """A block-diffusion model's answer (LLaDA2-MoE): its own loop, called as
+        `stream_diffusion_generate` calls it for a model-driven family (whose results carry a
+        block's text, not its tokens): the config's block length and steps, else mlx-vlm's 32 and
+        32; `eos_early_stop`. The answer's tokens up to an end token (not included)."""
+        mx.random.seed(seed)
+        config = self.model.config
+        out = self.model.language_model.generate(
+            mx.array([prompt_ids]),
+            temperature=temperature,
+            block_length=getattr(config, "default_block_length", None) or 32,
+            steps=steps or getattr(config, "default_diffusion_steps", 32),
+            gen_length=max_tokens,
+            eos_early_stop=True,
+            **({} if threshold is None else {"threshold": threshold}),
+        )
+        tokens = [int(t) for t in out[0].tolist()]
+        eos = config.eos_token_id
+        return tokens[:-1] if tokens and tokens[-1] in (eos if isinstance(eos, list) else [eos]) else tokens
