@@ -11,7 +11,7 @@ import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from protocols.base import Message, Reply
-from protocols.session import PrefillProgressed, SessionInbox, TokensGenerated
+from protocols.session import DenoiseProgressed, PrefillProgressed, SessionInbox, TokensGenerated
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -116,11 +116,13 @@ class CoalescingInbox(Generic[T]):
 
 def merge_session_messages(last: SessionInbox, new: SessionInbox) -> SessionInbox | None:
     """Consecutive tokens concatenate; consecutive progress reports keep the latest figures and
-    every scored prompt token."""
+    every scored prompt token; consecutive denoising steps' reports, the latest."""
     if isinstance(last, TokensGenerated) and isinstance(new, TokensGenerated):
         return msgspec.structs.replace(last, token_ids=last.token_ids + new.token_ids, logprobs=join_optional(last.logprobs, new.logprobs))
     if isinstance(last, PrefillProgressed) and isinstance(new, PrefillProgressed):
         return msgspec.structs.replace(new, prompt_logprobs=join_optional(last.prompt_logprobs, new.prompt_logprobs))
+    if isinstance(last, DenoiseProgressed) and isinstance(new, DenoiseProgressed):
+        return new
     return None
 
 

@@ -32,7 +32,7 @@ from protocols.scheduler import (
     SchedulerStats,
     SetPaused,
 )
-from protocols.session import PrefillProgressed, RequestFinished, RequestRejected, TokensGenerated
+from protocols.session import DenoiseProgressed, PrefillProgressed, RequestFinished, RequestRejected, TokensGenerated
 
 log = structlog.get_logger(actor="scheduler")
 
@@ -179,6 +179,12 @@ class SchedulerActor:
                     prompt_logprobs=report.prompt_logprobs,
                 )
                 tracked.session.send_nowait(progress)
+        for step in outcome.denoised:
+            tracked = self.policy.get(step.request_id)
+            if tracked is not None and tracked.report_progress and tracked.release_reason is None:
+                tracked.session.send_nowait(
+                    DenoiseProgressed(request_id=step.request_id, canvas=step.canvas, step=step.step, revealed=step.revealed, positions=step.positions)
+                )
         for row in outcome.outputs:
             tracked = self.policy.get(row.request_id)
             if row.fill is not None and tracked is not None:

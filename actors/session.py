@@ -21,9 +21,10 @@ from actors.mailbox import EventChannel, Mailbox, SessionMailbox
 from policies.detokenize import Detokenizer
 from policies.output_parser import OutputParser, Parsed
 from policies.stops import StopMatcher
-from protocols.api import FillStats, Finished, PrefillProgress, SpecStats, Timings, TokenDelta, TokenLogprob, ToolCall, ToolCallDelta, Usage
+from protocols.api import DenoiseProgress, FillStats, Finished, PrefillProgress, SpecStats, Timings, TokenDelta, TokenLogprob, ToolCall, ToolCallDelta, Usage
 from protocols.scheduler import CancelRequest, FinishRequest, SetPaused
 from protocols.session import (
+    DenoiseProgressed,
     PrefillProgressed,
     RequestFinished,
     RequestRejected,
@@ -128,6 +129,9 @@ class SessionActor:
                         self._prompt_logprobs = (self._prompt_logprobs or []) + scored
                     if self._report_progress:
                         await self._emit(PrefillProgress(request_id=self.request_id, processed_tokens=done, total_tokens=total))
+                case DenoiseProgressed(canvas=canvas, step=step, revealed=revealed, positions=positions):
+                    if self._report_progress:
+                        await self._emit(DenoiseProgress(request_id=self.request_id, canvas=canvas, step=step, revealed=revealed, positions=positions))
                 case RequestFinished():
                     self._ended = True
                     await self._on_finished(message)

@@ -31,7 +31,7 @@ import structlog
 
 from engine.errors import EngineInvariantError
 from protocols.errors import ModelLoadError
-from protocols.model import AdmitRequest, DeviceMemory, PrefillReport, PrefillWork, RowOutput, StepOutcome, StepPlan
+from protocols.model import AdmitRequest, DenoiseReport, DeviceMemory, PrefillReport, PrefillWork, RowOutput, StepOutcome, StepPlan
 
 log = structlog.get_logger("engine.denoise")
 
@@ -128,6 +128,7 @@ class DenoiseRow:
     num_generated: int = 0
     kv_tokens: int = 0
     canvas: Canvas | None = None
+    canvases: int = 0  # canvases started
     # The last finished canvas, not yet in the encoder cache (the next canvas adds it).
     pending: mx.array | None = None
 
@@ -147,6 +148,8 @@ class Denoiser:
         self._model = model
         self._rows: dict[str, Any] = {}
         self._peak_bytes = 0
+        # The denoising steps of the step being run (`StepOutcome.denoised`).
+        self._reports: list[DenoiseReport] = []
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -169,10 +172,12 @@ class Denoiser:
             mx.clear_cache()
         kv_bytes = self.kv_bytes()
         self._peak_bytes = max(self._peak_bytes, kv_bytes)
+        reports, self._reports = self._reports, []
         return StepOutcome(
             outputs=outputs,
             prefilled=prefilled,
             released=released,
+            denoised=reports,
             num_decode_rows=0,
             kv_tokens=self.kv_tokens(),
             kv_bytes=kv_bytes,
@@ -290,11 +295,25 @@ class DenoiseEngine(Denoiser):
                 row.canvas = self._start_canvas(row)
             groups.setdefault((row.canvas.length, row.canvas.self_conditioning is None), []).append(row)
         logits = {id(row): one for group in groups.values() for row, one in zip(group, self._forward(group))}
-        settled = [(row, self._settle(row, logits[id(row)])) for row in rows]
+        settled = []
+        for row in rows:
+            canvas = cast(Canvas, row.canvas)
+            step = row.settings.max_steps - canvas.step + 1
+            output = self._settle(row, logits[id(row)])
+            # (An ended canvas is final at every position.)
+            settled.append((row, output, step, canvas.length, mx.sum(canvas.reveal) if output is None else None))
         mx.eval(
-            [c for row, _ in settled if (canvas := row.canvas) is not None for c in (canvas.current, canvas.reveal, canvas.draft, canvas.self_conditioning)]
+            [
+                c
+                for row, *_ in settled
+                if (open_canvas := row.canvas) is not None
+                for c in (open_canvas.current, open_canvas.reveal, open_canvas.draft, open_canvas.self_conditioning)
+            ]
         )
-        return [output for _, output in settled if output is not None]
+        for row, _, step, length, revealed in settled:
+            shown = length if revealed is None else cast(int, revealed.item())
+            self._reports.append(DenoiseReport(request_id=row.admit.request_id, canvas=row.canvases, step=step, revealed=shown, positions=length))
+        return [output for _, output, *_ in settled if output is not None]
 
     def _forward(self, rows: list[DenoiseRow]) -> list[mx.array]:
         """The decoder's logits over each row's canvas: a lone row through mlx-vlm's own logits
@@ -350,6 +369,7 @@ class DenoiseEngine(Denoiser):
             self._encode(row, row.pending)
             row.pending = None
         settings = row.settings
+        row.canvases += 1
         remaining = row.admit.max_tokens - row.num_generated
         length = min(settings.max_canvas, max(remaining, settings.min_canvas))
         current = self._random_canvas(row, length)

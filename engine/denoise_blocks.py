@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from engine.denoise import Denoiser
 from engine.errors import EngineInvariantError
-from protocols.model import AdmitRequest, PrefillReport, PrefillWork, RowOutput
+from protocols.model import AdmitRequest, DenoiseReport, PrefillReport, PrefillWork, RowOutput
 
 # mlx-vlm's defaults (`stream_diffusion_generate` for model-driven families, `generate`'s own).
 DEFAULT_BLOCK_LENGTH = 32
@@ -110,6 +110,7 @@ class BlockRow:
     num_generated: int = 0
     next_block: int = 0
     block: Block | None = None
+    last_steps: int = 0  # the steps of the last block that ended
 
     @property
     def prompt_length(self) -> int:
@@ -156,9 +157,25 @@ class BlockDenoiseEngine(Denoiser):
     def _denoise(self, rows: list[Any]) -> list[RowOutput]:
         outputs = []
         for row in cast(list[BlockRow], rows):
-            if (output := self._step(row)) is not None:
+            output = self._step(row)
+            self._reports.append(self._report(row))
+            if output is not None:
                 outputs.append(output)
         return outputs
+
+    def _report(self, row: BlockRow) -> DenoiseReport:
+        """The step's progress: the block (counted from the request's first), its step, and its
+        answer positions unmasked (all, once it ended)."""
+        length = row.settings.block_length
+        block = row.block
+        index = row.next_block - 1 if block is None else block.index
+        first = max(0, row.prompt_length - index * length)  # (the block's prompt positions)
+        if block is None:
+            revealed, step = length - first, row.last_steps
+        else:
+            revealed, step = cast(int, (block.tokens[0, first:] != self._mask).sum().item()), block.steps
+        canvas = index - row.prompt_length // length + 1
+        return DenoiseReport(request_id=row.admit.request_id, canvas=canvas, step=step, revealed=revealed, positions=length - first)
 
     def _step(self, row: BlockRow) -> RowOutput | None:
         """One iteration of mlx-vlm's block loop; the block's output once it ends."""
@@ -214,6 +231,9 @@ class BlockDenoiseEngine(Denoiser):
         else:
             block.stable_steps = 0
         mx.eval(block.tokens)
+        # The loop's next iteration would end the block without a forward: end it in this step.
+        if block.steps >= settings.steps or (not editing and not bool((block.tokens == self._mask).any().item())):
+            return self._end_block(row)
         return None
 
     def _start_block(self, row: BlockRow) -> Block:
@@ -230,7 +250,7 @@ class BlockDenoiseEngine(Denoiser):
         """The block into the cache; its answer positions as the request's output."""
         block = row.block
         assert block is not None
-        row.block = None
+        row.block, row.last_steps = None, block.steps
         self._lm.model(block.tokens, cache=row.cache)
         mx.eval([c.keys for c in row.cache])
         length = row.settings.block_length

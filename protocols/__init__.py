@@ -7,6 +7,7 @@ are one inbox each (`model`, `kv`, `scheduler`, `session`).
 from protocols.api import (
     AdapterInfo,
     CheckpointReport,
+    DenoiseProgress,
     DenoisingOptions,
     Event,
     FillStats,
@@ -27,6 +28,7 @@ from protocols.api import (
 __all__ = [
     "AdapterInfo",
     "CheckpointReport",
+    "DenoiseProgress",
     "DenoisingOptions",
     "Event",
     "FillStats",

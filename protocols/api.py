@@ -100,7 +100,8 @@ class GenerateRequest(Record, frozen=True):
     prompt_logprobs: int | None = None
     request_id: str | None = None
     priority: int = 0
-    # Emit `PrefillProgress` events while the prompt is being processed.
+    # Emit `PrefillProgress` events while the prompt is being processed (and, for a diffusion
+    # model, a `DenoiseProgress` event per denoising step).
     report_progress: bool = False
     # Structured output, OpenAI's shapes as plain dicts: {"type": "json_schema", "json_schema":
     # {"name": ..., "schema": {...}}}, {"type": "json_object"}, plus {"type": "regex", "pattern": ...}
@@ -247,6 +248,18 @@ class PrefillProgress(Message, frozen=True):
     total_tokens: int
 
 
+class DenoiseProgress(Message, frozen=True):
+    """A denoising step's progress (a diffusion model's request that asked for progress): the
+    canvas (or block) being denoised, counted from 1, its step, and how many of its positions
+    are revealed (final) of how many."""
+
+    request_id: str
+    canvas: int
+    step: int
+    revealed: int
+    positions: int
+
+
 class Usage(Record, frozen=True):
     prompt_tokens: int
     completion_tokens: int
@@ -382,4 +395,4 @@ class Finished(Message, frozen=True):
     denoising_steps: int | None = None
 
 
-Event = TokenDelta | ToolCall | ToolCallDelta | PrefillProgress | Finished
+Event = TokenDelta | ToolCall | ToolCallDelta | PrefillProgress | DenoiseProgress | Finished

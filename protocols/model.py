@@ -255,6 +255,16 @@ class RowOutput(Record, frozen=True):
     error_code: str | None = None
 
 
+class DenoiseReport(Record, frozen=True):
+    """A denoising step of a request: its canvas (from 1), the step (from 1), revealed positions."""
+
+    request_id: str
+    canvas: int
+    step: int
+    revealed: int
+    positions: int
+
+
 class PrefillReport(Record, frozen=True):
     request_id: str
     processed_tokens: int
@@ -311,6 +321,8 @@ class StepOutcome(Record, frozen=True):
     # most KV bytes held after any step so far.
     kv_pool: KvPool | None = None
     kv_peak_bytes: int = 0
+    # The denoising steps this step ran (a diffusion model's).
+    denoised: list[DenoiseReport] = msgspec.field(default_factory=list)
 
 
 class StateArray(Record, frozen=True):

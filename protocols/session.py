@@ -47,6 +47,14 @@ class PrefillProgressed(Message, frozen=True):
     prompt_logprobs: list[TokenLogprob] | None = None
 
 
+class DenoiseProgressed(Message, frozen=True):
+    request_id: str
+    canvas: int
+    step: int
+    revealed: int
+    positions: int
+
+
 class RequestFinished(Message, frozen=True):
     """The scheduler is done with the request; no message follows this one."""
 
@@ -72,4 +80,4 @@ class RequestRejected(Message, frozen=True):
     field: str | None = None
 
 
-SessionInbox = TokensGenerated | PrefillProgressed | RequestFinished | RequestRejected
+SessionInbox = TokensGenerated | PrefillProgressed | DenoiseProgressed | RequestFinished | RequestRejected

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from protocols.api import AdapterInfo, Finished, GenerateRequest, PrefillProgress, TokenDelta, ToolCall, ToolCallDelta
+from protocols.api import AdapterInfo, DenoiseProgress, Finished, GenerateRequest, PrefillProgress, TokenDelta, ToolCall, ToolCallDelta
 from protocols.base import Message, Record
 from protocols.errors import ErrorCode
 from protocols.stats import Stats
@@ -104,4 +104,4 @@ class Adapters(Message, frozen=True):
     field: str | None = None
 
 
-ServerMessage = Welcome | TokenDelta | ToolCall | ToolCallDelta | PrefillProgress | Finished | Error | Stats | Adapters
+ServerMessage = Welcome | TokenDelta | ToolCall | ToolCallDelta | PrefillProgress | DenoiseProgress | Finished | Error | Stats | Adapters

@@ -87,6 +87,12 @@ def _mlx_vlm_runs(path: str, prompts: list[list[int]], new_tokens: int, seeds: l
     for prompt_ids, seed in zip(prompts, seeds):
         mx.random.seed(seed)
         start = time.perf_counter()
+        if getattr(model.config, "mask_token_id", None) is not None:  # block diffusion: its own loop, as the stream calls it
+            out = model.language_model.generate(mx.array([prompt_ids]), temperature=0.0, gen_length=new_tokens, eos_early_stop=True)
+            wall = time.perf_counter() - start
+            tokens = [int(t) for t in out[0].tolist()]
+            runs.append({"tokens": tokens, "wall_s": wall, "tok_s": len(tokens) / wall, "steps": None})
+            continue
         results = list(
             loop.stream_diffusion_generate(
                 model, Processor(), tokenizer, mx.array([prompt_ids]), None, None, max_tokens=new_tokens, skip_special_token_ids=[], temperature=0.0
@@ -251,7 +257,10 @@ async def run_denoise_bench(config: RuntimeConfig, options: DenoiseBenchOptions)
     for name, runs in (("alone", alone), ("together", together), ("beside", beside)):
         if runs:
             results[name] = {
-                key: (statistics.median(r[key] for r in runs) if not isinstance(runs[0][key], bool) else all(r[key] for r in runs)) for key in runs[0]
+                key: (
+                    all(r[key] for r in runs) if isinstance(runs[0][key], bool) else None if runs[0][key] is None else statistics.median(r[key] for r in runs)
+                )
+                for key in runs[0]
             }
     return results
 
@@ -262,7 +271,8 @@ def format_denoise_table(results: dict) -> str:
         a = results["alone"]
         lines.append(
             f"alone: mlxrt {a['mlxrt_tok_s']:.2f} tok/s, mlx-vlm's loop {a['mlx_vlm_tok_s']:.2f} tok/s ({a['ratio']:.2f}x);"
-            f" {a['mlxrt_steps']:.0f} steps per answer (mlx-vlm {a['mlx_vlm_steps']:.0f}); {a['tokens']:.0f} tokens,"
+            f" {a['mlxrt_steps']:.0f} steps per answer (mlx-vlm {'n/a' if a['mlx_vlm_steps'] is None else format(a['mlx_vlm_steps'], '.0f')});"
+            f" {a['tokens']:.0f} tokens,"
             f" {a['prompt_tokens']:.0f} prompt tokens; same tokens: {a['same_tokens']}"
         )
     if "together" in results:

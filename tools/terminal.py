@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 
-from protocols.api import Finished, GenerateRequest, PrefillProgress, SamplingParams, TokenDelta
+from protocols.api import DenoiseProgress, Finished, GenerateRequest, PrefillProgress, SamplingParams, TokenDelta
 from runtime.config import LoggingConfig, RuntimeConfig
 from runtime.progress import Progress
 
@@ -49,7 +49,8 @@ def user_request(args, *, chat: bool) -> GenerateRequest:
 
 async def print_events(events: AsyncIterator, as_json: bool, *, out=None, err=None) -> Finished | None:
     """Print a request's stream: each event as a JSON line, or its text as it arrives (with a
-    prefill bar on a terminal for a long prompt). Returns the `Finished` event."""
+    prefill bar on a terminal for a long prompt, and a diffusion model's canvas being denoised).
+    Returns the `Finished` event."""
     out, err = out or sys.stdout, err or sys.stderr
     finished: Finished | None = None
     prefill: Progress | None = None
@@ -62,6 +63,11 @@ async def print_events(events: AsyncIterator, as_json: bool, *, out=None, err=No
                 prefill = Progress("prefill", stream=err)
             if prefill is not None:
                 prefill.fraction(event.processed_tokens, event.total_tokens, "prompt tokens")
+        elif isinstance(event, DenoiseProgress):
+            if prefill is None and err.isatty():
+                prefill = Progress("denoise", stream=err)
+            if prefill is not None:
+                prefill.fraction(event.revealed, event.positions, f"positions of canvas {event.canvas} final (step {event.step})")
         elif isinstance(event, TokenDelta):
             if prefill is not None:
                 prefill.clear()

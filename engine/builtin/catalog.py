@@ -351,6 +351,23 @@ DIFFUSION_MODELS: dict[str, DiffusionSpec] = {
         # A LLaDA2-MoE: a dense first layer, then 4 experts (2 active) and a shared one; blocks
         # of 32 positions (the family's default), at most 32 steps each.
         DiffusionSpec(name="tiny-llada2", seed=42, tokenizer=TINY_TOKENIZER, family="llada2_moe", canvas_length=32),
+        # `bench-llada2`: an 8-layer, 512-wide LLaDA2-MoE with 8 experts (`mlxrt bench --denoise --model`).
+        DiffusionSpec(
+            name="bench-llada2",
+            seed=43,
+            tokenizer=BENCH_TOKENIZER,
+            family="llada2_moe",
+            hidden_size=512,
+            intermediate_size=1024,
+            moe_intermediate_size=256,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            num_experts=8,
+            top_k_experts=2,
+            canvas_length=32,
+        ),
         DiffusionSpec(
             name="bench-diffusion-gemma",
             seed=41,

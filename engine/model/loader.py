@@ -11,10 +11,11 @@ engine are built on it by `engine.build`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -172,7 +173,8 @@ def _tokenizer(directory: Path, hf_config: dict[str, Any]) -> TokenizerWrapper:
     """An mlx-vlm model's tokenizer, with config.json's end tokens."""
     eos = hf_config.get("eos_token_id")
     try:
-        return load_tokenizer(directory, eos_token_ids=[eos] if isinstance(eos, int) else eos)
+        with _transformers_quiet():  # (a model type transformers has no class for: it warns, harmlessly)
+            return load_tokenizer(directory, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     except Exception as exc:
         raise ModelLoadError(f"{directory}: its tokenizer cannot be loaded: {type(exc).__name__}: {exc}") from exc
 
@@ -318,3 +320,16 @@ def model_digest(directory: Path) -> str:
 def tokenizer_digest(directory: Path) -> str:
     names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
     return digest_files([directory / name for name in names])
+
+
+@contextlib.contextmanager
+def _transformers_quiet() -> Iterator[None]:
+    """transformers' own warnings off for a while (its logger, restored after)."""
+    from transformers.utils import logging as transformers_logging
+
+    level = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(level)

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from protocols import DenoisingOptions, GenerateRequest, SamplingParams
-from protocols.api import Finished, TokenDelta
+from protocols.api import DenoiseProgress, Finished, TokenDelta
 from protocols.errors import InvalidRequestError, ModelLoadError, RequestTooLargeError
 from runtime import Runtime
 from runtime.config import KvConfig, PoolModelConfig
@@ -138,12 +138,38 @@ async def test_block_diffusion_answers_equal_llada2s_own_loop_alone_together_and
     assert [o.tokens for o in outcomes[4:]] == expected
 
 
+@pytest.mark.parametrize("model", [DIFFUSION_MODEL, BLOCK_MODEL], ids=["canvas", "blocks"])
+async def test_report_progress_streams_each_denoising_step(model):
+    """With `report_progress`, a denoising request's events carry one `DenoiseProgress` per
+    denoising step: steps counted up within a canvas (or block), revealed positions never
+    fewer than the step before, all revealed at the step a canvas ends, whose tokens follow."""
+    prompt = DiffusionReference(model).prompt_ids([{"role": "user", "content": "Tell me about the sea."}])
+    request = _request(prompt, 40, 7, report_progress=True)
+    async with Runtime.open(make_config(model)) as rt:
+        outcome = await collect(rt.generate(request))
+        quiet = await collect(rt.generate(msgspec.structs.replace(request, report_progress=False)))
+    progress = [e for e in outcome.events if isinstance(e, DenoiseProgress)]
+    assert len(progress) == outcome.last.denoising_steps and not any(isinstance(e, DenoiseProgress) for e in quiet.events)
+    assert quiet.tokens == outcome.tokens
+    canvases: dict[int, list[DenoiseProgress]] = {}
+    for event in progress:
+        canvases.setdefault(event.canvas, []).append(event)
+    assert sorted(canvases) == list(range(1, len(canvases) + 1)) and len(canvases) >= 2
+    for steps in canvases.values():
+        assert [e.step for e in steps] == list(range(1, len(steps) + 1))
+        assert all(a.revealed <= b.revealed for a, b in zip(steps, steps[1:]))
+        assert steps[-1].revealed == steps[-1].positions
+    # Each canvas's last step comes before its tokens.
+    kinds = [type(e).__name__ for e in outcome.events if isinstance(e, (DenoiseProgress, TokenDelta)) and not (isinstance(e, TokenDelta) and not e.token_ids)]
+    assert kinds[0] == "DenoiseProgress" and kinds[-1] == "TokenDelta"
+
+
 async def test_a_diffusion_family_not_served_is_refused_at_load_by_name(tmp_path):
     directory = tmp_path / "nemotron"
     shutil.copytree(builtin_dir(BLOCK_MODEL.removeprefix("builtin:")), directory)
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "model_type": "nemotron_labs_diffusion"}))
-    with pytest.raises(ModelLoadError, match="nemotron_labs_diffusion.*diffusion_gemma, llada2_moe"):
+    with pytest.raises(ModelLoadError, match=r"nemotron_labs_diffusion.*diffusion_gemma, llada2_moe"):
         async with Runtime.open(make_config(str(directory))):
             pass
 

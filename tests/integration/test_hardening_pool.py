@@ -123,7 +123,7 @@ async def test_stats_never_load_a_model(tmp_path):
 async def test_a_zero_residence_pool_does_not_livelock(tmp_path):
     """(6) `min_resident_s = 0` under a one-model cap: three requests over two models all end
     (a model swapped in stays until its requests made progress)."""
-    requests = [_request(8, max_tokens=40), _request(9, max_tokens=40, model="qwen"), _request(10, max_tokens=40)]
+    requests = [_request(8, max_tokens=24), _request(9, max_tokens=24, model="qwen"), _request(10, max_tokens=24)]
     async with ModelPool.open(_pool_config(tmp_path, min_resident_s=0.0)) as pool:
         with anyio.fail_after(180):
             outcomes = await collect_all(pool.generate, requests)

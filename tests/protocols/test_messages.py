@@ -9,6 +9,7 @@ from protocols.api import (
     Event,
     Finished,
     GenerateRequest,
+    DenoiseProgress,
     PrefillProgress,
     SamplingParams,
     Timings,
@@ -61,6 +62,7 @@ EVENTS = [
         ],
     ),
     PrefillProgress(request_id="b", processed_tokens=32, total_tokens=100),
+    DenoiseProgress(request_id="b", canvas=2, step=7, revealed=40, positions=64),
     Finished(
         request_id="c",
         finish_reason="stop",
@@ -298,3 +300,11 @@ def test_every_error_class_round_trips_through_the_one_code_table():
     assert errors.error_code(errors.CorruptCheckpointError("x")) == "checkpoint_invalid"
     assert errors.error_code(ValueError("a bug")) == "internal"
     assert isinstance(errors.error_for("frame_too_large", "m"), errors.ServerError)
+
+
+def test_every_event_crosses_the_socket_wire():
+    """Each event kind a request streams is a message the socket server may send."""
+    from protocols.wire import ServerMessage
+
+    for event in EVENTS:
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(event), type=ServerMessage) == event

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from protocols.api import Finished, PrefillProgress, TokenDelta
+from protocols.api import DenoiseProgress, Finished, PrefillProgress, TokenDelta
 
 
 @dataclass
@@ -40,7 +40,7 @@ async def collect(events) -> Outcome:
         elif isinstance(event, Finished):
             outcome.finished.append(event)
         else:
-            assert isinstance(event, PrefillProgress), event
+            assert isinstance(event, (PrefillProgress, DenoiseProgress)), event
     return outcome
 
 
