@@ -5,6 +5,7 @@ define is refused by name."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 
@@ -157,7 +158,7 @@ async def test_report_progress_streams_each_denoising_step(model):
     assert sorted(canvases) == list(range(1, len(canvases) + 1)) and len(canvases) >= 2
     for steps in canvases.values():
         assert [e.step for e in steps] == list(range(1, len(steps) + 1))
-        assert all(a.revealed <= b.revealed for a, b in zip(steps, steps[1:]))
+        assert all(a.revealed <= b.revealed for a, b in itertools.pairwise(steps))
         assert steps[-1].revealed == steps[-1].positions
     # Each canvas's last step comes before its tokens.
     kinds = [type(e).__name__ for e in outcome.events if isinstance(e, (DenoiseProgress, TokenDelta)) and not (isinstance(e, TokenDelta) and not e.token_ids)]
