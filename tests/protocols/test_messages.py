@@ -6,10 +6,10 @@ import msgspec
 import pytest
 
 from protocols.api import (
+    DenoiseProgress,
     Event,
     Finished,
     GenerateRequest,
-    DenoiseProgress,
     PrefillProgress,
     SamplingParams,
     Timings,
