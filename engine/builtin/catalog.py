@@ -342,8 +342,22 @@ VISION_MODELS: dict[str, VisionSpec] = {
 
 # Diffusion language built-ins (mlx-vlm's DiffusionGemma and LLaDA2-MoE classes), text only, the
 # tiny tokenizer: a 16-position canvas, at most 12 denoising steps per canvas.
-# `bench-diffusion-gemma`: an 8-layer, 512-wide one with 8 experts and a 64-position canvas
-# (`mlxrt bench --denoise`).
+# The bench ones (`mlxrt bench --denoise`): 8 layers, 512 wide, 8 experts (2 active);
+# `bench-diffusion-gemma` with a 64-position canvas.
+_BENCH_DIFFUSION = DiffusionSpec(
+    name="bench-diffusion",
+    seed=0,
+    tokenizer=BENCH_TOKENIZER,
+    hidden_size=512,
+    intermediate_size=1024,
+    moe_intermediate_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=8,
+    top_k_experts=2,
+)
 DIFFUSION_MODELS: dict[str, DiffusionSpec] = {
     spec.name: spec
     for spec in (
@@ -351,39 +365,14 @@ DIFFUSION_MODELS: dict[str, DiffusionSpec] = {
         # A LLaDA2-MoE: a dense first layer, then 4 experts (2 active) and a shared one; blocks
         # of 32 positions (the family's default), at most 32 steps each.
         DiffusionSpec(name="tiny-llada2", seed=42, tokenizer=TINY_TOKENIZER, family="llada2_moe", canvas_length=32),
-        # `bench-llada2`: an 8-layer, 512-wide LLaDA2-MoE with 8 experts (`mlxrt bench --denoise --model`).
-        DiffusionSpec(
-            name="bench-llada2",
-            seed=43,
-            tokenizer=BENCH_TOKENIZER,
-            family="llada2_moe",
-            hidden_size=512,
-            intermediate_size=1024,
-            moe_intermediate_size=256,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=64,
-            num_experts=8,
-            top_k_experts=2,
-            canvas_length=32,
-        ),
-        DiffusionSpec(
+        dataclasses.replace(_BENCH_DIFFUSION, name="bench-llada2", seed=43, family="llada2_moe", canvas_length=32),
+        dataclasses.replace(
+            _BENCH_DIFFUSION,
             name="bench-diffusion-gemma",
             seed=41,
-            tokenizer=BENCH_TOKENIZER,
-            hidden_size=512,
-            intermediate_size=1024,
-            moe_intermediate_size=256,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=4,
             num_global_key_value_heads=2,
-            head_dim=64,
             global_head_dim=128,
             sliding_window=128,
-            num_experts=8,
-            top_k_experts=2,
             canvas_length=64,
             max_denoising_steps=24,
         ),

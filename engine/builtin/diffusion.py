@@ -79,10 +79,9 @@ def build_diffusion_model(spec: DiffusionSpec, tokenizer_json: Path, out: Path, 
     say(f"built {spec.name!r} ({num_parameters / 1e6:.2f}M params, {spec.canvas_length}-position canvas) in {time.perf_counter() - started:.1f}s")
 
 
-def _llada2_config(spec: DiffusionSpec, tokenizer) -> dict:
+def _shape(spec: DiffusionSpec, tokenizer) -> dict:
+    """The config keys both families name alike."""
     return {
-        "architectures": ["LLaDA2MoeModelLM"],
-        "model_type": "llada2_moe",
         "vocab_size": len(tokenizer),
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
@@ -92,14 +91,22 @@ def _llada2_config(spec: DiffusionSpec, tokenizer) -> dict:
         "num_key_value_heads": spec.num_key_value_heads,
         "head_dim": spec.head_dim,
         "num_experts": spec.num_experts,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "pad_token_id": tokenizer.convert_tokens_to_ids(ENDOFTEXT),
+    }
+
+
+def _llada2_config(spec: DiffusionSpec, tokenizer) -> dict:
+    return {
+        "architectures": ["LLaDA2MoeModelLM"],
+        "model_type": "llada2_moe",
+        **_shape(spec, tokenizer),
         "num_experts_per_tok": spec.top_k_experts,
         "num_shared_experts": 1,
         "n_group": 1,
         "topk_group": 1,
         "first_k_dense_replace": 1,
-        "max_position_embeddings": spec.max_position_embeddings,
         "tie_word_embeddings": False,
-        "pad_token_id": tokenizer.convert_tokens_to_ids(ENDOFTEXT),
         "eos_token_id": tokenizer.convert_tokens_to_ids(IM_END),
         "mask_token_id": tokenizer.convert_tokens_to_ids(MASK_TOKEN),
         "torch_dtype": "float32",
@@ -142,22 +149,12 @@ def _diffusion_gemma_config(spec: DiffusionSpec, tokenizer) -> dict:
         "generation_config": {"max_denoising_steps": spec.max_denoising_steps, "eos_token_id": eos},
         "text_config": {
             "model_type": "diffusion_gemma_text",
-            "vocab_size": len(tokenizer),
-            "hidden_size": spec.hidden_size,
-            "intermediate_size": spec.intermediate_size,
-            "moe_intermediate_size": spec.moe_intermediate_size,
-            "num_hidden_layers": spec.num_hidden_layers,
-            "num_attention_heads": spec.num_attention_heads,
-            "num_key_value_heads": spec.num_key_value_heads,
+            **_shape(spec, tokenizer),
             "num_global_key_value_heads": spec.num_global_key_value_heads,
-            "head_dim": spec.head_dim,
             "global_head_dim": spec.global_head_dim,
             "sliding_window": spec.sliding_window,
             "layer_types": ["sliding_attention"] * (spec.num_hidden_layers - 1) + ["full_attention"],
-            "num_experts": spec.num_experts,
             "top_k_experts": spec.top_k_experts,
-            "max_position_embeddings": spec.max_position_embeddings,
-            "pad_token_id": tokenizer.convert_tokens_to_ids(ENDOFTEXT),
             "eos_token_id": eos,
         },
         # (mlx-vlm builds a vision tower whatever the config says: a tiny one, unused: the
