@@ -255,7 +255,24 @@ def _generate(args) -> int:
     if args.socket:
         return _finish(anyio.run(_stream_socket, args.socket, args), args.json)
     config = quiet(RuntimeConfig.load(args.config))
+    _refuse_unknown_names(config, args)
     return _finish(anyio.run(_stream, config, args), args.json)
+
+
+def _refuse_unknown_names(config: RuntimeConfig, args) -> None:
+    """The sampling flags, `--model` and `--adapter` checked before the model loads (what needs
+    no model): in process, the runtime serves the config's model and the adapters it lists, so
+    any other name would be refused after seconds of loading."""
+    from policies.validation import validate_sampling
+    from protocols.api import SamplingParams
+    from protocols.errors import AdapterNotFoundError, ModelNotFoundError
+
+    validate_sampling(SamplingParams(temperature=args.temperature, seed=args.seed))
+
+    if args.request_model not in (None, config.model_name):
+        raise ModelNotFoundError(f"no model named {args.request_model!r}; {args.config} serves {config.model_name!r}", field="model")
+    if args.adapter is not None and args.adapter not in {adapter.name for adapter in config.adapters}:
+        raise AdapterNotFoundError(f"no adapter named {args.adapter!r}; {args.config} lists none by that name in [[adapters]]", field="adapter")
 
 
 def _client(args) -> int:

@@ -126,9 +126,10 @@ async def test_eight_concurrent_greedy_streams_over_two_ranks_equal_mlx_lm(tmp_p
         assert len(joined) == 2 and all((j["control"] is None) == (road == "collectives") for j in joined), joined
 
 
-async def test_grammar_prefix_hits_and_seeded_sampling_in_a_world_equal_one_process(tmp_path):
+async def test_grammar_prefix_hits_seeded_sampling_and_a_cancel_in_a_world(tmp_path):
     """A grammar request (rank 1 compiles the grammar when its plan names it), a prompt served twice
-    (the second from the prefix cache) and a seeded sampled request: the same as one process gives."""
+    (the second from the prefix cache) and a seeded sampled request: the same as one process gives.
+    Then, in the same world, a long request cancelled mid-stream frees its KV on both ranks."""
     fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}
     prompt = [random.Random(3).randrange(1000) for _ in range(3 * CHUNK)]
     requests = [
@@ -146,9 +147,24 @@ async def test_grammar_prefix_hits_and_seeded_sampling_in_a_world_equal_one_proc
         async with Client.connect(process.socket) as client:
             with anyio.fail_after(60):
                 got = [await collect(client.generate(request)) for request in requests]
-    assert [g.tokens for g in got] == [e.tokens for e in expected]
-    assert isinstance(json.loads("".join(ev.text for ev in got[0].events if isinstance(ev, TokenDelta)))["ok"], bool)
-    assert got[2].last.usage.cached_tokens > 0  # the repeat was seeded from the prefix cache
+            assert [g.tokens for g in got] == [e.tokens for e in expected]
+            assert isinstance(json.loads("".join(ev.text for ev in got[0].events if isinstance(ev, TokenDelta)))["ok"], bool)
+            assert got[2].last.usage.cached_tokens > 0  # the repeat was seeded from the prefix cache
+
+            long_one = GenerateRequest(request_id="long-one", prompt_ids=prompts(1, 5)[0], max_tokens=1500, ignore_eos=True)
+            seen = 0
+            with anyio.fail_after(60):
+                async for event in client.generate(long_one):
+                    seen += len(getattr(event, "token_ids", ()))
+                    if seen >= 8:
+                        await client.cancel("long-one")
+                    if type(event).__name__ == "Finished":
+                        assert event.finish_reason == "cancelled"
+            stats = await wait_idle(client)
+            assert stats.kv.live_tokens == 0 and stats.kv.live_requests == 0
+        # Rank 1 logs what it holds after each step that releases a request.
+        line = _follower_release(process, "long-one")
+        assert line["kv_tokens"] == 0 and line["live"] == 0
 
 
 @pytest.mark.exhaustive  # GGUF files and worlds each run in make test
@@ -162,25 +178,6 @@ async def test_a_gguf_file_in_a_world_equals_one_process(tmp_path):
             got = [(await collect(client.generate(GenerateRequest(prompt_ids=p, max_tokens=MAX_TOKENS)))).tokens for p in prompts(4, 23)]
             assert (await client.stats()).world.size == 2
     assert got == expected
-
-
-async def test_a_cancelled_request_frees_kv_on_both_ranks(tmp_path):
-    with world(tmp_path / "cancel", "tensor") as process:
-        async with Client.connect(process.socket) as client:
-            request = GenerateRequest(request_id="long-one", prompt_ids=prompts(1, 5)[0], max_tokens=1500, ignore_eos=True)
-            seen = 0
-            with anyio.fail_after(60):
-                async for event in client.generate(request):
-                    seen += len(getattr(event, "token_ids", ()))
-                    if seen >= 8:
-                        await client.cancel("long-one")
-                    if type(event).__name__ == "Finished":
-                        assert event.finish_reason == "cancelled"
-            stats = await wait_idle(client)
-            assert stats.kv.live_tokens == 0 and stats.kv.live_requests == 0
-        # Rank 1 logs what it holds after each step that releases a request.
-        line = _follower_release(process, "long-one")
-        assert line["kv_tokens"] == 0 and line["live"] == 0
 
 
 def log_events(process: ServerProcess, event: str) -> list[dict]:
