@@ -7,6 +7,8 @@ logits are read too, each position scoring the prompt token after it."""
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -31,11 +33,19 @@ def prefill_one(model, layout: list[LayerLayout], seq: Sequence, num_tokens: int
         extra["input_embeddings"] = embeds
     if seq.vision_positions is not None:
         extra["positions"] = seq.vision_positions[:, :, start:end]
+    started = time.perf_counter()
     with routed(model, [seq.adapter_slot]):
         logits = model(inputs, cache=seq.cache, **extra)
     mx.eval([c.state for c in seq.cache])
+    _note_time(model, num_tokens, started)
     _score_prompt(seq, logits[0], start, end)
     seq.num_prefilled = end
+
+
+def _note_time(model, num_tokens: int, started: float) -> None:
+    """A vision model sizes its tower's units by how long prefill chunks take (`note_prefill`)."""
+    if (note := getattr(model, "note_prefill", None)) is not None:
+        note(num_tokens, time.perf_counter() - started)
 
 
 def encode_unit(model, seq: Sequence, budget_tokens: int) -> bool:
@@ -104,6 +114,7 @@ def prefill_together(model, layout: list[LayerLayout], trimmable: bool, chunks: 
     width = max(n for _, n in chunks)
     padding = [width - n for _, n in chunks]
     cache: list
+    started = time.perf_counter()
     with routed(model, [seq.adapter_slot for seq, _ in chunks]):
         if trimmable:
             cache = batch_prefill_caches(layout, padding)
@@ -119,6 +130,7 @@ def prefill_together(model, layout: list[LayerLayout], trimmable: bool, chunks: 
                 for c in cache:
                     c.finalize()
     mx.eval([c.state for c in cache])
+    _note_time(model, width * len(chunks), started)
     for row, (seq, n) in enumerate(chunks):
         seq.cache = quantized_caches([c.extract(row) for c in cache], layout)
         first = padding[row] if trimmable else 0  # left padding, or right

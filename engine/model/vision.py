@@ -16,14 +16,17 @@ position plus its image's delta (`Step.shifts`, per row of the batch). Other fam
 refused with a typed error.
 
 The vision tower does not run in one piece: `start_tower` builds the whole image path (tower,
-projector, merge) as MLX's lazy graph with every encoder layer's output noted, and `TowerRun`
-evaluates a few layers of it per scheduler step, sized to a prefill chunk's cost, so rows that
-are decoding keep stepping while a large image is encoded. The graph is the one the model's
-own `get_input_embeddings` builds, evaluated in pieces, so the result is the same.
+projector, merge) as MLX's lazy graph with every encoder layer's attention and layer output
+noted, and `TowerRun` evaluates a few of these stages per scheduler step, sized to take about
+as long as a prefill chunk, so rows that are decoding keep stepping while a large image is
+encoded. The graph is the one the model's own `get_input_embeddings` builds, evaluated in
+pieces, so the result is the same.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,6 +36,9 @@ import mlx.nn as nn
 from protocols.errors import ModelLoadError
 
 VISION_FAMILIES = ("idefics3", "smolvlm", "gemma3", "qwen2_5_vl")
+# Prefill chunks shorter than this are not timed for sizing tower units (their time is mostly
+# the forward's per-call cost, not its compute).
+MIN_TIMED_CHUNK = 32
 # Families whose rotary positions the engine passes (mRoPE: time, height and width positions over
 # an image, then text positions shifted by the image's delta).
 EXPLICIT_POSITIONS = ("qwen2_5_vl",)
@@ -59,6 +65,17 @@ class VisionLanguageModel(nn.Module):
         self.model_type = model_type
         self.explicit_positions = model_type in EXPLICIT_POSITIONS
         self._lm_params: int | None = None
+        # Seconds a prompt token of a prefill chunk takes here (moving average, `note_prefill`):
+        # what a tower unit is sized against.
+        self.prefill_s_per_token: float | None = None
+
+    def note_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A prefill chunk of `num_tokens` took `seconds` (evaluated); chunks too short to time
+        the model's compute rather than its per-call cost are left out."""
+        if num_tokens < MIN_TIMED_CHUNK:
+            return
+        rate = seconds / num_tokens
+        self.prefill_s_per_token = rate if self.prefill_s_per_token is None else 0.5 * (self.prefill_s_per_token + rate)
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -129,12 +146,20 @@ class VisionLanguageModel(nn.Module):
         layers = self._tower_layers()
         original = list(layers)
         stages: list[tuple[mx.array, int]] = []
-        layers[:] = [_Noted(layer, stages) for layer in original]
+        # Each layer's attention is a stage of its own (about half a layer's work): a unit can
+        # end between a layer's attention and its feed-forward.
+        attentions = [(layer, name, layer[name]) for layer in original for name in _ATTENTION if name in layer]
+        inner = {id(layer): _num_params(attention) for layer, _, attention in attentions}
         try:
+            for layer, name, attention in attentions:
+                layer[name] = _Noted(attention, stages)
+            layers[:] = [_Noted(layer, stages, inner=inner.get(id(layer), 0)) for layer in original]
             embeds = self.embed_prompt(prompt_ids, arrays)
         finally:
             layers[:] = original
-        return TowerRun(stages, embeds, self._token_cost)
+            for layer, name, attention in attentions:
+                layer[name] = attention
+        return TowerRun(stages, embeds, self._token_cost, lambda: self.prefill_s_per_token)
 
     def _tower_layers(self) -> list[Any]:
         module: Any = self.vlm
@@ -158,17 +183,36 @@ class VisionLanguageModel(nn.Module):
 
 
 class TowerRun:
-    """One image prompt's tower, evaluated a unit at a time: each unit evaluates encoder layers
-    (all of the prompt's images or tiles together, as the model batches them) until the next
-    would pass the unit's budget (at least one), and the last unit the projector and merge.
-    Costs are multiply-adds, a prompt token's being the language model's parameter count."""
+    """One image prompt's tower, evaluated a unit at a time: each unit evaluates stages (a
+    layer's attention, the rest of the layer; all of the prompt's images or tiles together, as
+    the model batches them) until the next would pass the unit's budget (at least one), and the
+    last unit the projector and merge.
 
-    def __init__(self, stages: list[tuple[mx.array, int]], embeds: mx.array, token_cost: int) -> None:
+    A unit's budget is `budget_tokens` prompt tokens of prefill. Once both rates are known (a
+    prefill chunk timed by the model, a stage of this tower timed here) it is their time: the
+    tower's attention over a thousand patches a tile runs at another speed per multiply-add
+    than the language model (a CPU's exp, a GPU's kernels), so multiply-adds alone would
+    misjudge it. Before that, multiply-adds, a prompt token's being the language model's
+    parameter count."""
+
+    def __init__(
+        self,
+        stages: list[tuple[mx.array, int]],
+        embeds: mx.array,
+        token_cost: int,
+        prefill_rate: Callable[[], float | None] = lambda: None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self._stages = stages
         self._token_cost = max(token_cost, 1)
+        self._prefill_rate = prefill_rate
+        self._clock = clock
         self.embeds: mx.array | None = None
         self._pending: mx.array | None = embeds
         self.num_units = 0
+        # What the stages evaluated so far cost and took: this tower's seconds per multiply-add.
+        self._cost_done = 0
+        self._seconds_done = 0.0
 
     @property
     def done(self) -> bool:
@@ -177,35 +221,51 @@ class TowerRun:
     def advance(self, budget_tokens: int) -> bool:
         """One unit, worth about `budget_tokens` prompt tokens of the language model; True
         once the embeddings are made."""
-        budget = budget_tokens * self._token_cost
-        spent = 0
-        while self._stages and (spent == 0 or spent + self._stages[0][1] <= budget):
+        spent_cost, spent_s = 0, 0.0
+        while self._stages and (spent_cost == 0 or self._fits(self._stages[0][1], spent_cost, spent_s, budget_tokens)):
             out, cost = self._stages.pop(0)
+            started = self._clock()
             mx.eval(out)
-            spent += cost
+            seconds = self._clock() - started
+            spent_cost, spent_s = spent_cost + cost, spent_s + seconds
+            self._cost_done, self._seconds_done = self._cost_done + cost, self._seconds_done + seconds
         if not self._stages and self._pending is not None:
             mx.eval(self._pending)
             self.embeds, self._pending = self._pending, None
         self.num_units += 1
         return self.done
 
+    def _fits(self, cost: int, spent_cost: int, spent_s: float, budget_tokens: int) -> bool:
+        """Whether a stage of `cost` still fits the unit after what it has spent."""
+        prefill_rate = self._prefill_rate()
+        if prefill_rate is not None and self._cost_done > 0:
+            return spent_s + cost * self._seconds_done / self._cost_done <= budget_tokens * prefill_rate
+        return spent_cost + cost <= budget_tokens * self._token_cost
+
 
 class _Noted:
-    """A vision encoder layer whose outputs (and their costs) are noted as the graph is built."""
+    """A vision encoder layer (or its attention) whose outputs and their costs are noted as the
+    graph is built; `inner`: the parameters of a noted part inside it (its own stage, already
+    costed there, attention's quadratic term included)."""
 
-    def __init__(self, layer: Any, stages: list[tuple[mx.array, int]]) -> None:
+    def __init__(self, layer: Any, stages: list[tuple[mx.array, int]], inner: int = 0) -> None:
         self._layer = layer
         self._stages = stages
-        self._params = _num_params(layer)
+        self._params = _num_params(layer) - inner
+        self._quadratic = not inner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out = self._layer(*args, **kwargs)
         first = out[0] if isinstance(out, tuple) else out
-        self._stages.append((first, _layer_cost(first, self._params)))
+        self._stages.append((first, _layer_cost(first, self._params, self._quadratic)))
         return out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._layer, name)
+
+
+# A vision encoder layer's attention module, by family (SigLIP's `self_attn`, Qwen's `attn`).
+_ATTENTION = ("self_attn", "attn")
 
 
 def _num_params(module: nn.Module) -> int:
@@ -214,11 +274,11 @@ def _num_params(module: nn.Module) -> int:
     return sum(value.size for _, value in cast(list[tuple[str, Any]], tree_flatten(module.parameters())))
 
 
-def _layer_cost(out: mx.array, params: int) -> int:
+def _layer_cost(out: mx.array, params: int, quadratic: bool = True) -> int:
     """An encoder layer's multiply-adds: its weights once per patch, and attention over each
     image's patches where the output keeps images apart (batch, patches, hidden)."""
     patches = out.size // out.shape[-1]
-    attention = out.shape[0] * out.shape[1] ** 2 * out.shape[2] * 2 if out.ndim == 3 else 0
+    attention = out.shape[0] * out.shape[1] ** 2 * out.shape[2] * 2 if quadratic and out.ndim == 3 else 0
     return patches * params + attention
 
 

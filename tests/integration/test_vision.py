@@ -85,7 +85,7 @@ async def test_image_rows_decode_in_one_batch_with_text_rows(reference, monkeypa
 
 
 async def test_the_vision_tower_runs_in_units_while_text_rows_decode(reference, monkeypatch):
-    # One-token chunks: each tower unit is one encoder layer of this tiny tower.
+    # One-token chunks: each tower unit is one stage of this tiny tower (an encoder layer's attention, or the rest of the layer).
     from engine.engine import Engine
     from engine.model.vision import TowerRun
 
