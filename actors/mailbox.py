@@ -28,6 +28,14 @@ class Mailbox(Generic[T]):
     async def send(self, message: T) -> None:
         await self._send.send(message)
 
+    async def post(self, message: T) -> None:
+        """Send without letting other tasks run first when there is room (what the scheduler
+        tells between a step's end and the next one's start); wait for room otherwise."""
+        try:
+            self._send.send_nowait(message)
+        except anyio.WouldBlock:
+            await self._send.send(message)
+
     def send_nowait(self, message: T) -> None:
         """Raises `anyio.WouldBlock` when full."""
         self._send.send_nowait(message)

@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -30,6 +30,25 @@ def loop_caller(token: anyio.lowlevel.EventLoopToken) -> Callable[[Callable[[], 
     if hasattr(native, "call_soon_threadsafe"):  # asyncio loop
         return native.call_soon_threadsafe
     return native.run_sync_soon  # trio token
+
+
+class Job(Generic[T]):
+    """One job queued on the MLX thread; its result is awaited on the event loop."""
+
+    def __init__(self) -> None:
+        self._done = anyio.Event()
+        # The result, or (None, the exception it raised).
+        self._outcome: list = []
+
+    def entry(self, fn: Callable[..., T], args: tuple) -> tuple:
+        """What the thread's queue holds for it."""
+        return (loop_caller(anyio.lowlevel.current_token()), self._done.set, self._outcome, fn, args)
+
+    async def result(self) -> T:
+        await self._done.wait()
+        if len(self._outcome) == 2:
+            raise self._outcome[1]
+        return self._outcome[0]
 
 
 class MlxThread:
@@ -51,13 +70,20 @@ class MlxThread:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(*args)` on the MLX thread; cancelling the caller abandons the result."""
-        done = anyio.Event()
-        outcome: list = []
-        await self._put((loop_caller(anyio.lowlevel.current_token()), done.set, outcome, fn, args))
-        await done.wait()
-        if len(outcome) == 2:
-            raise outcome[1]
-        return outcome[0]
+        job: Job[T] = Job()
+        await self._put(job.entry(fn, args))
+        return await job.result()
+
+    def submit_nowait(self, fn: Callable[..., T], *args: Any) -> Job[T] | None:
+        """Queue `fn(*args)` now, from the event loop's thread, without yielding to other tasks
+        (the MLX thread may start it before the caller's task next waits); None if the queue is
+        full. Await `Job.result()` for its result."""
+        job: Job[T] = Job()
+        try:
+            self._jobs.put_nowait(job.entry(fn, args))
+        except queue.Full:
+            return None
+        return job
 
     def note(self, user: int) -> None:
         """`user` (any id) has just run work on the thread."""

@@ -5,6 +5,12 @@ config names, builds the engine there, then executes `RunStep` plans one at a ti
 answering each with a `StepOutcome` (or `StepFailed`, after which the engine holds no
 requests), and `AdapterCall`s (load, unload, list adapters) between steps.
 
+Steps take a shorter way when they can (`start_step`): the scheduler queues its plan on the
+MLX thread from its own task, so the step starts before any other task runs (sessions
+detokenizing the last step's tokens run while it computes, not in front of it). A plan that
+must read adapter files first, a world's and a diffusion model's that keeps to a share of a
+shared thread go through the inbox (`RunStep`).
+
 `Embed` calls (`engine.embed`) run a forward at a time on the MLX thread, so the scheduler's steps
 go on between their forwards; a call whose asker left stops at the next forward.
 
@@ -33,7 +39,7 @@ import msgspec
 import structlog
 
 from actors.mailbox import Mailbox, abandoned, answer
-from actors.mlx_thread import MlxThread
+from actors.mlx_thread import Job, MlxThread
 from engine.build import BuiltEngine, EngineSpec, MakeGrammars, build_engine
 from engine.denoise import Denoiser
 from engine.embed import Embedder
@@ -132,6 +138,8 @@ class ModelActor:
         self.world: WorldState | None = None
         self.inbox: Mailbox[ModelInbox] = Mailbox(16)
         self._embeds = 0
+        # The engine and adapter bank while serving (`start_step`'s).
+        self._serving: tuple[Engine | Leader | Denoiser, AdapterBank] | None = None
 
     async def run(self, *, task_status) -> None:
         with self.inbox:  # closed however this ends, a failed load included
@@ -166,8 +174,10 @@ class ModelActor:
             info = msgspec.structs.replace(loaded.info, embedding_size=embedder.width) if embedder is not None else loaded.info
             task_status.started(ModelReady(info=info, tokenizer=loaded.tokenizer, grammars=grammars, adapters=adapters, world=self.world))
             try:
+                self._serving = (engine, bank)
                 await self._serve(engine, bank, embedder)
             finally:
+                self._serving = None
                 if self.world is not None and self.world.error is None:
                     with anyio.CancelScope(shield=True), anyio.move_on_after(WORLD_STOP_S):
                         try:
@@ -291,6 +301,17 @@ class ModelActor:
             return InternalError("the model's embedder is missing")
         return ServerBusyError(f"{MAX_EMBEDS} embedding calls are running; retry later")
 
+    def start_step(self, plan: StepPlan) -> Job[StepOutcome | StepFailed] | None:
+        """Queue a step on the MLX thread now, from the caller's task (see the module
+        docstring); None where it must go through the inbox, or the thread's queue is full."""
+        serving = self._serving
+        if serving is None or self.world is not None or any(admit.adapter is not None for admit in plan.admit):
+            return None
+        engine, bank = serving
+        if plan.denoise and self._denoise_share < 1:
+            return None
+        return self._thread.submit_nowait(self._run_step, engine, bank, {}, plan)
+
     async def _step(self, engine: Engine | Leader | Denoiser, bank: AdapterBank, plan: StepPlan) -> StepOutcome | StepFailed:
         if self.world is not None:
             if self.world.error is None:
@@ -300,21 +321,30 @@ class ModelActor:
             return StepFailed(error=f"the distributed world is unavailable: {self.world.error}", code="unavailable")
         try:
             files = await self._read_for_step(bank, plan)
-
-            def run() -> StepOutcome:
-                with bank.staged(files):
-                    return engine.step(plan)
-
-            outcome = await self._thread.run(run)
-            self._thread.note(id(self))
-            if plan.denoise and self._denoise_share < 1 and self._thread.busy_besides(id(self), within_s=max(1.0, 4 * outcome.step_s)):
-                # (Another model decodes on this thread: denoising keeps to its share of it.)
-                await anyio.sleep(outcome.step_s * (1 - self._denoise_share) / self._denoise_share)
-            return outcome
         except Exception as exc:
             log.exception("step_failed")
             await self._thread.run(engine.reset)
             return StepFailed(error=f"{type(exc).__name__}: {exc}")
+        outcome = await self._thread.run(self._run_step, engine, bank, files, plan)
+        shared = isinstance(outcome, StepOutcome) and plan.denoise and self._denoise_share < 1
+        if shared and self._thread.busy_besides(id(self), within_s=max(1.0, 4 * outcome.step_s)):
+            # (Another model decodes on this thread: denoising keeps to its share of it.)
+            await anyio.sleep(outcome.step_s * (1 - self._denoise_share) / self._denoise_share)
+        return outcome
+
+    def _run_step(
+        self, engine: Engine | Leader | Denoiser, bank: AdapterBank, files: dict[str, AdapterFiles | AdapterLoadError], plan: StepPlan
+    ) -> StepOutcome | StepFailed:
+        """(MLX thread) One step; a step that fails resets the engine (it holds no requests after)."""
+        try:
+            with bank.staged(files):
+                outcome = engine.step(plan)
+        except Exception as exc:
+            log.exception("step_failed")
+            engine.reset()
+            return StepFailed(error=f"{type(exc).__name__}: {exc}")
+        self._thread.note(id(self))
+        return outcome
 
     async def _read_for_step(self, bank: AdapterBank, plan: StepPlan) -> dict[str, AdapterFiles | AdapterLoadError]:
         """The files of the evicted adapters this step's admissions need, read in a worker

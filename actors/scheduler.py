@@ -9,7 +9,8 @@ inboxes coalesce). Decisions are `SchedulePolicy`'s; this class moves messages.
 from __future__ import annotations
 
 import time
-from typing import assert_never
+from collections.abc import Callable
+from typing import TYPE_CHECKING, assert_never
 
 import anyio
 import msgspec
@@ -20,7 +21,7 @@ from policies.adapters import prefix_namespace
 from policies.scheduling import Ended, SchedulePolicy, Tracked
 from protocols.api import SpecTotals
 from protocols.kv import PrefixesSaved, ReleaseKv, ReportKvUsage, ReserveKv, SaveCheckpoint, UnpinPrefix
-from protocols.model import RunStep, StepFailed, StepOutcome
+from protocols.model import RunStep, StepFailed, StepOutcome, StepPlan
 from protocols.scheduler import (
     AddRequest,
     CancelRequest,
@@ -34,16 +35,25 @@ from protocols.scheduler import (
 )
 from protocols.session import DenoiseProgressed, PrefillProgressed, RequestFinished, RequestRejected, TokensGenerated
 
+if TYPE_CHECKING:
+    from actors.mlx_thread import Job
+
 log = structlog.get_logger(actor="scheduler")
 
 REPORT_EVERY_STEPS = 32
 
 
+# Queues a step on the MLX thread from the scheduler's own task (`ModelActor.start_step`), or
+# None: then it goes to the model's inbox.
+StartStep = Callable[[StepPlan], "Job[StepOutcome | StepFailed] | None"]
+
+
 class SchedulerActor:
-    def __init__(self, policy: SchedulePolicy, *, model: Mailbox, kv: Mailbox, capacity: int):
+    def __init__(self, policy: SchedulePolicy, *, model: Mailbox, kv: Mailbox, capacity: int, start_step: StartStep | None = None):
         self.policy = policy
         self.inbox: Mailbox[SchedulerInbox] = Mailbox(capacity)
         self._model = model
+        self._start_step = start_step
         self._kv = kv
         self._reported_keys: set[str] = set()
         self._steps_since_report = 0
@@ -151,11 +161,14 @@ class SchedulerActor:
     async def _step(self) -> None:
         started = time.monotonic()
         plan = self.policy.plan(started)
-        result = await ask(self._model, RunStep, plan=plan)
+        # From here to the step's start no other task runs: the sessions take the last step's
+        # tokens while this one computes.
+        job = self._start_step(plan) if self._start_step is not None else None
+        result = await job.result() if job is not None else await ask(self._model, RunStep, plan=plan)
         # The plan has run: the prefixes its admissions started from may be evicted now.
         for admit in plan.admit:
             if admit.prefix_entry is not None:
-                await self._kv.send(UnpinPrefix(entry_id=admit.prefix_entry))
+                await self._kv.post(UnpinPrefix(entry_id=admit.prefix_entry))
             tracked = self.policy.get(admit.request_id)
             if admit.disk_prefix is not None and tracked is not None:
                 tracked.admit = msgspec.structs.replace(tracked.admit, disk_prefix=None)  # the engine holds that KV now
@@ -198,7 +211,7 @@ class SchedulerActor:
         for ended in self.policy.apply(outcome, now):
             await self._finish(ended)
         if outcome.saved_prefixes:
-            await self._kv.send(PrefixesSaved(entries=outcome.saved_prefixes))
+            await self._kv.post(PrefixesSaved(entries=outcome.saved_prefixes))
         await self._report_usage(outcome)
 
     async def _report_usage(self, outcome: StepOutcome) -> None:
@@ -208,7 +221,7 @@ class SchedulerActor:
         self._steps_since_report += 1
         if keys != self._reported_keys or self._steps_since_report >= REPORT_EVERY_STEPS:
             self._reported_keys, self._steps_since_report = set(keys), 0
-            await self._kv.send(
+            await self._kv.post(
                 ReportKvUsage(
                     live_tokens=outcome.kv_tokens,
                     physical_bytes=outcome.kv_bytes,
@@ -226,7 +239,7 @@ class SchedulerActor:
             return
         admit = tracked.admit
         tracked.checkpoint_writes.append(time.monotonic())
-        await self._kv.send(
+        await self._kv.post(
             SaveCheckpoint(
                 request=tracked.request,
                 prompt_ids=admit.prompt_ids,
@@ -243,13 +256,13 @@ class SchedulerActor:
         tracked = ended.tracked
         self._notify_end(ended)
         if not tracked.planned and tracked.admit.prefix_entry is not None:
-            await self._kv.send(UnpinPrefix(entry_id=tracked.admit.prefix_entry))
+            await self._kv.post(UnpinPrefix(entry_id=tracked.admit.prefix_entry))
         # A checkpoint survives shutdowns and failed steps (that is what it is for), not a normal end.
         has_checkpoint = tracked.checkpoint_every or tracked.admit.resume is not None
         delete = bool(has_checkpoint) and not tracked.keep_checkpoint and ended.error is None
         if delete:
             self.policy.forget_checkpoint(tracked.request_id)
-        await self._kv.send(ReleaseKv(request_id=tracked.request_id, delete_checkpoint=delete))
+        await self._kv.post(ReleaseKv(request_id=tracked.request_id, delete_checkpoint=delete))
 
     def _notify_end(self, ended: Ended) -> None:
         tracked = ended.tracked

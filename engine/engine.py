@@ -263,6 +263,8 @@ class Engine:
         return outside + self._prefixes.nbytes + self._batch.nbytes + self._blocks.used_bytes + draft
 
     def pool_stats(self) -> KvPool | None:
+        if self._pool is None:  # (every step asks: no walk over the prefix entries without a pool)
+            return None
         return self._blocks.stats(self.kv_tokens(), self._sequences.values(), self._prefixes.holders())
 
     # -- admission, parking, release ---------------------------------------------------------

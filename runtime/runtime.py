@@ -143,7 +143,7 @@ class Runtime:
         model, ready = await _start_model(config, thread, tg)
         info, adapters = ready.info, AdapterRegistry(ready.adapters)
         kv = await _start_kv_store(config, info, model.inbox, tg, checkpoints=problem is None)
-        scheduler = await _start_scheduler(config, model.inbox, kv.inbox, adapters, tg)
+        scheduler = await _start_scheduler(config, model, kv.inbox, adapters, tg)
         grammars = ready.grammars
         assert isinstance(grammars, GrammarCache)  # what `_start_model` built
         admission = Admission(config, info, ready.tokenizer, grammars, checkpoints_unavailable=problem, adapters=adapters)
@@ -435,7 +435,7 @@ async def _start_kv_store(config: RuntimeConfig, info: ModelInfo, model: Mailbox
     return kv
 
 
-async def _start_scheduler(config: RuntimeConfig, model: Mailbox[ModelInbox], kv: Mailbox, adapters: AdapterRegistry, tg) -> SchedulerActor:
+async def _start_scheduler(config: RuntimeConfig, model: ModelActor, kv: Mailbox, adapters: AdapterRegistry, tg) -> SchedulerActor:
     s = config.scheduler
     policy = SchedulePolicy(
         max_batch_size=s.max_batch_size,
@@ -444,6 +444,6 @@ async def _start_scheduler(config: RuntimeConfig, model: Mailbox[ModelInbox], kv
         token_budget=config.step_token_budget,
         adapter_slots=AdapterSlots(config.lora.max_resident, adapters),
     )
-    scheduler = SchedulerActor(policy, model=model, kv=kv, capacity=s.max_queued_requests + 2 * s.max_batch_size + 16)
+    scheduler = SchedulerActor(policy, model=model.inbox, kv=kv, capacity=s.max_queued_requests + 2 * s.max_batch_size + 16, start_step=model.start_step)
     await tg.start(scheduler.run)
     return scheduler
