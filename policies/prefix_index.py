@@ -44,6 +44,8 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._roots: dict[str | None, _Node] = {}
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        # The entries' bytes, kept as they come and go (the ledger reads it in loops).
+        self._num_bytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -53,7 +55,7 @@ class PrefixIndex:
 
     @property
     def num_bytes(self) -> int:
-        return sum(e.num_bytes for e in self._entries.values())
+        return self._num_bytes
 
     def tokens(self, entry_id: str) -> tuple[int, ...]:
         return self._entries[entry_id].tokens
@@ -68,6 +70,7 @@ class PrefixIndex:
         if match is not None and match.num_tokens == len(tokens):
             return False
         self._entries[entry_id] = _Entry(tokens, num_bytes, namespace)
+        self._num_bytes += num_bytes
         node, i = self._roots.setdefault(namespace, _Node()), 0
         while True:
             node.entries.add(entry_id)
@@ -123,6 +126,7 @@ class PrefixIndex:
 
     def remove(self, entry_id: str) -> None:
         entry = self._entries.pop(entry_id)
+        self._num_bytes -= entry.num_bytes
         node, i = self._roots[entry.namespace], 0
         path = [node]
         while i < len(entry.tokens):
