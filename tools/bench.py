@@ -25,6 +25,7 @@ import anyio
 from actors.mlx_thread import MlxThread
 from protocols.api import Finished, GenerateRequest, PrefillProgress, TokenDelta
 from runtime.config import RuntimeConfig
+from runtime.errors import ConfigError
 from runtime.progress import Progress
 
 
@@ -268,6 +269,7 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
                 "device": info.device,
                 "quantization": info.quantization,
             }
+            _check_fits(options, info.max_context)
             text_ids = rt.tokenizer.encode(Path(options.text_path).read_text(), add_special_tokens=False) if options.text_path else None
             source = PromptSource(info.vocab_size, text_ids)
             results["model"]["prompts"] = f"windows of {options.text_path} ({len(text_ids)} tokens)" if text_ids else "random token ids"
@@ -303,6 +305,19 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
     progress.done("benchmark finished")
     results["ratios"] = _ratios(results)
     return results
+
+
+def _check_fits(options: BenchOptions, max_context: int) -> None:
+    """Refuse, before anything runs, workloads whose prompts and answers the model's context
+    cannot hold (the runtime would refuse their requests after mlx-lm's side had run)."""
+    wanted = {"--prompt-tokens + --new-tokens": options.prompt_tokens + options.new_tokens}
+    if "interference" in options.workloads:
+        wanted["--long-prompt-tokens + 4 new"] = options.long_prompt_tokens + 4
+    if "prefix" in options.workloads:
+        wanted["--prefix-tokens + a 32-token suffix + 4 new"] = options.prefix_tokens + 36
+    for what, tokens in wanted.items():
+        if tokens > max_context:
+            raise ConfigError(f"{what} = {tokens} tokens: more than the model's context of {max_context}")
 
 
 async def _concurrency(rt, thread: MlxThread, baseline: Baseline, options: BenchOptions, source: PromptSource, results: dict, progress: Progress) -> None:

@@ -78,6 +78,13 @@ def test_bench_runs_and_reports_ratios(tmp_path):
     assert "throughput_tok_s" in result.stdout
 
 
+def test_bench_refuses_prompts_the_models_context_cannot_hold_before_running_anything():
+    result = _mlxrt("bench", "--config", "configs/tiny.toml", "--workloads", "concurrency", "--prompt-tokens", "1000000", "--repeats", "1")
+    assert result.returncode == 2, result.stderr
+    assert "--prompt-tokens + --new-tokens = 1000064 tokens: more than the model's context" in result.stderr
+    assert "mlx-lm" not in result.stderr  # (the progress lines of mlx-lm's side: nothing ran)
+
+
 @pytest.mark.server
 @pytest.mark.slow
 def test_bench_http_times_every_face(tmp_path):
