@@ -304,12 +304,10 @@ class ModelActor:
     def start_step(self, plan: StepPlan) -> Job[StepOutcome | StepFailed] | None:
         """Queue a step on the MLX thread now, from the caller's task (see the module
         docstring); None where it must go through the inbox, or the thread's queue is full."""
-        serving = self._serving
-        if serving is None or self.world is not None or any(admit.adapter is not None for admit in plan.admit):
+        shared_denoise = bool(plan.denoise) and self._denoise_share < 1
+        if self._serving is None or self.world is not None or shared_denoise or any(admit.adapter is not None for admit in plan.admit):
             return None
-        engine, bank = serving
-        if plan.denoise and self._denoise_share < 1:
-            return None
+        engine, bank = self._serving
         return self._thread.submit_nowait(self._run_step, engine, bank, {}, plan)
 
     async def _step(self, engine: Engine | Leader | Denoiser, bank: AdapterBank, plan: StepPlan) -> StepOutcome | StepFailed:
