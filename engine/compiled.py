@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList
 
+from engine.kv.attention import decode_attention
 from policies.layout import ring_capacity
 from protocols.model import LayerLayout
 
@@ -84,6 +85,9 @@ class _TracedAttention:
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         rows = self._masks.positions.shape[0]
         return self.keys[:rows], self.values[:rows]
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array | None:
+        return decode_attention(queries, keys, values, scale, mask)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         capacity = self.keys.shape[2]

@@ -24,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine.batch import DecodeBatch
 from engine.compiled import compile_decode_step
 from engine.kv import caches
+from engine.kv.attention import install as install_attention
 from engine.sampler import RowSampling, draft_draws
 from policies.layout import has_state
 from protocols.errors import ModelLoadError
@@ -62,6 +63,7 @@ class DraftRunner:
             raise ModelLoadError("the draft model has recurrent layers: a rejected draft cannot be rewound there")
         self._model = model
         self._layout = layout
+        install_attention(model)  # its decode steps attend with grouped heads stacked too
         self._batch = DecodeBatch(layout)
         # A lone drafting row's one-token steps run compiled (no graph build per draft token).
         self._step = compile_decode_step(model, layout)

@@ -28,6 +28,7 @@ import msgspec
 import structlog
 from mlx_lm.models.cache import CacheList, KVCache, _BaseCache, create_attention_mask
 
+from engine.kv.attention import decode_attention
 from engine.kv.layout import DTYPES
 from engine.kv.slots import FullSlots
 from engine.step import Step
@@ -379,16 +380,17 @@ class PagedSlots(FullSlots):
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array | None:
         """A decode step (one token per row, every row) attends row by row: each row's queries
         over its positions, sliced from the pool where its blocks run contiguously (gathered
-        where not), exactly mlx-lm's one-sequence attention. The gathered batch the layer was
-        given is then never evaluated. None (the layer's own attention) for anything else: a
-        step of several tokens, keys the layer changed, a mask this layer did not make."""
+        where not), as mlx-lm's one-sequence attention. The gathered batch the layer was given
+        is then never evaluated. Anything else (a step of several tokens, keys the layer
+        changed, a mask this layer did not make) attends over the keys given, as every slot
+        does (`engine.kv.attention.decode_attention`, None where that declines)."""
         step = self._batch.step
         if step is None or self._fetched is None or keys is not self._fetched[0] or values is not self._fetched[1]:
-            return None
+            return decode_attention(queries, keys, values, scale, mask)
         if step.num_new != 1 or step.rows is not None or step.num_rows < 2 or step.num_rows * step.width < ROW_ATTENTION_MIN_POSITIONS:
-            return None
+            return decode_attention(queries, keys, values, scale, mask)
         if mask is not None and mask is not step.derived.get(("full-mask", None)):
-            return None
+            return decode_attention(queries, keys, values, scale, mask)
         reads = step.derive(("paged-rows", self.pool.positions), lambda: self._row_reads(step))
         pool_keys, pool_values = self.pool.arrays(self.ordinal)
         outputs = []
@@ -399,7 +401,9 @@ class PagedSlots(FullSlots):
             else:
                 size, length = self.pool.block_size, step.starts[row] + 1
                 row_keys, row_values = _gather_blocks(pool_keys, read, 1, length, size), _gather_blocks(pool_values, read, 1, length, size)
-            outputs.append(mx.fast.scaled_dot_product_attention(queries[row : row + 1], row_keys, row_values, scale=scale))
+            query = queries[row : row + 1]
+            out = decode_attention(query, row_keys, row_values, scale, None)
+            outputs.append(out if out is not None else mx.fast.scaled_dot_product_attention(query, row_keys, row_values, scale=scale))
         return mx.concatenate(outputs, axis=0)
 
     def _row_reads(self, step: Step) -> list[int | mx.array]:

@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
+from engine.kv.attention import decode_attention
 from engine.kv.layout import DTYPES
 from engine.step import LEN_STEP, Step, round_up
 from policies.layout import ring_capacity
@@ -122,6 +123,10 @@ class _AttentionSlots:
 
     def wanted_capacity(self, length: int) -> int:
         raise NotImplementedError
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array | None:
+        """A decode step's attention with grouped heads stacked (`engine.kv.attention`)."""
+        return decode_attention(queries, keys, values, scale, mask)
 
 
 class FullSlots(_AttentionSlots):
