@@ -28,9 +28,12 @@ from protocols.model import LayerLayout
 
 
 def _scatter_one(buffer: mx.array, new: mx.array, slots: mx.array) -> mx.array:
-    """`new` (`[rows, heads, 1, dim]`) written at each row's slot of `buffer`."""
+    """`new` (`[rows, heads, 1, dim]`) written at each row's slot of `buffer`: along the
+    position axis when the rows are all the buffer's (cheaper), else by a flat scatter."""
     capacity_rows, heads, capacity, dim = buffer.shape
     rows = new.shape[0]
+    if rows == capacity_rows:
+        return mx.put_along_axis(buffer, slots[:, None, None, None], new, axis=2)
     index = ((mx.arange(rows)[:, None] * heads + mx.arange(heads)[None, :]) * capacity + slots[:, None]).reshape(-1)
     flat = buffer.reshape(capacity_rows * heads * capacity, dim)
     flat[index] = new.reshape(rows * heads, dim)
