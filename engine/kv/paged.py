@@ -385,12 +385,18 @@ class PagedSlots(FullSlots):
         changed, a mask this layer did not make) attends over the keys given, as every slot
         does (`engine.kv.attention.decode_attention`, None where that declines)."""
         step = self._batch.step
-        if step is None or self._fetched is None or keys is not self._fetched[0] or values is not self._fetched[1]:
-            return decode_attention(queries, keys, values, scale, mask)
-        if step.num_new != 1 or step.rows is not None or step.num_rows < 2 or step.num_rows * step.width < ROW_ATTENTION_MIN_POSITIONS:
-            return decode_attention(queries, keys, values, scale, mask)
-        if mask is not None and mask is not step.derived.get(("full-mask", None)):
-            return decode_attention(queries, keys, values, scale, mask)
+        if (
+            step is None
+            or self._fetched is None
+            or keys is not self._fetched[0]
+            or values is not self._fetched[1]
+            or step.num_new != 1
+            or step.rows is not None
+            or step.num_rows < 2
+            or step.num_rows * step.width < ROW_ATTENTION_MIN_POSITIONS
+            or (mask is not None and mask is not step.derived.get(("full-mask", None)))
+        ):
+            return super().attend(queries, keys, values, scale, mask)
         reads = step.derive(("paged-rows", self.pool.positions), lambda: self._row_reads(step))
         pool_keys, pool_values = self.pool.arrays(self.ordinal)
         outputs = []
