@@ -22,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList
 
+from engine import lanes
 from engine.kv.attention import decode_attention
 from policies.layout import ring_capacity
 from protocols.model import LayerLayout
@@ -144,7 +145,8 @@ def compile_decode_step(model, layout: Sequence[LayerLayout]):
     def step(tokens: mx.array, positions: mx.array, *buffers: mx.array):
         masks, remaining = _Masks(positions), iter(buffers)
         caches = [_trace(layer, remaining, masks) for layer in layout]
-        logits = model(tokens[:, None], cache=caches)[:, -1, :]
+        with lanes.suspended():  # one traced graph on one stream
+            logits = model(tokens[:, None], cache=caches)[:, -1, :]
         return (logits, *(array for layer, cache in zip(layout, caches) for array in _outputs(layer, cache)))
 
     return mx.compile(step)

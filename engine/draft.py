@@ -25,6 +25,7 @@ from engine.batch import DecodeBatch
 from engine.compiled import compile_decode_step
 from engine.kv import caches
 from engine.kv.attention import install as install_attention
+from engine.lanes import install as install_lanes
 from engine.sampler import RowSampling, draft_draws
 from policies.layout import has_state
 from protocols.errors import ModelLoadError
@@ -64,6 +65,7 @@ class DraftRunner:
         self._model = model
         self._layout = layout
         install_attention(model)  # its decode steps attend with grouped heads stacked too
+        install_lanes(model)
         self._batch = DecodeBatch(layout)
         # A lone drafting row's one-token steps run compiled (no graph build per draft token).
         self._step = compile_decode_step(model, layout)

@@ -4,6 +4,12 @@ The mlx-cpu wheel bundles the reference BLAS (~5 GFLOP/s float32 matmul here);
 loading OpenBLAS with RTLD_GLOBAL first makes its symbols win (~250 GFLOP/s).
 `ensure_fast_blas()` runs once, from `import runtime`; `status()` says what
 happened so the runtime can log it, with the remedy when nothing was found.
+
+OpenBLAS's worker threads spin after every call for 2^28 cycles (~0.1 s) before they sleep,
+on the cores MLX's own stream threads need between matrix products (the engine's second CPU
+lane, `engine.lanes`, found its core taken). Unless the environment says otherwise, they spin
+2^`THREAD_TIMEOUT` cycles: measured on `builtin:bench`, 16 rows' decode steps on two lanes
+1.11x faster, paged 1.57x, a lone row's unchanged (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import platform
 import sys
 from dataclasses import dataclass
 
+# OpenBLAS's `OPENBLAS_THREAD_TIMEOUT` (read when it loads): its smallest, 2^4 cycles.
+THREAD_TIMEOUT = "4"
 REMEDY = "install OpenBLAS (Debian/Ubuntu: apt-get install libopenblas0-pthread) or set MLXRT_BLAS=/path/to/libblas.so"
 
 
@@ -69,6 +77,7 @@ def ensure_fast_blas(override: str | None = None) -> BlasStatus:
 
 
 def _load(paths: list[str]) -> BlasStatus:
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)
     for path in paths:
         try:
             ctypes.CDLL(path, mode=os.RTLD_GLOBAL)

@@ -26,6 +26,8 @@ import sys
 import mlx.core as mx
 from mlx_lm.models import base
 
+from engine import lanes
+
 _ORIGINAL = base.scaled_dot_product_attention
 
 
@@ -33,6 +35,10 @@ def attend(queries, keys, values, cache, scale: float, mask, sinks=None):
     hook = getattr(cache, "attend", None)
     if hook is not None and sinks is None:
         out = hook(queries, keys, values, scale, mask)
+        if out is not None:
+            return out
+    if sinks is None and not hasattr(cache, "bits"):
+        out = lanes.attention(queries, keys, values, scale, mask)
         if out is not None:
             return out
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
@@ -73,9 +79,19 @@ def decode_attention(queries: mx.array, keys, values, scale: float, mask) -> mx.
         mask = None  # one query, the last position: it sees every key
     if mask is not None and (mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2] != 1):
         return None
-    q = (mx.array(scale, queries.dtype) * queries).reshape(rows, kv_heads, heads // kv_heads, dim)
-    scores = q @ keys.swapaxes(-1, -2)
-    if mask is not None:
-        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype)) if mask.dtype == mx.bool_ else scores + mask
-    scores = mx.softmax(scores, axis=-1, precise=True)
-    return (scores @ values).reshape(rows, heads, 1, -1)
+
+    def stacked(queries: mx.array, keys: mx.array, values: mx.array, mask) -> mx.array:
+        rows, heads = queries.shape[:2]
+        kv_heads = keys.shape[1]
+        q = (mx.array(scale, queries.dtype) * queries).reshape(rows, kv_heads, heads // kv_heads, dim)
+        scores = q @ keys.swapaxes(-1, -2)
+        if mask is not None:
+            scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype)) if mask.dtype == mx.bool_ else scores + mask
+        scores = mx.softmax(scores, axis=-1, precise=True)
+        return (scores @ values).reshape(rows, heads, 1, -1)
+
+    if lanes.enabled() and rows * heads * keys.shape[2] >= lanes.MIN_ELEMENTS:
+        split = lanes.split_attention(stacked, queries, keys, values, mask)
+        if split is not None:
+            return split
+    return stacked(queries, keys, values, mask)

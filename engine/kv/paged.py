@@ -20,6 +20,7 @@ on this backend; BENCHMARKS.md has what the gather costs). Masks and RoPE offset
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ import msgspec
 import structlog
 from mlx_lm.models.cache import CacheList, KVCache, _BaseCache, create_attention_mask
 
+from engine import lanes
 from engine.kv.attention import decode_attention
 from engine.kv.layout import DTYPES
 from engine.kv.slots import FullSlots
@@ -378,12 +380,14 @@ class PagedSlots(FullSlots):
         return self._fetched
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array | None:
-        """A decode step (one token per row, every row) attends row by row: each row's queries
-        over its positions, sliced from the pool where its blocks run contiguously (gathered
-        where not), as mlx-lm's one-sequence attention. The gathered batch the layer was given
-        is then never evaluated. Anything else (a step of several tokens, keys the layer
-        changed, a mask this layer did not make) attends over the keys given, as every slot
-        does (`engine.kv.attention.decode_attention`, None where that declines)."""
+        """A decode step (one token per row, several rows) reads the rows' blocks where they
+        are: row by row over slices of the pool (gathered where a row's blocks do not run
+        contiguously) once the rows hold `ROW_ATTENTION_MIN_POSITIONS`, as mlx-lm's
+        one-sequence attention; below that, split over two CPU lanes (`engine.lanes`), each
+        half of the rows gathering and attending over its own blocks. The gathered batch the
+        layer was given is then never evaluated. Anything else (a step of several tokens, keys
+        the layer changed, a mask this layer did not make) attends over the keys given, as
+        every slot does (`engine.kv.attention.decode_attention`, None where that declines)."""
         step = self._batch.step
         if (
             step is None
@@ -393,13 +397,20 @@ class PagedSlots(FullSlots):
             or step.num_new != 1
             or step.rows is not None
             or step.num_rows < 2
-            or step.num_rows * step.width < ROW_ATTENTION_MIN_POSITIONS
             or (mask is not None and mask is not step.derived.get(("full-mask", None)))
         ):
             return super().attend(queries, keys, values, scale, mask)
+        if step.num_rows * step.width >= ROW_ATTENTION_MIN_POSITIONS:
+            return self._attend_rows(step, queries, scale)
+        read = step.derived.get(("paged-read", self.pool.positions))
+        if lanes.enabled() and isinstance(read, mx.array):
+            return self._attend_halves(step, read, queries, scale, mask)
+        return super().attend(queries, keys, values, scale, mask)
+
+    def _attend_rows(self, step: Step, queries: mx.array, scale: float) -> mx.array:
         reads = step.derive(("paged-rows", self.pool.positions), lambda: self._row_reads(step))
         pool_keys, pool_values = self.pool.arrays(self.ordinal)
-        outputs = []
+        outputs, split = [], lanes.enabled()  # odd rows on the second lane
         for row, read in enumerate(reads):
             if isinstance(read, int):
                 end = read + step.starts[row] + 1
@@ -407,10 +418,22 @@ class PagedSlots(FullSlots):
             else:
                 size, length = self.pool.block_size, step.starts[row] + 1
                 row_keys, row_values = _gather_blocks(pool_keys, read, 1, length, size), _gather_blocks(pool_values, read, 1, length, size)
-            query = queries[row : row + 1]
-            out = decode_attention(query, row_keys, row_values, scale, None)
-            outputs.append(out if out is not None else mx.fast.scaled_dot_product_attention(query, row_keys, row_values, scale=scale))
+            with lanes.suspended(), mx.stream(lanes.second()) if split and row % 2 else contextlib.nullcontext():
+                outputs.append(_attention(queries[row : row + 1], row_keys, row_values, scale, None))
         return mx.concatenate(outputs, axis=0)
+
+    def _attend_halves(self, step: Step, blocks: mx.array, queries: mx.array, scale: float, mask) -> mx.array:
+        pool_keys, pool_values = self.pool.arrays(self.ordinal)
+        rows, width, size = step.num_rows, step.width, self.pool.block_size
+        per_row = blocks.shape[0] // rows
+        at = rows // 2
+
+        def half(q: mx.array, own: mx.array, m) -> mx.array:
+            n = q.shape[0]
+            return _attention(q, _gather_blocks(pool_keys, own, n, width, size), _gather_blocks(pool_values, own, n, width, size), scale, m)
+
+        masks = lanes.split_at(mask, 0, at, rows)
+        return lanes.halves(half, (queries[:at], blocks[: at * per_row], masks[0]), (queries[at:], blocks[at * per_row :], masks[1]), axis=0)
 
     def _row_reads(self, step: Step) -> list[int | mx.array]:
         """Each row's positions `[0, length]`: the pool position they start at (contiguous
@@ -467,6 +490,11 @@ class PagedSlots(FullSlots):
     def extract_row(self, row: int, length: int) -> PagedKV:  # type: ignore[override]
         """The row's positions where they are (no copy): the request keeps its table."""
         return PagedKV(self.pool, self.ordinal, self._batch.tables[row], length)
+
+
+def _attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
+    out = decode_attention(queries, keys, values, scale, mask)
+    return out if out is not None else mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 
 def _gather_blocks(pool: mx.array, blocks: mx.array, rows: int, width: int, block_size: int) -> mx.array:

@@ -53,3 +53,15 @@ def test_importing_mlx_first_is_reported():
 def test_missing_library_gives_one_clear_warning():
     state, warning = _run("import runtime.blas as b; s = b._load(['/nonexistent/libblas.so']); print(s.state, 'apt-get install' in s.warning())")
     assert state == "not_found" and warning == "True"
+
+
+@pytest.mark.skipif(blas.status().state != "loaded", reason="no OpenBLAS on this machine")
+def test_openblas_workers_spin_briefly_unless_the_environment_says():
+    """OpenBLAS reads `OPENBLAS_THREAD_TIMEOUT` as it loads: the preload sets the shortest spin
+    (its workers otherwise hold a core ~0.1 s after each call), and keeps a user's own value."""
+    import os
+
+    code = "import os, runtime; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    assert _run(code, env=env) == [blas.THREAD_TIMEOUT]
+    assert _run(code, env={**env, "OPENBLAS_THREAD_TIMEOUT": "20"}) == ["20"]

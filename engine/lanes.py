@@ -1,0 +1,151 @@
+"""Two CPU lanes: the engine's elementwise-bound pieces split over two MLX streams.
+
+On the CPU backend MLX runs every elementwise kernel (`exp`, the softmax, SiLU, gathers) on its
+stream's one thread, ~15-22 ns an element for `exp` here, while matrix products use every core
+through BLAS. So in a prefill of 8 prompts the SiLU and the attention's softmax run on one core
+of two, and they are most of the forward's time after the matrix products (BENCHMARKS.md).
+
+While the engine steps (`parallel()`, on its MLX thread), such a piece is split into two halves
+along an axis its computation is independent over (rows, tokens, or KV heads), the second half
+queued on a second CPU stream of the thread's own, and the halves joined. Each element is
+computed by the same kernel from the same inputs (a matrix product inside a piece keeps its
+shape per batch item), so the result is bit for bit the unsplit one (tests/engine/test_lanes.py);
+only the wall time changes. Pieces smaller than a few thousand elements are not split (the
+join and the streams' handoff cost more than they save), nor anything off the CPU backend (Metal
+runs one kernel over the whole array), nor anything outside the engine's step: other users of
+mlx-lm's modules in the same process (a baseline measured beside us) see mlx-lm's own code.
+
+What is split: the SwiGLU activation of the model's MLPs (`install` rebinds mlx-lm's `swiglu`
+name in the model's modules to `swiglu` here), and the attention (prefill chunks through
+`attention`, decode steps through `engine.kv.attention.decode_attention`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import mlx.core as mx
+from mlx_lm.models import activations
+
+_SWIGLU = activations.swiglu
+# The fewest elements a piece must have to be split: below it, the join and the second
+# stream's handoff (~30-60 us here) cost about what the second core saves.
+MIN_ELEMENTS = 8192
+
+_local = threading.local()
+
+
+def enabled() -> bool:
+    """Whether this thread is inside `parallel()` (and not `suspended()`), on the CPU backend."""
+    return getattr(_local, "on", False)
+
+
+@contextlib.contextmanager
+def parallel(on: bool = True) -> Iterator[None]:
+    """Split pieces over two lanes on this thread while inside (the engine's step)."""
+    previous = enabled()
+    _local.on = on and mx.default_device() == mx.cpu
+    try:
+        yield
+    finally:
+        _local.on = previous
+
+
+def suspended() -> contextlib.AbstractContextManager[None]:
+    """Nothing split while inside (a traced, compiled function: one graph, one stream)."""
+    return parallel(False)
+
+
+def second() -> mx.Stream:
+    """This thread's second CPU stream (MLX's streams are the thread's own)."""
+    stream = getattr(_local, "second", None)
+    if stream is None:
+        stream = _local.second = mx.new_stream(mx.cpu)
+    return stream
+
+
+def halves(fn: Callable[..., mx.array], first: Sequence, rest: Sequence, axis: int) -> mx.array:
+    """`fn(*first)` on this thread's stream and `fn(*rest)` on the second, joined along `axis`
+    (nothing inside either half is split again)."""
+    with suspended():
+        a = fn(*first)
+        with mx.stream(second()):
+            b = fn(*rest)
+    return mx.concatenate([a, b], axis=axis)
+
+
+def split_at(x, axis: int, at: int, size: int) -> tuple:
+    """`x`'s two halves along `axis` (of length `size` in the pieces split), where `x` has that
+    axis at full length; `x` itself twice where it broadcasts there (length 1) or is not an
+    array (a mask given by name, None)."""
+    if not isinstance(x, mx.array) or x.ndim <= axis or x.shape[axis] != size:
+        return x, x
+    index = [slice(None)] * x.ndim
+    first, rest = list(index), list(index)
+    first[axis], rest[axis] = slice(0, at), slice(at, None)
+    return x[tuple(first)], x[tuple(rest)]
+
+
+def swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """mlx-lm's `swiglu` (SiLU of the gate times the up projection), split by tokens."""
+    if not enabled() or gate.size < MIN_ELEMENTS or gate.shape != x.shape or gate.ndim < 2:
+        return _SWIGLU(gate, x)
+    width = gate.shape[-1]
+    tokens = gate.size // width
+    if tokens < 2:
+        return _SWIGLU(gate, x)
+    flat_gate, flat_x = gate.reshape(tokens, width), x.reshape(tokens, width)
+    at = tokens // 2
+    joined = halves(_SWIGLU, (flat_gate[:at], flat_x[:at]), (flat_gate[at:], flat_x[at:]), axis=0)
+    return joined.reshape(gate.shape)
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array | None:
+    """`mx.fast.scaled_dot_product_attention` split by rows (several) or else by KV heads (a
+    lone row's chunk); None where nothing is split (the caller attends as it would have)."""
+    if not enabled() or not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+        return None
+    rows, heads, num_queries, _ = queries.shape
+    if rows * heads * num_queries * keys.shape[2] < MIN_ELEMENTS:
+        return None
+
+    def sdpa(q, k, v, m):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m)
+
+    return split_attention(sdpa, queries, keys, values, mask)
+
+
+def split_attention(fn: Callable[..., mx.array], queries: mx.array, keys: mx.array, values: mx.array, mask) -> mx.array | None:
+    """`fn(queries, keys, values, mask)` over two halves of the rows, or of the KV heads (with
+    their query heads) for a lone row; None where neither has two parts."""
+    rows, heads = queries.shape[:2]
+    kv_heads = keys.shape[1]
+    if rows >= 2:
+        at = rows // 2
+        parts = [split_at(x, 0, at, rows) for x in (queries, keys, values)]
+        masks = split_at(mask, 0, at, rows)
+        return halves(fn, [p[0] for p in parts] + [masks[0]], [p[1] for p in parts] + [masks[1]], axis=0)
+    if kv_heads >= 2 and heads % kv_heads == 0:
+        at_kv = kv_heads // 2
+        at_q = at_kv * (heads // kv_heads)
+        q_parts = split_at(queries, 1, at_q, heads)
+        k_parts, v_parts = split_at(keys, 1, at_kv, kv_heads), split_at(values, 1, at_kv, kv_heads)
+        masks = split_at(mask, 1, at_q, heads)
+        return halves(fn, (q_parts[0], k_parts[0], v_parts[0], masks[0]), (q_parts[1], k_parts[1], v_parts[1], masks[1]), axis=1)
+    return None
+
+
+def install(model) -> list[str]:
+    """Rebind mlx-lm's `swiglu` to `swiglu` here in the modules the model's layers come from;
+    returns the modules rebound. Outside `parallel()` it is mlx-lm's own function."""
+    names = {type(model).__module__} | {type(module).__module__ for _, module in model.named_modules()}
+    rebound = []
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "swiglu", None) is _SWIGLU:
+            module.swiglu = swiglu  # type: ignore[attr-defined]
+            rebound.append(name)
+    return rebound
