@@ -23,12 +23,13 @@ name in the model's modules to `swiglu` here), and the attention (prefill chunks
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.models import activations
+
+from engine.rebind import rebind
 
 _SWIGLU = activations.swiglu
 # The fewest elements a piece must have to be split: below it, the join and the second
@@ -141,11 +142,4 @@ def split_attention(fn: Callable[..., mx.array], queries: mx.array, keys: mx.arr
 def install(model) -> list[str]:
     """Rebind mlx-lm's `swiglu` to `swiglu` here in the modules the model's layers come from;
     returns the modules rebound. Outside `parallel()` it is mlx-lm's own function."""
-    names = {type(model).__module__} | {type(module).__module__ for _, module in model.named_modules()}
-    rebound = []
-    for name in sorted(names):
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "swiglu", None) is _SWIGLU:
-            module.swiglu = swiglu  # type: ignore[attr-defined]
-            rebound.append(name)
-    return rebound
+    return rebind(model, "swiglu", _SWIGLU, swiglu)

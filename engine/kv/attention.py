@@ -17,16 +17,17 @@ What the engine's caches do with it:
   and the tokens stay mlx-lm's (tests/engine/test_attention.py, the parity suite). 1.6-1.8x
   faster attention at 2,048-8,192 positions with three query heads per KV head (BENCHMARKS.md);
 - paged KV's decode steps read each row's blocks in place (`engine.kv.paged`).
+While the engine steps, both (and the prefill's attention, through `engine.lanes.attention`) are
+split over two CPU lanes by rows or KV heads (`engine.lanes`), bit for bit the unsplit result.
 """
 
 from __future__ import annotations
-
-import sys
 
 import mlx.core as mx
 from mlx_lm.models import base
 
 from engine import lanes
+from engine.rebind import rebind
 
 _ORIGINAL = base.scaled_dot_product_attention
 
@@ -46,14 +47,7 @@ def attend(queries, keys, values, cache, scale: float, mask, sinks=None):
 
 def install(model) -> list[str]:
     """Route the model's attention calls through `attend`; returns the modules rebound."""
-    names = {type(model).__module__} | {type(module).__module__ for _, module in model.named_modules()}
-    rebound = []
-    for name in sorted(names):
-        module = sys.modules.get(name)
-        if module is not None and getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL:
-            module.scaled_dot_product_attention = attend  # type: ignore[attr-defined]
-            rebound.append(name)
-    return rebound
+    return rebind(model, "scaled_dot_product_attention", _ORIGINAL, attend)
 
 
 def decode_attention(queries: mx.array, keys, values, scale: float, mask) -> mx.array | None:

@@ -129,35 +129,38 @@ def test_install_rebinds_the_models_modules_only():
     assert activations.swiglu is _SWIGLU  # mlx-lm's own function, for everyone else
 
 
-def test_an_engines_tokens_with_every_piece_split_are_mlx_lms(monkeypatch, splits):
-    """A batched prefill and decode steps with the thresholds at nothing: every swiglu and
-    attention of the engine's forwards split, the same greedy tokens as mlx-lm's."""
+def _assert_greedy_tokens_are_mlx_lms(block_size: int, max_tokens: int) -> None:
+    """Three requests batched on `builtin:tiny` (KV in blocks of `block_size`, or rows): the
+    engine's greedy tokens are mlx-lm's."""
     from engine.engine import Engine
     from engine.kv.layout import probe_layout
+    from policies.layout import with_kv_blocks
     from tests.support.engine_driver import Driver, admit_request, random_prompts
     from tests.support.mlx_reference import greedy_tokens, load_reference
 
-    monkeypatch.setattr(lanes, "MIN_ELEMENTS", 1)
     model, tokenizer = load_reference("builtin:tiny")
-    engine = Engine(model, probe_layout(model))
+    layout = probe_layout(model)
+    engine = Engine(model, with_kv_blocks(layout, block_size) if block_size else layout)
     prompts = random_prompts([9, 14, 5])
     driver = Driver(engine)
-    driver.admit(*(admit_request(name, prompt, max_tokens=6) for name, prompt in zip("abc", prompts)))
+    driver.admit(*(admit_request(name, prompt, max_tokens=max_tokens) for name, prompt in zip("abc", prompts)))
     driver.run()
     for name, prompt in zip("abc", prompts):
-        assert driver.tokens[name] == greedy_tokens(model, tokenizer, prompt, 6)
+        assert driver.tokens[name] == greedy_tokens(model, tokenizer, prompt, max_tokens)
+
+
+def test_an_engines_tokens_with_every_piece_split_are_mlx_lms(monkeypatch, splits):
+    """A batched prefill and decode steps with the thresholds at nothing: every swiglu and
+    attention of the engine's forwards split, the same greedy tokens as mlx-lm's."""
+    monkeypatch.setattr(lanes, "MIN_ELEMENTS", 1)
+    _assert_greedy_tokens_are_mlx_lms(block_size=0, max_tokens=6)
     assert 0 in splits
 
 
 def test_a_paged_batchs_halves_gather_and_attend_over_their_own_blocks(monkeypatch, splits):
     """Paged KV's decode steps on two lanes: each half of the rows reads its own blocks (the
     batch's gathered copy is never evaluated); the tokens are mlx-lm's."""
-    from engine.engine import Engine
     from engine.kv import paged
-    from engine.kv.layout import probe_layout
-    from policies.layout import with_kv_blocks
-    from tests.support.engine_driver import Driver, admit_request, random_prompts
-    from tests.support.mlx_reference import greedy_tokens, load_reference
 
     halves_read: list[int] = []
     attend_halves = paged.PagedSlots._attend_halves
@@ -168,12 +171,5 @@ def test_a_paged_batchs_halves_gather_and_attend_over_their_own_blocks(monkeypat
 
     monkeypatch.setattr(paged.PagedSlots, "_attend_halves", counted)
     monkeypatch.setattr(lanes, "MIN_ELEMENTS", 1)
-    model, tokenizer = load_reference("builtin:tiny")
-    engine = Engine(model, with_kv_blocks(probe_layout(model), 4))
-    prompts = random_prompts([9, 14, 5])
-    driver = Driver(engine)
-    driver.admit(*(admit_request(name, prompt, max_tokens=8) for name, prompt in zip("abc", prompts)))
-    driver.run()
-    for name, prompt in zip("abc", prompts):
-        assert driver.tokens[name] == greedy_tokens(model, tokenizer, prompt, 8)
+    _assert_greedy_tokens_are_mlx_lms(block_size=4, max_tokens=8)
     assert 3 in halves_read
