@@ -90,6 +90,14 @@ def split_at(x, axis: int, at: int, size: int) -> tuple:
     return x[tuple(first)], x[tuple(rest)]
 
 
+def split_mask(mask, axis: int, at: int, size: int) -> tuple:
+    """An attention mask's two halves along `axis` of the `[rows, heads, queries, keys]` it
+    broadcasts against (a mask of fewer dimensions aligns to the right, as in broadcasting)."""
+    if isinstance(mask, mx.array) and mask.ndim < 4:
+        mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    return split_at(mask, axis, at, size)
+
+
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
     """mlx-lm's `swiglu` (SiLU of the gate times the up projection), split by tokens."""
     if not enabled() or gate.size < MIN_ELEMENTS or gate.shape != x.shape or gate.ndim < 2:
@@ -127,14 +135,14 @@ def split_attention(fn: Callable[..., mx.array], queries: mx.array, keys: mx.arr
     if rows >= 2:
         at = rows // 2
         parts = [split_at(x, 0, at, rows) for x in (queries, keys, values)]
-        masks = split_at(mask, 0, at, rows)
+        masks = split_mask(mask, 0, at, rows)
         return halves(fn, [p[0] for p in parts] + [masks[0]], [p[1] for p in parts] + [masks[1]], axis=0)
     if kv_heads >= 2 and heads % kv_heads == 0:
         at_kv = kv_heads // 2
         at_q = at_kv * (heads // kv_heads)
         q_parts = split_at(queries, 1, at_q, heads)
         k_parts, v_parts = split_at(keys, 1, at_kv, kv_heads), split_at(values, 1, at_kv, kv_heads)
-        masks = split_at(mask, 1, at_q, heads)
+        masks = split_mask(mask, 1, at_q, heads)
         return halves(fn, (q_parts[0], k_parts[0], v_parts[0], masks[0]), (q_parts[1], k_parts[1], v_parts[1], masks[1]), axis=1)
     return None
 

@@ -432,7 +432,7 @@ class PagedSlots(FullSlots):
             n = q.shape[0]
             return _attention(q, _gather_blocks(pool_keys, own, n, width, size), _gather_blocks(pool_values, own, n, width, size), scale, m)
 
-        masks = lanes.split_at(mask, 0, at, rows)
+        masks = lanes.split_mask(mask, 0, at, rows)
         return lanes.halves(half, (queries[:at], blocks[: at * per_row], masks[0]), (queries[at:], blocks[at * per_row :], masks[1]), axis=0)
 
     def _row_reads(self, step: Step) -> list[int | mx.array]:

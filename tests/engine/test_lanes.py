@@ -109,6 +109,20 @@ def test_decode_attention_split_is_the_unsplit_bit_for_bit(rows, positions, spli
     assert splits == [0 if rows > 1 else 1] * 2
 
 
+@pytest.mark.parametrize("rows", [4, 1])
+def test_a_mask_of_fewer_dimensions_aligns_to_the_right(rows, splits):
+    """A `[queries, keys]` mask whose query count equals the rows (or heads) is not split
+    along them: it broadcasts over both."""
+    q = _normal((rows, 4, 4, 64), 1)
+    k, v = _normal((rows, 4, 4096, 64), 2), _normal((rows, 4, 4096, 64), 3)
+    mask = mx.arange(4096)[None, :] <= mx.array([4092, 4093, 4094, 4095])[:, None]  # [4, 4096]
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+    with lanes.parallel():
+        got = lanes.attention(q, k, v, 0.125, mask)
+    assert got is not None and mx.array_equal(got, expected).item()
+    assert splits == [0 if rows > 1 else 1]
+
+
 def test_what_cannot_be_split_is_left_to_the_caller():
     q = _normal((1, 4, 64, 64), 1)
     k, v = _normal((1, 1, 64, 64), 2), _normal((1, 1, 64, 64), 3)  # one row, one KV head
