@@ -36,7 +36,6 @@ from engine.kv.paged import BlockPool, paged_layers
 from engine.kv.prefixes import PrefixEntries
 from engine.kv.quantized import is_quantized, packed_nbytes, quantized_start
 from engine.kv.tables import RequestBlocks
-from engine.lanes import install as install_lanes
 from engine.lora import AdapterBank
 from engine.model.wired import WiredScope, model_bytes, recommended_working_set
 from engine.prefill import encode_unit, prefill_one, prefill_together
@@ -112,7 +111,7 @@ class Engine:
         self._blocks = RequestBlocks(self._pool, layout, model)
         # The batch's caches attend by themselves in decode steps (`engine.kv.attention`).
         install_attention(model)
-        install_lanes(model)
+        lanes.install(model)
         self._batch = DecodeBatch(layout, self._pool)
         # A lone row decodes uncompiled when quantized (traced: 12.5 vs 13.5 tok/s at 2,048), paged
         # (read in place: no fixed buffers) or sharded (collectives stay out of traced functions).

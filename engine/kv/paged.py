@@ -402,7 +402,7 @@ class PagedSlots(FullSlots):
             return super().attend(queries, keys, values, scale, mask)
         if step.num_rows * step.width >= ROW_ATTENTION_MIN_POSITIONS:
             return self._attend_rows(step, queries, scale)
-        read = step.derived.get(("paged-read", self.pool.positions))
+        read = step.derived.get(self._read_key)
         if lanes.enabled() and isinstance(read, mx.array):
             return self._attend_halves(step, read, queries, scale, mask)
         return super().attend(queries, keys, values, scale, mask)
@@ -455,10 +455,15 @@ class PagedSlots(FullSlots):
             flat += positions_of(tables[row], start, start + count, size) + padding[: n - count]
         return mx.array(flat, dtype=mx.int32)
 
+    @property
+    def _read_key(self) -> tuple:
+        """Where a step keeps its read plan (`_read_plan`), for as long as the pool's size holds."""
+        return ("paged-read", self.pool.positions)
+
     def _read(self, step: Step) -> tuple[mx.array, mx.array]:
         keys, values = self.pool.arrays(self.ordinal)
         width = step.width
-        read = step.derive(("paged-read", self.pool.positions), lambda: self._read_plan(step, width))
+        read = step.derive(self._read_key, lambda: self._read_plan(step, width))
         if isinstance(read, int):
             return keys[None, :, read : read + width], values[None, :, read : read + width]
         rows = len(step.starts)
