@@ -30,6 +30,9 @@ if [ "$(uname -s)" = Linux ] && ! .venv/bin/python -c "import torch" 2>/dev/null
 fi
 echo "[setup] installing mlxrt and its dependencies"
 .venv/bin/python -m pip install -q -e ".[dev]"
+# mlxrt's CPU kernels (engine/native: x86-64 Linux), compiled once per MLX version (~15 s); where
+# they cannot be, MLX's own ops serve (the same results, slower) and this says so.
+.venv/bin/python -m engine.native || echo "[setup] WARNING: mlxrt's CPU kernels did not build (see above); MLX's ops will serve" >&2
 # mlx-vlm (vision-language models: engine/model/vision.py) without the dependencies it declares
 # (fastapi, mlx-audio, opencv, datasets, llguidance: its servers, audio and video, none used
 # here); what the served families need (transformers, pillow, numpy) the project installs.

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import msgspec
 
+from engine import native
 from engine.denoise import DenoiseEngine, Denoiser
 from engine.denoise_blocks import BlockDenoiseEngine
 from engine.draft import DraftRunner
@@ -79,6 +81,8 @@ def build_engine(
         denoiser = BlockDenoiseEngine(loaded.model) if is_block_diffusion(loaded.info.model_type) else DenoiseEngine(loaded.model)
         return BuiltEngine(engine=denoiser, loaded=loaded, grammars=grammars, bank=bank, world=world)
     speculator = load_speculator(loaded, spec.speculative, spec.model, builtin_root, progress)
+    if mx.default_device() == mx.cpu:
+        native.load(builtin_root, progress)  # (compiled on first use: before "ready", with progress)
     bank = AdapterBank(loaded.model, spec.lora.max_resident, spec.lora.max_rank)
     engine = Engine(loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator, bank, spec.kv.budget_bytes, compiled=world is None)
     return BuiltEngine(engine=engine, loaded=loaded, grammars=grammars, bank=bank, world=world)

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import structlog
 
-from engine import lanes
+from engine import lanes, native
 from engine.batch import DecodeBatch
 from engine.compiled import compile_decode_step
 from engine.errors import EngineInvariantError
@@ -112,6 +112,10 @@ class Engine:
         # The batch's caches attend by themselves in decode steps (`engine.kv.attention`).
         install_attention(model)
         lanes.install(model)
+        # mlxrt's CPU kernels, built and checked once per process (`engine.native`: None where
+        # MLX's ops serve; `build_engine` has built them first, with progress).
+        if mx.default_device() == mx.cpu:
+            native.load()
         self._batch = DecodeBatch(layout, self._pool)
         # A lone row decodes uncompiled when quantized (traced: 12.5 vs 13.5 tok/s at 2,048), paged
         # (read in place: no fixed buffers) or sharded (collectives stay out of traced functions).
@@ -136,7 +140,8 @@ class Engine:
 
     def step(self, plan: StepPlan) -> StepOutcome:
         """Apply one plan; see the module docstring for the order. Its forwards split their
-        elementwise-bound pieces over two CPU lanes (`engine.lanes`: bit for bit the same)."""
+        elementwise-bound pieces over two CPU lanes and use mlxrt's CPU kernels (`engine.lanes`,
+        `engine.native`: bit for bit the same)."""
         if threading.current_thread() is not self._thread:
             raise EngineInvariantError("the engine was called off its MLX thread")
         with lanes.parallel():

@@ -18,6 +18,12 @@ mlx-lm's modules in the same process (a baseline measured beside us) see mlx-lm'
 What is split: the SwiGLU activation of the model's MLPs (`install` rebinds mlx-lm's `swiglu`
 name in the model's modules to `swiglu` here), and the attention (prefill chunks through
 `attention`, decode steps through `engine.kv.attention.decode_attention`).
+
+mlxrt's own CPU kernels (`engine.native`: the SwiGLU, the softmax and the attention around it,
+eight floats at a time, bit for bit MLX's results) serve the same pieces during the step where
+they are loaded, for float32: the SwiGLU then runs whole (10-20x faster, nothing left to split),
+the attention still on two lanes (its matrix products and masking are MLX's). A compiled step
+traced inside the step uses them too (`suspended()` stops the splitting only).
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 
 import mlx.core as mx
 from mlx_lm.models import activations
 
+from engine import native
 from engine.rebind import rebind
 
 _SWIGLU = activations.swiglu
@@ -46,18 +54,37 @@ def enabled() -> bool:
 
 @contextlib.contextmanager
 def parallel(on: bool = True) -> Iterator[None]:
-    """Split pieces over two lanes on this thread while inside (the engine's step)."""
+    """Split pieces over two lanes, and use mlxrt's CPU kernels, on this thread while inside
+    (the engine's step); `on=False`: neither."""
+    previous = enabled(), getattr(_local, "kernels", False)
+    _local.on = _local.kernels = on and mx.default_device() == mx.cpu
+    try:
+        yield
+    finally:
+        _local.on, _local.kernels = previous
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Nothing split while inside (a traced, compiled function: one graph, one stream); the
+    kernels stay."""
     previous = enabled()
-    _local.on = on and mx.default_device() == mx.cpu
+    _local.on = False
     try:
         yield
     finally:
         _local.on = previous
 
 
-def suspended() -> contextlib.AbstractContextManager[None]:
-    """Nothing split while inside (a traced, compiled function: one graph, one stream)."""
-    return parallel(False)
+def kernels(*arrays: mx.array) -> ModuleType | None:
+    """mlxrt's CPU kernels (`engine.native`) where this thread's step may use them on `arrays`
+    (loaded, inside `parallel()`, all float32); None: MLX's ops."""
+    if not getattr(_local, "kernels", False):
+        return None
+    module = native.loaded()
+    if module is None or any(a.dtype != mx.float32 for a in arrays):
+        return None
+    return module
 
 
 def second() -> mx.Stream:
@@ -99,7 +126,11 @@ def split_mask(mask, axis: int, at: int, size: int) -> tuple:
 
 
 def swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    """mlx-lm's `swiglu` (SiLU of the gate times the up projection), split by tokens."""
+    """mlx-lm's `swiglu` (SiLU of the gate times the up projection): mlxrt's kernel, else split
+    by tokens."""
+    module = kernels(gate, x)
+    if module is not None and gate.shape == x.shape:
+        return module.swiglu(gate, x)
     if not enabled() or gate.size < MIN_ELEMENTS or gate.shape != x.shape or gate.ndim < 2:
         return _SWIGLU(gate, x)
     width = gate.shape[-1]
@@ -121,10 +152,28 @@ def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
     if rows * heads * num_queries * keys.shape[2] < MIN_ELEMENTS:
         return None
 
-    def sdpa(q, k, v, m):
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=m)
+    def half(q, k, v, m):
+        return sdpa(q, k, v, scale, m)
 
-    return split_attention(sdpa, queries, keys, values, mask)
+    return split_attention(half, queries, keys, values, mask)
+
+
+def sdpa(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
+    """`mx.fast.scaled_dot_product_attention` (no sinks): mlxrt's kernel where `kernels` allows
+    (a mask by name, none, or a boolean or float32 array), else MLX's."""
+    module = kernels(queries, keys, values)
+    if module is not None:
+        if mask is None or (isinstance(mask, str) and mask == "causal"):
+            return module.scaled_dot_product_attention(queries, keys, values, scale=scale, mask_mode=mask or "")
+        if isinstance(mask, mx.array) and mask.ndim <= 4 and mask.dtype in (mx.bool_, mx.float32):
+            return module.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def softmax(x: mx.array) -> mx.array:
+    """`mx.softmax(x, axis=-1, precise=True)`: mlxrt's kernel where `kernels` allows."""
+    module = kernels(x)
+    return module.softmax(x) if module is not None else mx.softmax(x, axis=-1, precise=True)
 
 
 def split_attention(fn: Callable[..., mx.array], queries: mx.array, keys: mx.array, values: mx.array, mask) -> mx.array | None:

@@ -40,8 +40,7 @@ def attend(queries, keys, values, cache, scale: float, mask, sinks=None):
             return out
     if sinks is None and not hasattr(cache, "bits"):
         out = lanes.attention(queries, keys, values, scale, mask)
-        if out is not None:
-            return out
+        return out if out is not None else lanes.sdpa(queries, keys, values, scale, mask)
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -81,7 +80,7 @@ def decode_attention(queries: mx.array, keys, values, scale: float, mask) -> mx.
         scores = q @ keys.swapaxes(-1, -2)
         if mask is not None:
             scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype)) if mask.dtype == mx.bool_ else scores + mask
-        scores = mx.softmax(scores, axis=-1, precise=True)
+        scores = lanes.softmax(scores)
         return (scores @ values).reshape(rows, heads, 1, -1)
 
     if lanes.enabled() and rows * heads * keys.shape[2] >= lanes.MIN_ELEMENTS:

@@ -499,7 +499,7 @@ class PagedSlots(FullSlots):
 
 def _attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     out = decode_attention(queries, keys, values, scale, mask)
-    return out if out is not None else mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return out if out is not None else lanes.sdpa(queries, keys, values, scale, mask)
 
 
 def _gather_blocks(pool: mx.array, blocks: mx.array, rows: int, width: int, block_size: int) -> mx.array:

@@ -1,4 +1,5 @@
-"""Two CPU lanes (`engine.lanes`): split pieces are bit for bit the unsplit ones."""
+"""Two CPU lanes (`engine.lanes`): split pieces are bit for bit the unsplit ones. (With mlxrt's
+CPU kernels off: where they are loaded the SwiGLU runs whole, tests/engine/test_native.py.)"""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import activations
 
-from engine import lanes
+from engine import lanes, native
 from engine.kv.attention import decode_attention
 
 _SWIGLU = activations.swiglu
@@ -16,6 +17,11 @@ _SWIGLU = activations.swiglu
 
 def _normal(shape, seed: int, dtype=mx.float32) -> mx.array:
     return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+
+
+@pytest.fixture(autouse=True)
+def mlx_ops_only(monkeypatch) -> None:
+    monkeypatch.setattr(native, "_loaded", None)
 
 
 @pytest.fixture

@@ -1,0 +1,3 @@
+from engine.native import main
+
+main()

@@ -1,0 +1,338 @@
+// mlxrt's CPU kernels for MLX: the SwiGLU activation, the softmax and the attention built on it,
+// bit for bit what MLX's own CPU kernels compute, eight lanes at a time (AVX2 + FMA).
+//
+// MLX's CPU backend on x86-64 Linux runs its elementwise kernels one float at a time
+// (`mlx/backend/cpu/simd/base_simd.h`: `max_size` is 1 there) and its `exp` calls `fmaf` six
+// times an element: ~14 ns an element for `mx.exp`, ~19 for the sigmoid, against ~1 for numpy.
+// The SiLU of the MLPs and the softmax of the attention are most of a CPU prefill's time that
+// is not matrix products. The functions here evaluate the same formulas
+// (`mlx/backend/cpu/simd/math.h` `exp`, `unary_ops.h` `Sigmoid`, `softmax.cpp`) with the same
+// roundings: an FMA instruction rounds once as `fmaf` does, IEEE division and products are the
+// same in a vector register, and every sum keeps MLX's order. The Python side
+// (`engine/native/__init__.py`) checks the results against MLX's at load and falls back to
+// MLX's own ops on any difference, on machines without AVX2, and on Metal.
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace mlxrt {
+
+#define MLXRT_AVX2 __attribute__((target("avx2,fma")))
+
+// `simd::exp` of `mlx/backend/cpu/simd/math.h`, eight floats at a time. MLX computes
+// `floor(x + 0.5)` with `0.5` a double: floor(x) + 1 where x - floor(x) >= 0.5 is the same
+// integer (that difference is exact in float for every x, Sterbenz's lemma).
+MLXRT_AVX2 static inline __m256 exp8(__m256 x_init) {
+  const __m256 x = _mm256_mul_ps(x_init, _mm256_set1_ps(1.442695f));
+  const __m256 low = _mm256_floor_ps(x);
+  const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(x, low), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+  const __m256 ipart = _mm256_add_ps(low, _mm256_and_ps(up, _mm256_set1_ps(1.0f)));
+  const __m256 fpart = _mm256_sub_ps(x, ipart);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, fpart, _mm256_set1_ps(1.000000000000000f));
+  const __m256i epart = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(ipart), _mm256_set1_epi32(127)), 23);
+  __m256 result = _mm256_mul_ps(_mm256_castsi256_ps(epart), p);
+  result = _mm256_blendv_ps(result, x_init, _mm256_cmp_ps(x_init, x_init, _CMP_UNORD_Q));
+  result = _mm256_blendv_ps(result, _mm256_set1_ps(std::numeric_limits<float>::infinity()), _mm256_cmp_ps(x_init, _mm256_set1_ps(88.0f), _CMP_GT_OQ));
+  result = _mm256_blendv_ps(result, _mm256_setzero_ps(), _mm256_cmp_ps(x_init, _mm256_set1_ps(-88.0f), _CMP_LT_OQ));
+  return result;
+}
+
+// `Sigmoid` of `mlx/backend/cpu/unary_ops.h`: y = 1 / (1 + exp(|x|)), then y below zero, 1 - y above.
+MLXRT_AVX2 static inline __m256 sigmoid8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+  const __m256 y = _mm256_div_ps(one, _mm256_add_ps(one, exp8(magnitude)));
+  return _mm256_blendv_ps(_mm256_sub_ps(one, y), y, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+}
+
+
+MLXRT_AVX2 static void exp_rows(const float* in, float* out, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(out + i, exp8(_mm256_loadu_ps(in + i)));
+  }
+  if (i < n) {
+    float a[8] = {0}, o[8];
+    std::memcpy(a, in + i, (n - i) * sizeof(float));
+    _mm256_storeu_ps(o, exp8(_mm256_loadu_ps(a)));
+    std::memcpy(out + i, o, (n - i) * sizeof(float));
+  }
+}
+
+// mlx-lm's `swiglu(gate, x)`: `nn.silu(gate) * x`, that is (gate * sigmoid(gate)) * x.
+MLXRT_AVX2 static void swiglu_kernel(const float* gate, const float* up, float* out, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid8(g)), _mm256_loadu_ps(up + i)));
+  }
+  if (i < n) {
+    float a[8] = {0}, b[8] = {0}, o[8];
+    std::memcpy(a, gate + i, (n - i) * sizeof(float));
+    std::memcpy(b, up + i, (n - i) * sizeof(float));
+    const __m256 g = _mm256_loadu_ps(a);
+    _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_mul_ps(g, sigmoid8(g)), _mm256_loadu_ps(b)));
+    std::memcpy(out + i, o, (n - i) * sizeof(float));
+  }
+}
+
+// `softmax<float, float>` of `mlx/backend/cpu/softmax.cpp` with one lane (`N = 1`, as on x86):
+// the row's maximum (NaN wins, as `simd::maximum`), exp(x - max) stored, the normalizer summed
+// from 0 in the row's order, its reciprocal `1 / s`, and the products. Eight rows' sums run
+// side by side (each in its own order) so that the additions' latency overlaps.
+MLXRT_AVX2 static void softmax_rows(const float* in, float* out, size_t rows, size_t m) {
+  constexpr size_t G = 8;
+  for (size_t r0 = 0; r0 < rows; r0 += G) {
+    const size_t g = std::min(G, rows - r0);
+    float sums[G];
+    for (size_t r = 0; r < g; r++) {
+      const float* x = in + (r0 + r) * m;
+      float* y = out + (r0 + r) * m;
+      float maximum = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      size_t k = 0;
+      __m256 vmax = _mm256_set1_ps(maximum);
+      __m256 vnan = _mm256_setzero_ps();
+      for (; k + 8 <= m; k += 8) {
+        const __m256 v = _mm256_loadu_ps(x + k);
+        vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vmax = _mm256_max_ps(vmax, v);
+      }
+      nan = _mm256_movemask_ps(vnan) != 0;
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, vmax);
+      for (int l = 0; l < 8; l++) maximum = lanes[l] > maximum ? lanes[l] : maximum;
+      for (; k < m; k++) {
+        nan |= std::isnan(x[k]);
+        maximum = x[k] > maximum ? x[k] : maximum;
+      }
+      if (nan) maximum = std::numeric_limits<float>::quiet_NaN();
+      const __m256 vm = _mm256_set1_ps(maximum);
+      k = 0;
+      for (; k + 8 <= m; k += 8) {
+        _mm256_storeu_ps(y + k, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + k), vm)));
+      }
+      if (k < m) {
+        float a[8] = {0}, o[8];
+        for (size_t j = k; j < m; j++) a[j - k] = x[j] - maximum;
+        _mm256_storeu_ps(o, exp8(_mm256_loadu_ps(a)));
+        std::memcpy(y + k, o, (m - k) * sizeof(float));
+      }
+      sums[r] = 0.0f;
+    }
+    if (g == G) {
+      for (size_t k = 0; k < m; k++) {
+        for (size_t r = 0; r < G; r++) sums[r] += out[(r0 + r) * m + k];
+      }
+    } else {
+      for (size_t r = 0; r < g; r++) {
+        const float* y = out + (r0 + r) * m;
+        for (size_t k = 0; k < m; k++) sums[r] += y[k];
+      }
+    }
+    for (size_t r = 0; r < g; r++) {
+      float* y = out + (r0 + r) * m;
+      const float normalizer = 1 / sums[r];
+      const __m256 vn = _mm256_set1_ps(normalizer);
+      size_t k = 0;
+      for (; k + 8 <= m; k += 8) _mm256_storeu_ps(y + k, _mm256_mul_ps(_mm256_loadu_ps(y + k), vn));
+      for (; k < m; k++) y[k] *= normalizer;
+    }
+  }
+}
+
+static void allocate_output(const mx::array& in, mx::array& out) {
+  if (in.is_donatable() && in.flags().row_contiguous && in.dtype() == out.dtype() && in.size() == out.size()) {
+    out.copy_shared_buffer(in);
+  } else {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  }
+}
+
+class SwiGLU : public mx::Primitive {
+ public:
+  explicit SwiGLU(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& gate = inputs[0];
+    const auto& up = inputs[1];
+    auto& out = outputs[0];
+    allocate_output(gate, out);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(gate);
+    encoder.set_input_array(up);
+    encoder.set_output_array(out);
+    encoder.dispatch([g = gate.data<float>(), u = up.data<float>(), o = out.data<float>(), n = out.size()]() { swiglu_kernel(g, u, o, n); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[mlxrt.SwiGLU] CPU only");
+  }
+  const char* name() const override { return "MlxrtSwiGLU"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+};
+
+class Exp : public mx::Primitive {
+ public:
+  explicit Exp(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& in = inputs[0];
+    auto& out = outputs[0];
+    allocate_output(in, out);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    encoder.dispatch([x = in.data<float>(), y = out.data<float>(), n = out.size()]() { exp_rows(x, y, n); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[mlxrt.Exp] CPU only");
+  }
+  const char* name() const override { return "MlxrtExp"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+};
+
+class Softmax : public mx::Primitive {
+ public:
+  explicit Softmax(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& in = inputs[0];
+    auto& out = outputs[0];
+    allocate_output(in, out);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(in);
+    encoder.set_output_array(out);
+    const size_t m = in.shape().back();
+    encoder.dispatch([x = in.data<float>(), y = out.data<float>(), rows = in.size() / m, m]() { softmax_rows(x, y, rows, m); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[mlxrt.Softmax] CPU only");
+  }
+  const char* name() const override { return "MlxrtSoftmax"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+};
+
+static void check_float32(const mx::array& a, const char* what) {
+  if (a.dtype() != mx::float32) {
+    throw std::invalid_argument(std::string("[mlxrt.native] ") + what + " must be float32");
+  }
+}
+
+mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
+  check_float32(gate, "swiglu's gate");
+  check_float32(up, "swiglu's input");
+  if (gate.shape() != up.shape()) {
+    throw std::invalid_argument("[mlxrt.native] swiglu's gate and input must have one shape");
+  }
+  auto stream = mx::to_stream(s);
+  auto g = mx::contiguous(gate, false, stream);
+  auto u = mx::contiguous(up, false, stream);
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(stream), {g, u});
+}
+
+// `mx.exp(x)` for float32 (the kernel the others build on, exposed to be checked against MLX's).
+mx::array exp(const mx::array& x, mx::StreamOrDevice s) {
+  check_float32(x, "exp's input");
+  auto stream = mx::to_stream(s);
+  return mx::array(x.shape(), mx::float32, std::make_shared<Exp>(stream), {mx::contiguous(x, false, stream)});
+}
+
+// `mx.softmax(x, axis=-1, precise=True)` for float32.
+mx::array softmax(const mx::array& x, mx::StreamOrDevice s) {
+  check_float32(x, "softmax's input");
+  auto stream = mx::to_stream(s);
+  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(stream), {mx::contiguous(x, false, stream)});
+}
+
+// `mx.fast.scaled_dot_product_attention` as MLX evaluates it on the CPU (its `fallback` in
+// `mlx/fast.cpp`: the same ops in the same order), the softmax above in place of MLX's.
+mx::array sdpa(const mx::array& queries, const mx::array& keys, const mx::array& values, float scale, const std::string& mask_mode,
+               const std::optional<mx::array>& mask_arr, mx::StreamOrDevice sd) {
+  check_float32(queries, "attention's queries");
+  check_float32(keys, "attention's keys");
+  check_float32(values, "attention's values");
+  auto s = mx::to_stream(sd);
+  const int n_q_heads = queries.shape(-3), n_kv_heads = keys.shape(-3);
+  std::optional<mx::array> mask;
+  if (mask_arr) {
+    auto m = *mask_arr;
+    if (m.dtype() != mx::bool_) m = mx::astype(m, mx::float32, s);
+    auto mask_shape = queries.shape();
+    mask_shape.back() = keys.shape(-2);
+    mask = mx::broadcast_to(m, mask_shape, s);
+  }
+  const bool do_causal = mask_mode == "causal";
+  auto q = mx::multiply(mx::array(scale, queries.dtype()), queries, s);
+  const int n_repeats = n_q_heads / n_kv_heads;
+  auto k = keys;
+  auto v = values;
+  if (n_repeats > 1) {
+    q = mx::unflatten(q, 1, {n_kv_heads, n_repeats}, s);
+    k = mx::expand_dims(k, 2, s);
+    v = mx::expand_dims(v, 2, s);
+  }
+  auto scores = mx::matmul(q, mx::swapaxes(k, -1, -2, s), s);
+  if (mask || do_causal) {
+    mx::array m = mask ? *mask : mx::array(0);
+    if (do_causal) {
+      const int kL = k.shape(-2), qL = q.shape(-2), offset = kL - qL;
+      auto q_idx = mx::expand_dims(mx::arange(offset, qL + offset, s), 1, s);
+      auto k_idx = mx::expand_dims(mx::arange(0, kL, s), 0, s);
+      m = mx::greater_equal(q_idx, k_idx, s);
+    }
+    if (n_repeats > 1 && m.ndim() >= 3) {
+      m = m.shape(-3) == 1 ? mx::expand_dims(m, -3, s) : mx::unflatten(m, -3, {n_kv_heads, n_repeats}, s);
+    }
+    if (m.dtype() == mx::bool_) {
+      scores = mx::where(m, scores, mx::array(std::numeric_limits<float>::lowest(), mx::float32), s);
+    } else {
+      scores = mx::add(scores, m, s);
+    }
+  }
+  scores = softmax(scores, s);
+  auto out = mx::matmul(scores, v, s);
+  if (n_repeats > 1) out = mx::flatten(out, 1, 2, s);
+  return out;
+}
+
+static bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+}  // namespace mlxrt
+
+NB_MODULE(_kernels, m) {
+  m.doc() = "mlxrt's CPU kernels for MLX (AVX2), bit for bit MLX's own results";
+  m.attr("supported") = mlxrt::cpu_supported();
+  m.def("swiglu", &mlxrt::swiglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(), "mlx-lm's swiglu(gate, up) for float32 on the CPU.");
+  m.def("exp", &mlxrt::exp, "x"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.exp(x) for float32 on the CPU.");
+  m.def("softmax", &mlxrt::softmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.softmax(x, axis=-1, precise=True) for float32 on the CPU.");
+  m.def("scaled_dot_product_attention", &mlxrt::sdpa, "queries"_a, "keys"_a, "values"_a, nb::kw_only(), "scale"_a, "mask_mode"_a = "",
+        "mask"_a = nb::none(), "stream"_a = nb::none(), "mx.fast.scaled_dot_product_attention for float32 on the CPU, without sinks.");
+}

@@ -1,0 +1,182 @@
+"""mlxrt's CPU kernels (`engine.native`): built on this machine, and bit for bit MLX's own results
+(mlx-lm's `swiglu`, `mx.exp`, `mx.softmax(precise=True)`, `mx.fast.scaled_dot_product_attention`)
+on random, extreme and special inputs; used only inside the engine's step; an engine's tokens
+the same with and without them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import activations
+
+from engine import lanes, native
+from engine.engine import Engine
+from engine.kv.layout import probe_layout
+
+_SWIGLU = activations.swiglu
+
+
+def _has_avx2_and_fma() -> bool:
+    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return {"avx2", "fma"} <= set(flags.split())
+
+
+pytestmark = pytest.mark.skipif(not (native.supported_platform() and _has_avx2_and_fma()), reason="mlxrt's CPU kernels are x86-64 AVX2 only")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = native.load()
+    assert module is not None, "the kernels did not build or load here (the log's native_off says why)"
+    return module
+
+
+def _array(values) -> mx.array:
+    return mx.array(np.asarray(values, dtype=np.float32))
+
+
+def _equal(a: mx.array, b: mx.array) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(mx.array_equal(a, b, equal_nan=True).item())
+
+
+def _specials() -> np.ndarray:
+    """Zeros, infinities, NaN, the exp's cut-offs (+-88) and rounding points (half-integers of
+    x * log2(e)), denormals, and float32's extremes, with their neighbours."""
+    base = [0.0, -0.0, np.inf, -np.inf, np.nan, 88.0, -88.0, 1e-45, -1e-45, 1e-38, 3.4028235e38, -3.4028235e38, 1.0, -1.0]
+    base += [(k + 0.5) / 1.442695 for k in range(-130, 130)]
+    values = np.array(base, dtype=np.float32)
+    with np.errstate(over="ignore"):  # (the neighbours of float32's extremes are infinities)
+        around = [np.nextafter(values, np.float32(np.inf)), np.nextafter(values, np.float32(-np.inf))]
+    return np.concatenate([values, *around])
+
+
+def test_the_kernels_build_load_and_pass_their_own_check(kernels):
+    assert kernels.supported
+    assert native.check(kernels) is None
+    assert native.loaded() is kernels
+    assert native.build().exists()  # (built once: a second call finds it)
+
+
+def test_exp_and_swiglu_on_random_bit_patterns_and_specials(kernels):
+    rng = np.random.default_rng(1)
+    bits = rng.integers(0, 2**32, size=1 << 20, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    for values in (bits, _specials(), rng.standard_normal(4099).astype(np.float32) * 30):
+        x = mx.array(values)
+        assert _equal(kernels.exp(x), mx.exp(x))
+        up = mx.array(rng.standard_normal(values.shape).astype(np.float32))
+        assert _equal(kernels.swiglu(x, up), _SWIGLU(x, up))
+
+
+@pytest.mark.parametrize("size", [1, 7, 8, 9, 15, 16, 17, 1536, 1543])
+def test_swiglu_every_tail_length_and_strided_inputs(kernels, size):
+    gate, up = mx.random.normal((3, size), key=mx.random.key(size)) * 6, mx.random.normal((3, size), key=mx.random.key(size + 1))
+    assert _equal(kernels.swiglu(gate, up), _SWIGLU(gate, up))
+    wide = mx.random.normal((size, 6), key=mx.random.key(2)) * 6
+    assert _equal(kernels.swiglu(wide.T, wide.T[::-1]), _SWIGLU(wide.T, wide.T[::-1]))  # (not row-contiguous)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (4, 8), (9, 127), (2, 3, 4, 2051), (72, 127, 127)])
+def test_softmax_as_mlxs_precise_softmax(kernels, shape):
+    scores = mx.random.normal(shape, key=mx.random.key(len(shape))) * 9
+    assert _equal(kernels.softmax(scores), mx.softmax(scores, axis=-1, precise=True))
+    assert _equal(kernels.softmax(scores.swapaxes(-1, -2)), mx.softmax(scores.swapaxes(-1, -2), axis=-1, precise=True))
+
+
+def test_softmax_rows_with_masked_infinite_and_nan_entries(kernels):
+    lowest = np.finfo(np.float32).min
+    rows = _array(
+        [
+            [0.0, lowest, lowest, 1.0, 2.0, lowest, 3.0, -1.0, 0.5],
+            [lowest] * 9,
+            [-np.inf, 0.0, 1.0, -np.inf, 2.0, 3.0, 4.0, 5.0, 6.0],
+            [np.inf, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
+            [np.nan, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0],
+            [1e30, -1e30, 0.0, 88.0, -88.0, 100.0, 1e-30, 7.0, 8.0],
+        ]
+    )
+    assert _equal(kernels.softmax(rows), mx.softmax(rows, axis=-1, precise=True))
+
+
+_MASKS = ["none", "causal", "bool", "additive"]
+
+
+@pytest.mark.parametrize("mask_kind", _MASKS)
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "queries", "keys"), [(8, 9, 3, 17, 17), (16, 9, 3, 1, 140), (1, 4, 4, 5, 12), (2, 6, 2, 3, 9)])
+def test_attention_is_mlxs_cpu_attention(kernels, mask_kind, rows, heads, kv_heads, queries, keys):
+    key = mx.random.key(rows * 100 + queries)
+    k1, k2, k3, k4 = mx.random.split(key, 4)
+    # (queries as the models make them: a transposed view)
+    q = mx.random.normal((rows, queries, heads, 32), key=k1).swapaxes(1, 2)
+    k, v = mx.random.normal((rows, kv_heads, keys, 32), key=k2), mx.random.normal((rows, kv_heads, keys, 32), key=k3)
+    mask: str | mx.array | None = {"none": None, "causal": "causal"}.get(mask_kind)
+    if mask_kind == "bool":
+        mask = mx.random.uniform(shape=(rows, 1, queries, keys), key=k4) > 0.3
+    elif mask_kind == "additive":
+        mask = mx.random.normal((queries, keys), key=k4)
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.17, mask=mask)
+    if isinstance(mask, mx.array):
+        got = kernels.scaled_dot_product_attention(q, k, v, scale=0.17, mask=mask)
+    else:
+        got = kernels.scaled_dot_product_attention(q, k, v, scale=0.17, mask_mode=mask or "")
+    assert _equal(got, expected)
+
+
+def test_bad_input_is_a_typed_error(kernels):
+    half = mx.ones((2, 8), dtype=mx.float16)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.swiglu(half, half)
+    with pytest.raises(ValueError, match="one shape"):
+        kernels.swiglu(mx.ones((2, 8)), mx.ones((2, 9)))
+    with pytest.raises(ValueError, match="float32"):
+        kernels.softmax(half)
+
+
+def test_only_the_engines_step_uses_them_and_only_for_float32(kernels):
+    gate = mx.ones((4, 16))
+    assert lanes.kernels(gate) is None  # outside a step: mlx-lm's own code
+    with lanes.parallel():
+        assert lanes.kernels(gate) is kernels
+        assert lanes.kernels(gate.astype(mx.bfloat16)) is None
+        with lanes.suspended():  # (a compiled step's trace: one stream, the kernels stay)
+            assert lanes.kernels(gate) is kernels
+    with lanes.parallel(False):
+        assert lanes.kernels(gate) is None
+
+
+def test_off_where_told(monkeypatch):
+    monkeypatch.setattr(native, "_loaded", native._UNSET)
+    monkeypatch.setenv("MLXRT_NATIVE", "0")
+    assert native.load() is None and native.loaded() is None
+
+
+def test_an_engines_tokens_with_them_are_mlx_lms(kernels, monkeypatch):
+    """Three requests batched on `builtin:tiny`, every SwiGLU, softmax and attention of the step
+    through the kernels (counted): the greedy tokens are mlx-lm's."""
+    from types import SimpleNamespace
+
+    from tests.support.engine_driver import Driver, admit_request, random_prompts
+    from tests.support.mlx_reference import greedy_tokens, load_reference
+
+    calls: dict[str, int] = {}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return getattr(kernels, name)(*args, **kwargs)
+
+        return call
+
+    proxy = SimpleNamespace(**{name: counted(name) for name in ("swiglu", "softmax", "scaled_dot_product_attention")})
+    model, tokenizer = load_reference("builtin:tiny")
+    engine = Engine(model, probe_layout(model))
+    monkeypatch.setattr(native, "_loaded", proxy)
+    prompts = random_prompts([9, 14, 5])
+    driver = Driver(engine)
+    driver.admit(*(admit_request(name, prompt, max_tokens=8) for name, prompt in zip("abc", prompts)))
+    driver.run()
+    assert calls.get("swiglu", 0) > 0 and calls.get("softmax", 0) + calls.get("scaled_dot_product_attention", 0) > 0, calls
+    for name, prompt in zip("abc", prompts):
+        assert driver.tokens[name] == greedy_tokens(model, tokenizer, prompt, 8)
