@@ -22,7 +22,9 @@ name in the model's modules to `swiglu` here), and the attention (prefill chunks
 mlxrt's own CPU kernels (`engine.native`: the SwiGLU, the softmax and the attention around it,
 eight floats at a time, bit for bit MLX's results) serve the same pieces during the step where
 they are loaded, for float32: the SwiGLU then runs whole (10-20x faster, nothing left to split),
-the attention still on two lanes (its matrix products and masking are MLX's). A compiled step
+the attention still on two lanes (its matrix products and masking are MLX's); the model's
+`nn.RMSNorm` and `nn.RoPE` layers (`KernelRMSNorm`, `KernelRoPE`) run as one primitive each in
+place of MLX's six and ~20 ops. A compiled step
 traced inside the step uses them too (`suspended()` stops the splitting only).
 """
 
@@ -34,6 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models import activations
 
 from engine import native
@@ -196,7 +199,40 @@ def split_attention(fn: Callable[..., mx.array], queries: mx.array, keys: mx.arr
     return None
 
 
+class KernelRMSNorm(nn.RMSNorm):
+    """`nn.RMSNorm` whose calls inside the engine's step use mlxrt's kernel (`kernels`: one
+    primitive for the six ops of MLX's CPU `rms_norm`, the same bits); elsewhere its own."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight = self["weight"]
+        module = kernels(x, weight)
+        if module is not None:
+            return module.rms_norm(x, weight, self.eps)
+        return super().__call__(x)
+
+
+class KernelRoPE(nn.RoPE):
+    """`nn.RoPE` whose calls inside the engine's step use mlxrt's kernel (`kernels`: one
+    primitive for MLX's ~20-op CPU `rope`, the same bits); elsewhere its own."""
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        module = kernels(x)
+        if module is not None and self.base is not None:
+            positions = offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
+            return module.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=positions)
+        return super().__call__(x, offset)
+
+
+_KERNEL_CLASSES: dict[type, type] = {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE}
+
+
 def install(model) -> list[str]:
-    """Rebind mlx-lm's `swiglu` to `swiglu` here in the modules the model's layers come from;
-    returns the modules rebound. Outside `parallel()` it is mlx-lm's own function."""
+    """Rebind mlx-lm's `swiglu` to `swiglu` here in the modules the model's layers come from,
+    and make the model's `nn.RMSNorm` and `nn.RoPE` layers `KernelRMSNorm`s and `KernelRoPE`s;
+    returns the modules rebound.
+    Outside `parallel()` both are mlx-lm's and MLX's own code."""
+    for _, layer in model.named_modules():
+        kind = _KERNEL_CLASSES.get(type(layer))
+        if kind is not None:
+            layer.__class__ = kind
     return rebind(model, "swiglu", _SWIGLU, swiglu)

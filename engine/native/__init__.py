@@ -5,7 +5,8 @@ MLX's CPU backend on x86-64 Linux evaluates its elementwise kernels one float at
 attention's softmax are most of a CPU forward's time besides the matrix products. `kernels.cpp`
 computes the same formulas with the same roundings eight floats at a time (AVX2 + FMA): MLX
 primitives of our own (`swiglu`, `softmax`, `scaled_dot_product_attention` = MLX's CPU attention
-with that softmax), 10-20x faster and bit for bit MLX's results.
+with that softmax, `rms_norm` and `rope` = MLX's CPU RMSNorm and RoPE, six and ~20 ops, as one
+each), 10-20x faster and bit for bit MLX's results.
 
 `load()` builds the extension with g++ against the installed MLX's headers and library and
 nanobind (in the package's `_build` directory, else `fallback_dir`; `.ci/bootstrap.sh` builds it
@@ -50,7 +51,8 @@ def supported_platform() -> bool:
 def _key() -> str:
     from importlib.metadata import version
 
-    parts = [SOURCE.read_bytes(), version("mlx").encode(), version("nanobind").encode(), str(sysconfig.get_config_var("EXT_SUFFIX")).encode()]
+    flags = " ".join(_command(Path("out"))[1:]).encode()
+    parts = [SOURCE.read_bytes(), flags, version("mlx").encode(), version("nanobind").encode(), str(sysconfig.get_config_var("EXT_SUFFIX")).encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -59,10 +61,10 @@ def _library_name() -> str:
 
 
 def _command(output: Path) -> list[str]:
-    import mlx
+    import mlx.core
     import nanobind
 
-    mlx_root = Path(mlx.__path__[0])
+    mlx_root = Path(mlx.core.__file__).parent  # (`mlx` is a namespace package: its path may have other entries)
     nb_root = Path(nanobind.__file__).parent
     python_include = sysconfig.get_paths()["include"]
     compiler = shlex.split(os.environ.get("CXX", "g++"))
@@ -74,6 +76,7 @@ def _command(output: Path) -> list[str]:
         "-shared",
         "-fvisibility=hidden",
         "-fno-strict-aliasing",
+        "-ffp-contract=off",  # (a product and a sum stay two roundings, as in MLX's build)
         "-DNB_DOMAIN=mlx",  # share mlx's nanobind types (`mlx.core.array`)
         f"-I{nb_root / 'include'}",
         f"-I{nb_root / 'ext' / 'robin_map' / 'include'}",
@@ -176,6 +179,14 @@ def check(module: ModuleType) -> str | None:
         gate, up = normal(37, 301, scale=8.0), normal(37, 301)
         if not mx.array_equal(module.swiglu(gate, up), swiglu(gate, up)).item():
             return "swiglu"
+        x, weight = normal(3, 11, 301, scale=3.0), normal(301)
+        if not mx.array_equal(module.rms_norm(x, weight, 1e-5), mx.fast.rms_norm(x, weight, 1e-5)).item():
+            return "rms_norm"
+        heads, offsets = normal(3, 4, 5, 64), mx.array([0, 17, 4000], dtype=mx.int32)
+        for traditional in (False, True):
+            expected = mx.fast.rope(heads, 48, traditional=traditional, base=10000.0, scale=1.0, offset=offsets)
+            if not mx.array_equal(module.rope(heads, 48, traditional=traditional, base=10000.0, scale=1.0, offset=offsets), expected).item():
+                return "rope"
         scores = normal(5, 7, 133, scale=6.0)
         if not mx.array_equal(module.softmax(scores), mx.softmax(scores, axis=-1, precise=True)).item():
             return "softmax"

@@ -19,6 +19,7 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
@@ -166,6 +167,156 @@ MLXRT_AVX2 static void softmax_rows(const float* in, float* out, size_t rows, si
   }
 }
 
+// `simd::sincos` of `mlx/backend/cpu/simd/math.h` (Cephes), both results, eight floats at a time;
+// `sincos_checked`'s arguments past 2^23 go to libm's sinf/cosf, as MLX's do.
+MLXRT_AVX2 static inline void sincos8(__m256 in, __m256* sine, __m256* cosine) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256i one = _mm256_set1_epi32(1), two = _mm256_set1_epi32(2), four = _mm256_set1_epi32(4);
+  const __m256 negative = _mm256_cmp_ps(in, _mm256_setzero_ps(), _CMP_LT_OQ);
+  __m256 x = _mm256_andnot_ps(sign_bit, in);
+  const __m256 scaled = _mm256_mul_ps(x, _mm256_set1_ps(1.27323954473516f));
+  __m256i emm2 = _mm256_cvttps_epi32(scaled);
+  emm2 = _mm256_andnot_si256(one, _mm256_add_epi32(emm2, one));
+  const __m256 y = _mm256_cvtepi32_ps(emm2);
+  const __m256 poly = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(emm2, two), two));
+  x = _mm256_fmadd_ps(y, _mm256_set1_ps(-0.78515625f), x);
+  x = _mm256_fmadd_ps(y, _mm256_set1_ps(-2.4187564849853515625e-4f), x);
+  x = _mm256_fmadd_ps(y, _mm256_set1_ps(-3.77489497744594108e-8f), x);
+  const __m256 sign_sin = _mm256_xor_ps(negative, _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(emm2, four), four)));
+  const __m256 sign_cos = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_sub_epi32(emm2, two), four), four));
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y1 = _mm256_fmadd_ps(z, _mm256_set1_ps(2.443315711809948e-5f), _mm256_set1_ps(-1.388731625493765e-3f));
+  __m256 y2 = _mm256_fmadd_ps(z, _mm256_set1_ps(-1.9515295891e-4f), _mm256_set1_ps(8.3321608736e-3f));
+  y1 = _mm256_fmadd_ps(y1, z, _mm256_set1_ps(4.166664568298827e-2f));
+  y2 = _mm256_fmadd_ps(y2, z, _mm256_set1_ps(-1.6666654611e-1f));
+  y1 = _mm256_mul_ps(y1, z);
+  y2 = _mm256_mul_ps(y2, z);
+  y1 = _mm256_mul_ps(y1, z);
+  y2 = _mm256_fmadd_ps(x, y2, x);
+  y1 = _mm256_fmadd_ps(z, _mm256_set1_ps(-0.5f), y1);
+  y1 = _mm256_add_ps(y1, _mm256_set1_ps(1.0f));
+  const __m256 ys = _mm256_blendv_ps(y2, y1, poly);
+  const __m256 yc = _mm256_blendv_ps(y1, y2, poly);
+  __m256 s = _mm256_blendv_ps(ys, _mm256_xor_ps(ys, sign_bit), sign_sin);
+  __m256 c = _mm256_blendv_ps(_mm256_xor_ps(yc, sign_bit), yc, sign_cos);
+  const __m256 large = _mm256_cmp_ps(_mm256_andnot_ps(sign_bit, in), _mm256_set1_ps(8388608.0f), _CMP_GT_OQ);
+  if (_mm256_movemask_ps(large)) {
+    alignas(32) float values[8], sines[8], cosines[8];
+    _mm256_store_ps(values, in);
+    _mm256_store_ps(sines, s);
+    _mm256_store_ps(cosines, c);
+    for (int l = 0; l < 8; l++) {
+      if (std::fabs(values[l]) > 8388608.0f) {
+        sines[l] = std::sin(values[l]);
+        cosines[l] = std::cos(values[l]);
+      }
+    }
+    s = _mm256_load_ps(sines);
+    c = _mm256_load_ps(cosines);
+  }
+  *sine = s;
+  *cosine = c;
+}
+
+// `mx.fast.rope` (forward, no `freqs`) as MLX evaluates it on the CPU (`mlx/fast.cpp`'s fallback):
+// positions (t + offset) * scale, inverse frequencies exp(-j * (log(base) / (dims / 2))),
+// theta = position * frequency, and each pair (x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos),
+// the pairs split in halves (or interleaved: `traditional`), dimensions past `dims` copied.
+MLXRT_AVX2 static void rope_rows(const float* in, float* out, const int32_t* offsets, bool per_row, int B, int N, int T, int D, int dims,
+                                 bool traditional, float base, float scale) {
+  const int half = dims / 2;
+  const int padded = (half + 7) / 8 * 8;
+  std::vector<float> inv(padded, 0.0f), angles(padded), cosines(padded), sines(padded);
+  const float step = std::log(base) / half;
+  for (int j = 0; j < half; j++) inv[j] = static_cast<float>(-j) * step;
+  for (int j = 0; j < padded; j += 8) _mm256_storeu_ps(inv.data() + j, exp8(_mm256_loadu_ps(inv.data() + j)));
+  for (int b = 0; b < B; b++) {
+    const float offset = static_cast<float>(offsets[per_row ? b : 0]);
+    for (int t = 0; t < T; t++) {
+      const float position = (static_cast<float>(t) + offset) * scale;
+      for (int j = 0; j < padded; j += 8) {
+        __m256 sv, cv;
+        sincos8(_mm256_mul_ps(_mm256_set1_ps(position), _mm256_loadu_ps(inv.data() + j)), &sv, &cv);
+        _mm256_storeu_ps(sines.data() + j, sv);
+        _mm256_storeu_ps(cosines.data() + j, cv);
+      }
+      for (int n = 0; n < N; n++) {
+        const size_t row = ((static_cast<size_t>(b) * N + n) * T + t) * D;
+        const float* x = in + row;
+        float* y = out + row;
+        if (traditional) {
+          for (int j = 0; j < half; j++) {
+            const float x1 = x[2 * j], x2 = x[2 * j + 1], c = cosines[j], s = sines[j];
+            const float a = x1 * c, b2 = x2 * s, e = x1 * s, f = x2 * c;
+            y[2 * j] = a - b2;
+            y[2 * j + 1] = e + f;
+          }
+        } else {
+          int j = 0;
+          for (; j + 8 <= half; j += 8) {
+            const __m256 x1 = _mm256_loadu_ps(x + j), x2 = _mm256_loadu_ps(x + half + j);
+            const __m256 c = _mm256_loadu_ps(cosines.data() + j), s = _mm256_loadu_ps(sines.data() + j);
+            _mm256_storeu_ps(y + j, _mm256_sub_ps(_mm256_mul_ps(x1, c), _mm256_mul_ps(x2, s)));
+            _mm256_storeu_ps(y + half + j, _mm256_add_ps(_mm256_mul_ps(x1, s), _mm256_mul_ps(x2, c)));
+          }
+          for (; j < half; j++) {
+            const float x1 = x[j], x2 = x[half + j], c = cosines[j], s = sines[j];
+            const float a = x1 * c, b2 = x2 * s, e = x1 * s, f = x2 * c;
+            y[j] = a - b2;
+            y[half + j] = e + f;
+          }
+        }
+        for (int k = dims; k < D; k++) y[k] = x[k];
+      }
+    }
+  }
+}
+
+// `mx.fast.rms_norm(x, weight, eps)` as MLX evaluates it on the CPU (`mlx/fast.cpp`'s fallback):
+// x * rsqrt(mean(x * x) + eps) * weight, the mean a sum from 0 in the row's order (`reduce.cpp`'s
+// `contiguous_reduce` with one lane) times (float)(1.0 / n), rsqrt as 1 / sqrt. Eight rows' sums
+// run side by side.
+MLXRT_AVX2 static void rms_norm_rows(const float* in, const float* weight, float* out, size_t rows, size_t m, float eps) {
+  constexpr size_t G = 8;
+  const float normalizer = static_cast<float>(1.0 / static_cast<double>(m));
+  for (size_t r0 = 0; r0 < rows; r0 += G) {
+    const size_t g = std::min(G, rows - r0);
+    float sums[G] = {0};
+    if (g == G) {
+      for (size_t k = 0; k < m; k++) {
+        for (size_t r = 0; r < G; r++) {
+          const float v = in[(r0 + r) * m + k];
+          const float square = v * v;
+          sums[r] += square;
+        }
+      }
+    } else {
+      for (size_t r = 0; r < g; r++) {
+        const float* x = in + (r0 + r) * m;
+        for (size_t k = 0; k < m; k++) {
+          const float square = x[k] * x[k];
+          sums[r] += square;
+        }
+      }
+    }
+    for (size_t r = 0; r < g; r++) {
+      const float mean = sums[r] * normalizer;
+      const float scale = 1.0f / std::sqrt(mean + eps);
+      const float* x = in + (r0 + r) * m;
+      float* y = out + (r0 + r) * m;
+      const __m256 vs = _mm256_set1_ps(scale);
+      size_t k = 0;
+      for (; k + 8 <= m; k += 8) {
+        _mm256_storeu_ps(y + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + k), vs), _mm256_loadu_ps(weight + k)));
+      }
+      for (; k < m; k++) {
+        const float normed = x[k] * scale;
+        y[k] = normed * weight[k];
+      }
+    }
+  }
+}
+
 static void allocate_output(const mx::array& in, mx::array& out) {
   if (in.is_donatable() && in.flags().row_contiguous && in.dtype() == out.dtype() && in.size() == out.size()) {
     out.copy_shared_buffer(in);
@@ -237,6 +388,68 @@ class Softmax : public mx::Primitive {
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
 };
 
+class RMSNorm : public mx::Primitive {
+ public:
+  RMSNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& in = inputs[0];
+    const auto& weight = inputs[1];
+    auto& out = outputs[0];
+    allocate_output(in, out);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(in);
+    encoder.set_input_array(weight);
+    encoder.set_output_array(out);
+    const size_t m = in.shape().back();
+    encoder.dispatch([x = in.data<float>(), w = weight.data<float>(), y = out.data<float>(), rows = in.size() / m, m, eps = eps_]() {
+      rms_norm_rows(x, w, y, rows, m, eps);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[mlxrt.RMSNorm] CPU only");
+  }
+  const char* name() const override { return "MlxrtRMSNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override { return eps_ == static_cast<const RMSNorm&>(other).eps_; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  float eps_;
+};
+
+class RoPE : public mx::Primitive {
+ public:
+  RoPE(mx::Stream stream, int dims, bool traditional, float base, float scale)
+      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& in = inputs[0];
+    const auto& offset = inputs[1];
+    auto& out = outputs[0];
+    allocate_output(in, out);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(in);
+    encoder.set_input_array(offset);
+    encoder.set_output_array(out);
+    const int D = in.shape(-1), T = in.shape(-2), B = in.shape(0);
+    const int N = static_cast<int>(in.size() / (static_cast<size_t>(B) * T * D));
+    encoder.dispatch([x = in.data<float>(), y = out.data<float>(), o = offset.data<int32_t>(), per_row = offset.size() > 1, B, N, T, D, dims = dims_,
+                      traditional = traditional_, base = base_, scale = scale_]() { rope_rows(x, y, o, per_row, B, N, T, D, dims, traditional, base, scale); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[mlxrt.RoPE] CPU only");
+  }
+  const char* name() const override { return "MlxrtRoPE"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const RoPE&>(other);
+    return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  int dims_;
+  bool traditional_;
+  float base_, scale_;
+};
+
 static void check_float32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32) {
     throw std::invalid_argument(std::string("[mlxrt.native] ") + what + " must be float32");
@@ -253,6 +466,31 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
   auto g = mx::contiguous(gate, false, stream);
   auto u = mx::contiguous(up, false, stream);
   return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(stream), {g, u});
+}
+
+// `mx.fast.rms_norm(x, weight, eps)` for float32 with a weight.
+mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::StreamOrDevice s) {
+  check_float32(x, "rms_norm's input");
+  check_float32(weight, "rms_norm's weight");
+  if (x.ndim() == 0 || weight.ndim() != 1 || weight.shape(0) != x.shape(-1)) {
+    throw std::invalid_argument("[mlxrt.native] rms_norm's weight must be a vector as long as the input's last axis");
+  }
+  auto stream = mx::to_stream(s);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(stream, eps), {mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)});
+}
+
+// `mx.fast.rope(x, dims, traditional=, base=, scale=, offset=)` for float32, without `freqs`.
+mx::array rope(const mx::array& x, int dims, bool traditional, float base, float scale, const mx::array& offset, mx::StreamOrDevice s) {
+  check_float32(x, "rope's input");
+  if (x.ndim() < 3 || dims <= 0 || dims % 2 != 0 || dims > x.shape(-1)) {
+    throw std::invalid_argument("[mlxrt.native] rope needs an input of 3 or more dimensions and an even dims up to its last axis");
+  }
+  if (offset.ndim() > 1 || (offset.size() != 1 && offset.size() != static_cast<size_t>(x.shape(0))) || !mx::issubdtype(offset.dtype(), mx::integer)) {
+    throw std::invalid_argument("[mlxrt.native] rope's offset must be an integer scalar or one per batch item");
+  }
+  auto stream = mx::to_stream(s);
+  auto o = mx::contiguous(mx::astype(offset, mx::int32, stream), false, stream);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RoPE>(stream, dims, traditional, base, scale), {mx::contiguous(x, false, stream), o});
 }
 
 // `mx.exp(x)` for float32 (the kernel the others build on, exposed to be checked against MLX's).
@@ -332,6 +570,9 @@ NB_MODULE(_kernels, m) {
   m.attr("supported") = mlxrt::cpu_supported();
   m.def("swiglu", &mlxrt::swiglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(), "mlx-lm's swiglu(gate, up) for float32 on the CPU.");
   m.def("exp", &mlxrt::exp, "x"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.exp(x) for float32 on the CPU.");
+  m.def("rope", &mlxrt::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a, "scale"_a, "offset"_a, "stream"_a = nb::none(),
+        "mx.fast.rope (no freqs) for float32 on the CPU.");
+  m.def("rms_norm", &mlxrt::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.fast.rms_norm(x, weight, eps) for float32 on the CPU.");
   m.def("softmax", &mlxrt::softmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.softmax(x, axis=-1, precise=True) for float32 on the CPU.");
   m.def("scaled_dot_product_attention", &mlxrt::sdpa, "queries"_a, "keys"_a, "values"_a, nb::kw_only(), "scale"_a, "mask_mode"_a = "",
         "mask"_a = nb::none(), "stream"_a = nb::none(), "mx.fast.scaled_dot_product_attention for float32 on the CPU, without sinks.");

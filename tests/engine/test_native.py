@@ -169,7 +169,7 @@ def test_an_engines_tokens_with_them_are_mlx_lms(kernels, monkeypatch):
 
         return call
 
-    proxy = SimpleNamespace(**{name: counted(name) for name in ("swiglu", "softmax", "scaled_dot_product_attention")})
+    proxy = SimpleNamespace(**{name: counted(name) for name in ("swiglu", "softmax", "scaled_dot_product_attention", "rms_norm", "rope")})
     model, tokenizer = load_reference("builtin:tiny")
     engine = Engine(model, probe_layout(model))
     monkeypatch.setattr(native, "_loaded", proxy)
@@ -177,6 +177,88 @@ def test_an_engines_tokens_with_them_are_mlx_lms(kernels, monkeypatch):
     driver = Driver(engine)
     driver.admit(*(admit_request(name, prompt, max_tokens=8) for name, prompt in zip("abc", prompts)))
     driver.run()
-    assert calls.get("swiglu", 0) > 0 and calls.get("softmax", 0) + calls.get("scaled_dot_product_attention", 0) > 0, calls
+    assert (
+        calls.get("swiglu", 0) > 0
+        and calls.get("rms_norm", 0) > 0
+        and calls.get("rope", 0) > 0
+        and calls.get("softmax", 0) + calls.get("scaled_dot_product_attention", 0) > 0
+    ), calls
     for name, prompt in zip("abc", prompts):
         assert driver.tokens[name] == greedy_tokens(model, tokenizer, prompt, 8)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (16, 1, 576), (3, 127, 576), (2, 5, 7), (9, 64), (4, 1, 2, 33)])
+@pytest.mark.parametrize("eps", [1e-5, 1e-6, 0.5])
+def test_rms_norm_as_mlxs(kernels, shape, eps):
+    x = mx.random.normal(shape, key=mx.random.key(shape[-1])) * 4
+    weight = mx.random.normal((shape[-1],), key=mx.random.key(7))
+    assert _equal(kernels.rms_norm(x, weight, eps), mx.fast.rms_norm(x, weight, eps))
+    assert _equal(kernels.rms_norm(x.swapaxes(0, -2), weight, eps), mx.fast.rms_norm(x.swapaxes(0, -2), weight, eps))
+
+
+def test_rms_norm_rows_of_zeros_extremes_and_nan(kernels):
+    rows = _array([[0.0] * 9, [1e30, -1e30] + [0.0] * 7, [1e-30] * 9, [np.inf] + [1.0] * 8, [np.nan] + [1.0] * 8, _specials()[:9]])
+    weight = _array(np.linspace(-2, 2, 9))
+    assert _equal(kernels.rms_norm(rows, weight, 1e-5), mx.fast.rms_norm(rows, weight, 1e-5))
+    with pytest.raises(ValueError, match="vector"):
+        kernels.rms_norm(rows, mx.ones((8,)), 1e-5)
+
+
+def test_the_models_norms_use_it_only_inside_the_step(kernels):
+    import mlx.nn as nn
+
+    layer = nn.RMSNorm(64)
+    layer.weight = mx.random.normal((64,), key=mx.random.key(3))
+    model = nn.Sequential(layer)
+    lanes.install(model)
+    assert type(layer) is lanes.KernelRMSNorm
+    x = mx.random.normal((4, 64), key=mx.random.key(4))
+    calls = []
+    original = lanes.kernels
+
+    def spy(*arrays):
+        module = original(*arrays)
+        calls.append(module is not None)
+        return module
+
+    lanes.kernels = spy  # type: ignore[assignment]
+    try:
+        outside = layer(x)
+        with lanes.parallel():
+            inside = layer(x)
+    finally:
+        lanes.kernels = original  # type: ignore[assignment]
+    assert calls == [False, True]
+    assert _equal(inside, outside) and _equal(outside, mx.fast.rms_norm(x, layer.weight, layer.eps))
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize(
+    ("shape", "dims", "base", "scale", "offset"),
+    [
+        ((16, 9, 1, 64), 64, 10000.0, 1.0, list(range(100, 1700, 100))),
+        ((2, 3, 17, 64), 64, 100000.0, 1.0, 5),
+        ((1, 4, 33, 32), 16, 500000.0, 0.25, 0),
+        ((3, 11, 24), 24, 10000.0, 1.0, [7, 0, 12000]),
+        ((2, 2, 3, 2, 8), 8, 10000.0, 2.0, 3),
+        ((2, 2, 5, 16), 16, 10000.0, 1.0, [9_000_000, 1]),  # (angles past 2^23: libm's sine and cosine)
+    ],
+)
+def test_rope_as_mlxs(kernels, traditional, shape, dims, base, scale, offset):
+    x = mx.random.normal(shape, key=mx.random.key(dims)) * 3
+    positions = mx.array(offset, dtype=mx.int32)
+    expected = mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=positions)
+    assert _equal(kernels.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=positions), expected)
+    if isinstance(offset, int):
+        assert _equal(mx.fast.rope(x, dims, traditional=traditional, base=base, scale=scale, offset=offset), expected)
+
+
+def test_rope_on_a_transposed_view_and_bad_offsets(kernels):
+    x = mx.random.normal((2, 7, 4, 64), key=mx.random.key(9)).swapaxes(1, 2)  # ([rows, heads, tokens, dim] as models make it)
+    positions = mx.array([3, 40], dtype=mx.int32)
+    assert _equal(
+        kernels.rope(x, 64, traditional=False, base=10000.0, scale=1.0, offset=positions),
+        mx.fast.rope(x, 64, traditional=False, base=10000.0, scale=1.0, offset=positions),
+    )
+    with pytest.raises(ValueError, match="offset"):
+        kernels.rope(x, 64, traditional=False, base=10000.0, scale=1.0, offset=mx.array([1, 2, 3]))
