@@ -220,7 +220,8 @@ class KernelRoPE(nn.RoPE):
         if module is not None and self.base is not None:
             positions = offset if isinstance(offset, mx.array) else mx.array(offset, dtype=mx.int32)
             return module.rope(x, self.dims, traditional=self.traditional, base=self.base, scale=self.scale, offset=positions)
-        return super().__call__(x, offset)  # type: ignore[arg-type]  (MLX takes an array of offsets too)
+        # (MLX's `rope` takes an array of offsets too; nn.RoPE's annotation says int)
+        return super().__call__(x, offset)  # type: ignore[arg-type]
 
 
 _KERNEL_CLASSES: dict[type, type] = {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE}
