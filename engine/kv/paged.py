@@ -45,7 +45,8 @@ MIN_GROWTH = 64  # blocks added at least when the pool grows
 ROOM_POSITIONS = 512
 # A decode step whose rows hold at least this many positions in all attends row by row over
 # slices of the pool rather than over one gathered copy (`PagedSlots.attend`): measured on
-# `bench`, 16 rows of 1,024 positions 52 vs 21 tok/s, of 256 positions 85 vs 92.
+# `bench`, 16 rows of 1,024 positions 52 vs 21 tok/s, of 256 positions 85 vs 92. Not with
+# mlxrt's CPU kernels, whose paged attention copies no batch (16 x 1,024: 175.7 vs 204.8 ms).
 ROW_ATTENTION_MIN_POSITIONS = 8192
 
 
@@ -383,8 +384,9 @@ class PagedSlots(FullSlots):
         """A decode step (one token per row, several rows) reads the rows' blocks where they
         are: row by row over slices of the pool (gathered where a row's blocks do not run
         contiguously) once the rows hold `ROW_ATTENTION_MIN_POSITIONS`, as mlx-lm's
-        one-sequence attention; below that, split over two CPU lanes (`engine.lanes`), each
-        half of the rows gathering and attending over its own blocks. The gathered batch the
+        one-sequence attention; below that, or with mlxrt's CPU kernels, split over two CPU
+        lanes (`engine.lanes`), each half of the rows attending over its own blocks (mlxrt's
+        paged attention kernel, else a gathered copy of them). The gathered batch the
         layer was given is then never evaluated. Anything else (a step of several tokens, keys
         the layer changed, a mask this layer did not make) attends over the keys given, as
         every slot does (`engine.kv.attention.decode_attention`, None where that declines)."""
@@ -400,7 +402,7 @@ class PagedSlots(FullSlots):
             or (mask is not None and mask is not step.derived.get(("full-mask", None)))
         ):
             return super().attend(queries, keys, values, scale, mask)
-        if step.num_rows * step.width >= ROW_ATTENTION_MIN_POSITIONS:
+        if step.num_rows * step.width >= ROW_ATTENTION_MIN_POSITIONS and lanes.kernels(queries) is None:
             return self._attend_rows(step, queries, scale)
         read = step.derived.get(self._read_key)
         if lanes.enabled() and isinstance(read, mx.array):
@@ -430,6 +432,9 @@ class PagedSlots(FullSlots):
 
         def half(q: mx.array, own: mx.array, m) -> mx.array:
             n = q.shape[0]
+            native = _native_attention(q, pool_keys, pool_values, own, width, size, scale, m)
+            if native is not None:
+                return native
             return _attention(q, _gather_blocks(pool_keys, own, n, width, size), _gather_blocks(pool_values, own, n, width, size), scale, m)
 
         masks = lanes.split_mask(mask, 0, at, rows)
@@ -500,6 +505,26 @@ class PagedSlots(FullSlots):
 def _attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     out = decode_attention(queries, keys, values, scale, mask)
     return out if out is not None else lanes.sdpa(queries, keys, values, scale, mask)
+
+
+def _native_attention(queries: mx.array, pool_keys: mx.array, pool_values: mx.array, blocks: mx.array, width: int, block_size: int, scale: float, mask):
+    """`decode_attention` over the rows' blocks through mlxrt's kernel (`engine.native`: each row's
+    blocks copied a KV head at a time into a scratch run, the same matrix products, no batch
+    copy), bit for bit; None where the kernels are off or `decode_attention` would not apply."""
+    module = lanes.kernels(queries, pool_keys, pool_values)
+    rows, heads, num_queries, dim = queries.shape
+    kv_heads = pool_keys.shape[0]
+    if module is None or num_queries != 1 or kv_heads == heads or heads % kv_heads:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            return None
+        mask = None
+    if mask is not None and (mask.ndim != 4 or mask.shape[1:3] != (1, 1) or mask.shape[3] != width or mask.dtype not in (mx.bool_, mx.float32)):
+        return None
+    stacked = (mx.array(scale, queries.dtype) * queries).reshape(rows, kv_heads, heads // kv_heads, dim)
+    out = module.paged_attention(stacked, pool_keys, pool_values, blocks, width=width, block_size=block_size, mask=mask)
+    return out.reshape(rows, heads, 1, -1)
 
 
 def _gather_blocks(pool: mx.array, blocks: mx.array, rows: int, width: int, block_size: int) -> mx.array:

@@ -317,6 +317,52 @@ MLXRT_AVX2 static void rms_norm_rows(const float* in, const float* weight, float
   }
 }
 
+// CBLAS, as MLX's CPU matmul calls it (`mlx/backend/cpu/gemms/cblas.cpp`); the symbol resolves to
+// the BLAS MLX uses (OpenBLAS, preloaded by `runtime.blas`, else MLX's own).
+extern "C" void cblas_sgemm(int layout, int trans_a, int trans_b, int m, int n, int k, float alpha, const float* a, int lda, const float* b, int ldb,
+                            float beta, float* c, int ldc);
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+
+// One decode step's attention over paged KV: for each row and KV head, the row's first `width`
+// positions are copied from its blocks into a scratch run, then the same matrix products as
+// `engine.kv.attention.decode_attention` makes MLX run on the gathered batch (`q @ k^T`: M = query
+// heads per KV head, N = width, K = dim, keys transposed; `p @ v`: K = width), with the mask
+// (`where` with float32's lowest, or added) and the softmax above between them: bit for bit that
+// function's result over `_gather_blocks`' batch, without the batch's copy.
+static void paged_attention_rows(const float* q, const float* pool_k, const float* pool_v, const int32_t* blocks, const bool* bool_mask,
+                                 const float* add_mask, bool mask_per_row, float* out, int rows, int kv_heads, int n_rep, int dim, int positions,
+                                 int per_row, int width, int block_size) {
+  std::vector<float> keys(static_cast<size_t>(width) * dim), values(static_cast<size_t>(width) * dim), scores(static_cast<size_t>(n_rep) * width);
+  constexpr float lowest = std::numeric_limits<float>::lowest();
+  for (int r = 0; r < rows; r++) {
+    const int32_t* own = blocks + static_cast<size_t>(r) * per_row;
+    const size_t mask_row = mask_per_row ? static_cast<size_t>(r) * width : 0;
+    for (int h = 0; h < kv_heads; h++) {
+      const float* head_k = pool_k + static_cast<size_t>(h) * positions * dim;
+      const float* head_v = pool_v + static_cast<size_t>(h) * positions * dim;
+      for (int start = 0, b = 0; start < width; start += block_size, b++) {
+        const int n = std::min(block_size, width - start);
+        const size_t from = (static_cast<size_t>(own[b]) * block_size) * dim;
+        std::memcpy(keys.data() + static_cast<size_t>(start) * dim, head_k + from, static_cast<size_t>(n) * dim * sizeof(float));
+        std::memcpy(values.data() + static_cast<size_t>(start) * dim, head_v + from, static_cast<size_t>(n) * dim * sizeof(float));
+      }
+      const float* queries = q + (static_cast<size_t>(r) * kv_heads + h) * n_rep * dim;
+      cblas_sgemm(kRowMajor, kNoTrans, kTrans, n_rep, width, dim, 1.0f, queries, dim, keys.data(), dim, 0.0f, scores.data(), width);
+      if (bool_mask != nullptr || add_mask != nullptr) {
+        for (int i = 0; i < n_rep; i++) {
+          float* row = scores.data() + static_cast<size_t>(i) * width;
+          for (int k = 0; k < width; k++) {
+            row[k] = bool_mask != nullptr ? (bool_mask[mask_row + k] ? row[k] : lowest) : row[k] + add_mask[mask_row + k];
+          }
+        }
+      }
+      softmax_rows(scores.data(), scores.data(), n_rep, width);
+      float* result = out + (static_cast<size_t>(r) * kv_heads + h) * n_rep * dim;
+      cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, n_rep, dim, width, 1.0f, scores.data(), width, values.data(), dim, 0.0f, result, dim);
+    }
+  }
+}
+
 static void allocate_output(const mx::array& in, mx::array& out) {
   if (in.is_donatable() && in.flags().row_contiguous && in.dtype() == out.dtype() && in.size() == out.size()) {
     out.copy_shared_buffer(in);
@@ -450,6 +496,48 @@ class RoPE : public mx::Primitive {
   float base_, scale_;
 };
 
+class PagedAttention : public mx::Primitive {
+ public:
+  PagedAttention(mx::Stream stream, int width, int block_size) : mx::Primitive(stream), width_(width), block_size_(block_size) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& q = inputs[0];
+    const auto& pool_k = inputs[1];
+    const auto& pool_v = inputs[2];
+    const auto& blocks = inputs[3];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const bool* bool_mask = nullptr;
+    const float* add_mask = nullptr;
+    bool per_row = false;
+    if (inputs.size() == 5) {
+      const auto& mask = inputs[4];
+      (mask.dtype() == mx::bool_ ? (void)(bool_mask = mask.data<bool>()) : (void)(add_mask = mask.data<float>()));
+      per_row = mask.shape(0) > 1;
+    }
+    const int rows = q.shape(0), kv_heads = q.shape(1), n_rep = q.shape(2), dim = q.shape(3);
+    const int positions = pool_k.shape(1), per_row_blocks = blocks.size() / rows;
+    encoder.dispatch([q = q.data<float>(), k = pool_k.data<float>(), v = pool_v.data<float>(), b = blocks.data<int32_t>(), bool_mask, add_mask, per_row,
+                      o = out.data<float>(), rows, kv_heads, n_rep, dim, positions, per_row_blocks, width = width_, block_size = block_size_]() {
+      paged_attention_rows(q, k, v, b, bool_mask, add_mask, per_row, o, rows, kv_heads, n_rep, dim, positions, per_row_blocks, width, block_size);
+    });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[mlxrt.PagedAttention] CPU only");
+  }
+  const char* name() const override { return "MlxrtPagedAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const PagedAttention&>(other);
+    return width_ == o.width_ && block_size_ == o.block_size_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ private:
+  int width_, block_size_;
+};
+
 static void check_float32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32) {
     throw std::invalid_argument(std::string("[mlxrt.native] ") + what + " must be float32");
@@ -491,6 +579,34 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
   auto stream = mx::to_stream(s);
   auto o = mx::contiguous(mx::astype(offset, mx::int32, stream), false, stream);
   return mx::array(x.shape(), mx::float32, std::make_shared<RoPE>(stream, dims, traditional, base, scale), {mx::contiguous(x, false, stream), o});
+}
+
+// `decode_attention`'s stacked attention over each row's first `width` positions in its blocks:
+// `queries` [rows, kv_heads, query heads per KV head, dim] already scaled, pools [kv_heads,
+// positions, dim], `blocks` [rows * n] block ids (row-major), `mask` [rows or 1, 1, 1, width].
+mx::array paged_attention(const mx::array& queries, const mx::array& pool_keys, const mx::array& pool_values, const mx::array& blocks, int width,
+                          int block_size, const std::optional<mx::array>& mask, mx::StreamOrDevice s) {
+  check_float32(queries, "paged attention's queries");
+  check_float32(pool_keys, "paged attention's keys");
+  check_float32(pool_values, "paged attention's values");
+  if (queries.ndim() != 4 || pool_keys.ndim() != 3 || pool_keys.shape() != pool_values.shape() || pool_keys.shape(0) != queries.shape(1) ||
+      pool_keys.shape(2) != queries.shape(3) || blocks.dtype() != mx::int32 || blocks.ndim() != 1 || blocks.size() % queries.shape(0) != 0 ||
+      width <= 0 || block_size <= 0 || pool_keys.shape(1) % block_size != 0 ||
+      static_cast<size_t>(width) > (blocks.size() / queries.shape(0)) * static_cast<size_t>(block_size)) {
+    throw std::invalid_argument("[mlxrt.native] paged attention: mismatched queries, pools, blocks or width");
+  }
+  auto stream = mx::to_stream(s);
+  std::vector<mx::array> inputs = {mx::contiguous(queries, false, stream), mx::contiguous(pool_keys, false, stream),
+                                   mx::contiguous(pool_values, false, stream), mx::contiguous(blocks, false, stream)};
+  if (mask) {
+    const auto& m = *mask;
+    if (m.ndim() != 4 || m.shape(1) != 1 || m.shape(2) != 1 || m.shape(3) != width || (m.shape(0) != 1 && m.shape(0) != queries.shape(0)) ||
+        (m.dtype() != mx::bool_ && m.dtype() != mx::float32)) {
+      throw std::invalid_argument("[mlxrt.native] paged attention's mask must be [rows or 1, 1, 1, width], boolean or float32");
+    }
+    inputs.push_back(mx::contiguous(m, false, stream));
+  }
+  return mx::array(queries.shape(), mx::float32, std::make_shared<PagedAttention>(stream, width, block_size), std::move(inputs));
 }
 
 // `mx.exp(x)` for float32 (the kernel the others build on, exposed to be checked against MLX's).
@@ -570,6 +686,8 @@ NB_MODULE(_kernels, m) {
   m.attr("supported") = mlxrt::cpu_supported();
   m.def("swiglu", &mlxrt::swiglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(), "mlx-lm's swiglu(gate, up) for float32 on the CPU.");
   m.def("exp", &mlxrt::exp, "x"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.exp(x) for float32 on the CPU.");
+  m.def("paged_attention", &mlxrt::paged_attention, "queries"_a, "pool_keys"_a, "pool_values"_a, "blocks"_a, nb::kw_only(), "width"_a, "block_size"_a,
+        "mask"_a = nb::none(), "stream"_a = nb::none(), "A decode step's grouped attention over paged KV (float32, CPU).");
   m.def("rope", &mlxrt::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a, "scale"_a, "offset"_a, "stream"_a = nb::none(),
         "mx.fast.rope (no freqs) for float32 on the CPU.");
   m.def("rms_norm", &mlxrt::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.fast.rms_norm(x, weight, eps) for float32 on the CPU.");

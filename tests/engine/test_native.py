@@ -262,3 +262,32 @@ def test_rope_on_a_transposed_view_and_bad_offsets(kernels):
     )
     with pytest.raises(ValueError, match="offset"):
         kernels.rope(x, 64, traditional=False, base=10000.0, scale=1.0, offset=mx.array([1, 2, 3]))
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "one"])
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "width", "block_size"), [(16, 9, 3, 140, 16), (3, 8, 2, 37, 4), (1, 4, 1, 16, 16)])
+def test_paged_attention_is_decode_attention_over_the_gathered_blocks(kernels, mask_kind, rows, heads, kv_heads, width, block_size):
+    from engine.kv.attention import decode_attention
+    from engine.kv.paged import _gather_blocks
+
+    per_row = -(-width // block_size) + 1  # (a spare block past the width, as a row may hold)
+    dim, pool_blocks = 64, rows * per_row + 8
+    k1, k2, k3, k4, k5 = mx.random.split(mx.random.key(rows + width), 5)
+    pool_keys = mx.random.normal((kv_heads, pool_blocks * block_size, dim), key=k1)
+    pool_values = mx.random.normal((kv_heads, pool_blocks * block_size, dim), key=k2)
+    blocks = mx.random.permutation(pool_blocks, key=k3)[: rows * per_row].astype(mx.int32)
+    queries = mx.random.normal((rows, heads, 1, dim), key=k4)
+    mask = {
+        "none": None,
+        "bool": mx.random.uniform(shape=(rows, 1, 1, width), key=k5) > 0.2,
+        "additive": mx.random.normal((rows, 1, 1, width), key=k5),
+        "one": mx.random.uniform(shape=(1, 1, 1, width), key=k5) > 0.2,
+    }[mask_kind]
+    keys, values = _gather_blocks(pool_keys, blocks, rows, width, block_size), _gather_blocks(pool_values, blocks, rows, width, block_size)
+    expected = decode_attention(queries, keys, values, 0.125, mask)
+    assert expected is not None
+    stacked = (mx.array(0.125, mx.float32) * queries).reshape(rows, kv_heads, heads // kv_heads, dim)
+    got = kernels.paged_attention(stacked, pool_keys, pool_values, blocks, width=width, block_size=block_size, mask=mask).reshape(rows, heads, 1, -1)
+    assert _equal(got, expected)
+    with pytest.raises(ValueError, match="paged attention"):
+        kernels.paged_attention(stacked, pool_keys, pool_values, blocks, width=per_row * block_size + 1, block_size=block_size)
