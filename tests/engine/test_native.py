@@ -291,3 +291,19 @@ def test_paged_attention_is_decode_attention_over_the_gathered_blocks(kernels, m
     assert _equal(got, expected)
     with pytest.raises(ValueError, match="paged attention"):
         kernels.paged_attention(stacked, pool_keys, pool_values, blocks, width=per_row * block_size + 1, block_size=block_size)
+
+
+def test_a_failed_build_or_a_wrong_result_leaves_mlxs_ops(monkeypatch, tmp_path, kernels):
+    """No compiler (here `CXX=false`): `load()` logs why and returns None, nothing raised; a
+    module whose result differs from MLX's is refused by `check()`."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(native, "_loaded", native._UNSET)
+    monkeypatch.setattr(native, "build_dir", lambda fallback_dir=None: tmp_path / "build")
+    monkeypatch.setenv("CXX", "false")
+    assert native.load() is None and not (tmp_path / "build" / native._library_name()).exists()
+    wrong = SimpleNamespace(swiglu=lambda gate, up: mx.zeros_like(gate))
+    assert native.check(wrong) == "swiglu"
+    off_by_one_ulp = SimpleNamespace(**{name: getattr(kernels, name) for name in ("swiglu", "rms_norm", "rope", "scaled_dot_product_attention")})
+    off_by_one_ulp.softmax = lambda x: kernels.softmax(x) * mx.array(1.0000001, mx.float32)
+    assert native.check(off_by_one_ulp) == "softmax"
