@@ -70,7 +70,10 @@ def build_engine(
     """Runs on the MLX thread. In a `world`, the model is this rank's shard, its `ModelInfo`
     names the world, and the step is not compiled (a collective inside a compiled function
     is not supported)."""
-    loaded = with_kv_format(load_model(spec.model, builtin_root, progress, world), spec.kv)
+    model = load_model(spec.model, builtin_root, progress, world)
+    if mx.default_device() == mx.cpu:
+        native.load(builtin_root, progress)  # (compiled on first use: before "ready", with progress)
+    loaded = with_kv_format(model, spec.kv, sharded=world is not None)
     if world is not None:
         loaded.info = msgspec.structs.replace(loaded.info, world=f"{world.config.mode}/{world.size}")
     grammars = make_grammars(loaded.tokenizer, loaded.info)
@@ -81,8 +84,6 @@ def build_engine(
         denoiser = BlockDenoiseEngine(loaded.model) if is_block_diffusion(loaded.info.model_type) else DenoiseEngine(loaded.model)
         return BuiltEngine(engine=denoiser, loaded=loaded, grammars=grammars, bank=bank, world=world)
     speculator = load_speculator(loaded, spec.speculative, spec.model, builtin_root, progress)
-    if mx.default_device() == mx.cpu:
-        native.load(builtin_root, progress)  # (compiled on first use: before "ready", with progress)
     bank = AdapterBank(loaded.model, spec.lora.max_resident, spec.lora.max_rank)
     engine = Engine(loaded.model, loaded.layout, grammars, loaded.tokenizer.decode, speculator, bank, spec.kv.budget_bytes, compiled=world is None)
     return BuiltEngine(engine=engine, loaded=loaded, grammars=grammars, bank=bank, world=world)

@@ -52,6 +52,9 @@ class SchedulerConfig(Section, frozen=True):
     denoise_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.25
 
 
+AUTO_BLOCK_SIZE = 16
+
+
 class KvConfig(Section, frozen=True):
     # Bytes of KV cache the runtime may hold, prefix cache included; 0 = no limit.
     budget_bytes: NonNegative = 0
@@ -71,8 +74,11 @@ class KvConfig(Section, frozen=True):
     # Paged KV: float full-attention layers keep positions in one pool of `block_size`-position
     # blocks, each request holding the blocks it uses (no padding to the longest row) and
     # requests seeded from a saved prefix sharing its full blocks instead of copying them.
-    # 0 keeps a padded row per request. (Quantized layers keep rows.)
-    block_size: Literal[0, 8, 16, 32, 64, 128, 256] = 0
+    # 0 keeps a padded row per request. (Quantized layers keep rows.) "auto": blocks of
+    # `AUTO_BLOCK_SIZE` where paged KV costs nothing (a text model on one device, with mlxrt's
+    # CPU kernels loaded: `engine.native`), rows elsewhere (vision and diffusion models, a
+    # distributed world, Metal and CPUs without the kernels, where paged steps are slower).
+    block_size: Literal["auto", 0, 8, 16, 32, 64, 128, 256] = "auto"
     # The prefix cache's disk tier ("" = off): saved prefixes of at least `disk_min_tokens`
     # tokens are also written here (off the event loop and the MLX thread), kept across
     # restarts, and read back when a prompt starts with one and RAM holds less of it. At most

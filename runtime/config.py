@@ -176,7 +176,7 @@ class RuntimeConfig(Section, frozen=True):
             (bool(self.adapters), "`[[adapters]]` (LoRA adapters are not sharded)"),
             (bool(self.speculative.draft), "`speculative.draft` (a draft model is not sharded)"),
             (self.kv.bits != 0, "`kv.bits` (quantized KV)"),
-            (self.kv.block_size != 0, "`kv.block_size` (paged KV)"),
+            (self.kv.block_size not in (0, "auto"), "`kv.block_size` (paged KV)"),
             (bool(self.kv.disk_cache_dir), "`kv.disk_cache_dir` (each rank holds a shard of the KV)"),
         ]
         found = [what for bad, what in refused if bad]

@@ -29,6 +29,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import load as mlx_lm_load
 from mlx_lm.utils import load_tokenizer
 
+from engine import native
 from engine.builtin import PackagedModelMissingError, builtin_name, ensure_builtin
 from engine.kv.layout import dtype_name, probe_layout
 from engine.model.diffusion import canvas_length, diffusion_layout, is_block_diffusion, is_diffusion_config, load_diffusion
@@ -39,7 +40,7 @@ from engine.model.vision import VisionLanguageModel, is_vision_config, load_visi
 from engine.model.weights import apply_cpu_policy, keeps_quantized
 from engine.model.world import World, shard
 from policies.layout import full_token_bytes, is_trimmable, with_kv_blocks, with_kv_quantization
-from protocols.config import KvConfig, ModelConfig
+from protocols.config import AUTO_BLOCK_SIZE, KvConfig, ModelConfig
 from protocols.errors import ModelLoadError
 from protocols.model import LayerLayout, ModelInfo
 
@@ -57,15 +58,26 @@ class LoadedModel:
     info: ModelInfo
 
 
-def with_kv_format(loaded: LoadedModel, kv: KvConfig) -> LoadedModel:
+def block_size(loaded: LoadedModel, kv: KvConfig, *, sharded: bool = False) -> int:
+    """`kv.block_size`, with "auto" resolved: `AUTO_BLOCK_SIZE` for a text model on one device
+    (not `sharded`) where mlxrt's CPU kernels are loaded (paged decode steps at least as fast
+    as rows there: BENCHMARKS.md), else 0 (rows)."""
+    if kv.block_size != "auto":
+        return kv.block_size
+    text = not loaded.info.denoising and not isinstance(loaded.model, VisionLanguageModel)
+    return AUTO_BLOCK_SIZE if text and not sharded and native.loaded() is not None and mx.default_device() == mx.cpu else 0
+
+
+def with_kv_format(loaded: LoadedModel, kv: KvConfig, *, sharded: bool = False) -> LoadedModel:
     """The model with `kv.bits`-bit KV on the layers that can store it (`engine.kv.quantized`),
-    and its float full-attention layers paged with `kv.block_size` (`engine.kv.paged`). A model
-    none of whose layers can store quantized KV is refused: the configuration asks for what
-    cannot be."""
+    and its float full-attention layers paged with `kv.block_size` (`engine.kv.paged`; "auto":
+    `block_size`). A model none of whose layers can store quantized KV is refused: the
+    configuration asks for what cannot be."""
     layout = loaded.layout
-    if loaded.info.denoising and (kv.bits or kv.block_size):
+    blocks = block_size(loaded, kv, sharded=sharded)
+    if loaded.info.denoising and (kv.bits or blocks):
         raise ModelLoadError("kv.bits and kv.block_size are not served for diffusion language models: leave them 0")
-    if isinstance(loaded.model, VisionLanguageModel) and (kv.bits or kv.block_size):
+    if isinstance(loaded.model, VisionLanguageModel) and (kv.bits or blocks):
         # mlx-vlm's attention is not routed to the runtime's quantized and paged caches.
         raise ModelLoadError("kv.bits and kv.block_size are not served for vision-language models yet: leave them 0")
     if kv.bits:
@@ -74,8 +86,8 @@ def with_kv_format(loaded: LoadedModel, kv: KvConfig) -> LoadedModel:
             raise ModelLoadError(f"kv.bits = {kv.bits}: no layer of this model can store quantized KV ({'; '.join(kept_float)})")
         for reason in kept_float:
             log.warning("kv_layer_kept_float", reason=reason)
-    if kv.block_size:
-        layout = with_kv_blocks(layout, kv.block_size)
+    if blocks:
+        layout = with_kv_blocks(layout, blocks)
     if layout == loaded.layout:
         return loaded
     assert is_trimmable(layout) == is_trimmable(loaded.layout)

@@ -307,3 +307,21 @@ def test_a_failed_build_or_a_wrong_result_leaves_mlxs_ops(monkeypatch, tmp_path,
     off_by_one_ulp = SimpleNamespace(**{name: getattr(kernels, name) for name in ("swiglu", "rms_norm", "rope", "scaled_dot_product_attention")})
     off_by_one_ulp.softmax = lambda x: kernels.softmax(x) * mx.array(1.0000001, mx.float32)
     assert native.check(off_by_one_ulp) == "softmax"
+
+
+def test_auto_block_size_is_paged_for_a_text_model_with_the_kernels_and_rows_elsewhere(kernels, monkeypatch):
+    from types import SimpleNamespace
+
+    from engine.model.loader import block_size
+    from protocols.config import AUTO_BLOCK_SIZE, KvConfig
+
+    text = SimpleNamespace(info=SimpleNamespace(denoising=False), model=object())
+    diffusion = SimpleNamespace(info=SimpleNamespace(denoising=True), model=object())
+    auto = KvConfig()
+    assert auto.block_size == "auto"
+    assert block_size(text, auto) == AUTO_BLOCK_SIZE  # type: ignore[arg-type]
+    assert block_size(text, auto, sharded=True) == 0  # type: ignore[arg-type]
+    assert block_size(diffusion, auto) == 0  # type: ignore[arg-type]
+    assert block_size(text, KvConfig(block_size=0)) == 0 and block_size(text, KvConfig(block_size=64)) == 64  # type: ignore[arg-type]
+    monkeypatch.setattr(native, "_loaded", None)
+    assert block_size(text, auto) == 0  # type: ignore[arg-type]

@@ -144,3 +144,22 @@ async def test_a_checkpoint_resumes_exactly_across_rows_and_blocks(tmp_path):
         async with Runtime.open(config(reader, directory)) as rt:
             resumed = [t async for e in rt.resume("r") if isinstance(e, TokenDelta) for t in e.token_ids]
         assert resumed == uninterrupted, (writer, reader)
+
+
+async def test_the_default_configuration_serves_paged_kv_here():
+    """`kv.block_size = "auto"`: a text model on this CPU, with mlxrt's kernels (the setup builds
+    them), gets blocks of `AUTO_BLOCK_SIZE`; its stream is mlx-lm's."""
+    from engine import native
+    from protocols.config import AUTO_BLOCK_SIZE
+
+    if not native.supported_platform():
+        pytest.skip("mlxrt's CPU kernels are x86-64 only: rows serve elsewhere")
+    config = RuntimeConfig.for_model("builtin:tiny", generation=GenerationConfig(seed=0), logging=LoggingConfig(level="warning", format="json"))
+    assert config.kv.block_size == "auto"
+    prompt = _ids(21, 4)
+    async with Runtime.open(config) as rt:
+        ((tokens, finished),) = await _run_all(rt, [prompt], 8)
+        kv = (await rt.stats()).kv
+    assert kv.pool is not None and kv.pool.block_size == AUTO_BLOCK_SIZE
+    model, tokenizer = load_reference("builtin:tiny")
+    assert finished.finish_reason == "length" and tokens == greedy_tokens(model, tokenizer, prompt, 8)
