@@ -45,8 +45,10 @@ MIN_GROWTH = 64  # blocks added at least when the pool grows
 ROOM_POSITIONS = 512
 # A decode step whose rows hold at least this many positions in all attends row by row over
 # slices of the pool rather than over one gathered copy (`PagedSlots.attend`): measured on
-# `bench`, 16 rows of 1,024 positions 52 vs 21 tok/s, of 256 positions 85 vs 92. Not with
-# mlxrt's CPU kernels, whose paged attention copies no batch (16 x 1,024: 175.7 vs 204.8 ms).
+# `bench`, 16 rows of 1,024 positions 52 vs 21 tok/s, of 256 positions 85 vs 92. With mlxrt's
+# CPU kernels too: their paged attention is faster at 16 x 1,024 (175.7 vs 204.8 ms) but, with
+# rows of mixed lengths that wide (one of 2,048 beside 15 of 128), steps took 4.4 s against
+# 0.12 over slices (unexplained: each call alone is ~5 ms; BENCHMARKS.md).
 ROW_ATTENTION_MIN_POSITIONS = 8192
 
 
@@ -384,9 +386,9 @@ class PagedSlots(FullSlots):
         """A decode step (one token per row, several rows) reads the rows' blocks where they
         are: row by row over slices of the pool (gathered where a row's blocks do not run
         contiguously) once the rows hold `ROW_ATTENTION_MIN_POSITIONS`, as mlx-lm's
-        one-sequence attention; below that, or with mlxrt's CPU kernels, split over two CPU
-        lanes (`engine.lanes`), each half of the rows attending over its own blocks (mlxrt's
-        paged attention kernel, else a gathered copy of them). The gathered batch the
+        one-sequence attention; below that, split over two CPU lanes (`engine.lanes`), each
+        half of the rows attending over its own blocks (mlxrt's paged attention kernel, else a
+        gathered copy of them). The gathered batch the
         layer was given is then never evaluated. Anything else (a step of several tokens, keys
         the layer changed, a mask this layer did not make) attends over the keys given, as
         every slot does (`engine.kv.attention.decode_attention`, None where that declines)."""
@@ -402,7 +404,7 @@ class PagedSlots(FullSlots):
             or (mask is not None and mask is not step.derived.get(("full-mask", None)))
         ):
             return super().attend(queries, keys, values, scale, mask)
-        if step.num_rows * step.width >= ROW_ATTENTION_MIN_POSITIONS and lanes.kernels(queries) is None:
+        if step.num_rows * step.width >= ROW_ATTENTION_MIN_POSITIONS:
             return self._attend_rows(step, queries, scale)
         read = step.derived.get(self._read_key)
         if lanes.enabled() and isinstance(read, mx.array):
