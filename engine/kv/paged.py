@@ -46,9 +46,10 @@ ROOM_POSITIONS = 512
 # A decode step whose rows hold at least this many positions in all attends row by row over
 # slices of the pool rather than over one gathered copy (`PagedSlots.attend`): measured on
 # `bench`, 16 rows of 1,024 positions 52 vs 21 tok/s, of 256 positions 85 vs 92. With mlxrt's
-# CPU kernels too: their paged attention is faster at 16 x 1,024 (175.7 vs 204.8 ms) but, with
-# rows of mixed lengths that wide (one of 2,048 beside 15 of 128), steps took 4.4 s against
-# 0.12 over slices (unexplained: each call alone is ~5 ms; BENCHMARKS.md).
+# CPU kernels, rows of one length (no mask) attend in halves through their paged attention
+# (16 x 1,024: 175.7 vs 204.8 ms); rows of mixed lengths that wide still go row by row (one of
+# 2,048 beside 15 of 128 took 4.4 s a step in halves against 0.12 s: unexplained, each call
+# alone is ~5 ms; BENCHMARKS.md).
 ROW_ATTENTION_MIN_POSITIONS = 8192
 
 
@@ -385,8 +386,9 @@ class PagedSlots(FullSlots):
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array | None:
         """A decode step (one token per row, several rows) reads the rows' blocks where they
         are: row by row over slices of the pool (gathered where a row's blocks do not run
-        contiguously) once the rows hold `ROW_ATTENTION_MIN_POSITIONS`, as mlx-lm's
-        one-sequence attention; below that, split over two CPU lanes (`engine.lanes`), each
+        contiguously) once the rows hold `ROW_ATTENTION_MIN_POSITIONS` (with mlxrt's CPU kernels:
+        and a mask, rows of mixed lengths), as mlx-lm's one-sequence attention; below that,
+        split over two CPU lanes (`engine.lanes`), each
         half of the rows attending over its own blocks (mlxrt's paged attention kernel, else a
         gathered copy of them). The gathered batch the
         layer was given is then never evaluated. Anything else (a step of several tokens, keys
@@ -404,7 +406,7 @@ class PagedSlots(FullSlots):
             or (mask is not None and mask is not step.derived.get(("full-mask", None)))
         ):
             return super().attend(queries, keys, values, scale, mask)
-        if step.num_rows * step.width >= ROW_ATTENTION_MIN_POSITIONS:
+        if step.num_rows * step.width >= ROW_ATTENTION_MIN_POSITIONS and (mask is not None or lanes.kernels(queries) is None):
             return self._attend_rows(step, queries, scale)
         read = step.derived.get(self._read_key)
         if lanes.enabled() and isinstance(read, mx.array):

@@ -371,124 +371,108 @@ static void allocate_output(const mx::array& in, mx::array& out) {
   }
 }
 
-class SwiGLU : public mx::Primitive {
+// What the primitives here share: CPU only, one output shaped as the first input (`allocate`d
+// first), written by one kernel queued on the stream (`run`).
+class CpuPrimitive : public mx::Primitive {
  public:
-  explicit SwiGLU(mx::Stream stream) : mx::Primitive(stream) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto& gate = inputs[0];
-    const auto& up = inputs[1];
-    auto& out = outputs[0];
-    allocate_output(gate, out);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(gate);
-    encoder.set_input_array(up);
-    encoder.set_output_array(out);
-    encoder.dispatch([g = gate.data<float>(), u = up.data<float>(), o = out.data<float>(), n = out.size()]() { swiglu_kernel(g, u, o, n); });
-  }
+  CpuPrimitive(mx::Stream stream, const char* name) : mx::Primitive(stream), name_(name) {}
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[mlxrt.SwiGLU] CPU only");
+    throw std::runtime_error(std::string("[mlxrt.") + name_ + "] CPU only");
   }
-  const char* name() const override { return "MlxrtSwiGLU"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  const char* name() const override { return name_; }
+  bool is_equivalent(const mx::Primitive& other) const override { return std::strcmp(name_, other.name()) == 0; }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+
+ protected:
+  // The output's buffer: the first input's where `donate` and it may be given, else a new one
+  // (before a kernel takes `out.data()`).
+  static mx::array& allocate(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, bool donate) {
+    auto& out = outputs[0];
+    if (donate) {
+      allocate_output(inputs[0], out);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    return out;
+  }
+
+  template <typename F>
+  void run(const std::vector<mx::array>& inputs, mx::array& out, F&& kernel) {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    encoder.dispatch(std::forward<F>(kernel));
+  }
+
+ private:
+  const char* name_;
 };
 
-class Exp : public mx::Primitive {
+class SwiGLU : public CpuPrimitive {
  public:
-  explicit Exp(mx::Stream stream) : mx::Primitive(stream) {}
+  explicit SwiGLU(mx::Stream stream) : CpuPrimitive(stream, "MlxrtSwiGLU") {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto& in = inputs[0];
-    auto& out = outputs[0];
-    allocate_output(in, out);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(in);
-    encoder.set_output_array(out);
-    encoder.dispatch([x = in.data<float>(), y = out.data<float>(), n = out.size()]() { exp_rows(x, y, n); });
+    auto& out = allocate(inputs, outputs, true);
+    run(inputs, out, [g = inputs[0].data<float>(), u = inputs[1].data<float>(), o = out.data<float>(), n = out.size()]() { swiglu_kernel(g, u, o, n); });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[mlxrt.Exp] CPU only");
-  }
-  const char* name() const override { return "MlxrtExp"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
 };
 
-class Softmax : public mx::Primitive {
+class Exp : public CpuPrimitive {
  public:
-  explicit Softmax(mx::Stream stream) : mx::Primitive(stream) {}
+  explicit Exp(mx::Stream stream) : CpuPrimitive(stream, "MlxrtExp") {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto& in = inputs[0];
-    auto& out = outputs[0];
-    allocate_output(in, out);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(in);
-    encoder.set_output_array(out);
-    const size_t m = in.shape().back();
-    encoder.dispatch([x = in.data<float>(), y = out.data<float>(), rows = in.size() / m, m]() { softmax_rows(x, y, rows, m); });
+    auto& out = allocate(inputs, outputs, true);
+    run(inputs, out, [x = inputs[0].data<float>(), y = out.data<float>(), n = out.size()]() { exp_rows(x, y, n); });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[mlxrt.Softmax] CPU only");
-  }
-  const char* name() const override { return "MlxrtSoftmax"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
 };
 
-class RMSNorm : public mx::Primitive {
+class Softmax : public CpuPrimitive {
  public:
-  RMSNorm(mx::Stream stream, float eps) : mx::Primitive(stream), eps_(eps) {}
+  explicit Softmax(mx::Stream stream) : CpuPrimitive(stream, "MlxrtSoftmax") {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto& in = inputs[0];
-    const auto& weight = inputs[1];
-    auto& out = outputs[0];
-    allocate_output(in, out);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(in);
-    encoder.set_input_array(weight);
-    encoder.set_output_array(out);
-    const size_t m = in.shape().back();
-    encoder.dispatch([x = in.data<float>(), w = weight.data<float>(), y = out.data<float>(), rows = in.size() / m, m, eps = eps_]() {
+    auto& out = allocate(inputs, outputs, true);
+    const size_t m = inputs[0].shape().back();
+    run(inputs, out, [x = inputs[0].data<float>(), y = out.data<float>(), rows = inputs[0].size() / m, m]() { softmax_rows(x, y, rows, m); });
+  }
+};
+
+class RMSNorm : public CpuPrimitive {
+ public:
+  RMSNorm(mx::Stream stream, float eps) : CpuPrimitive(stream, "MlxrtRMSNorm"), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = allocate(inputs, outputs, true);
+    const size_t m = inputs[0].shape().back();
+    run(inputs, out, [x = inputs[0].data<float>(), w = inputs[1].data<float>(), y = out.data<float>(), rows = inputs[0].size() / m, m, eps = eps_]() {
       rms_norm_rows(x, w, y, rows, m, eps);
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[mlxrt.RMSNorm] CPU only");
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return CpuPrimitive::is_equivalent(other) && eps_ == static_cast<const RMSNorm&>(other).eps_;
   }
-  const char* name() const override { return "MlxrtRMSNorm"; }
-  bool is_equivalent(const mx::Primitive& other) const override { return eps_ == static_cast<const RMSNorm&>(other).eps_; }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
 
  private:
   float eps_;
 };
 
-class RoPE : public mx::Primitive {
+class RoPE : public CpuPrimitive {
  public:
   RoPE(mx::Stream stream, int dims, bool traditional, float base, float scale)
-      : mx::Primitive(stream), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
+      : CpuPrimitive(stream, "MlxrtRoPE"), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& in = inputs[0];
     const auto& offset = inputs[1];
-    auto& out = outputs[0];
-    allocate_output(in, out);
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(in);
-    encoder.set_input_array(offset);
-    encoder.set_output_array(out);
+    auto& out = allocate(inputs, outputs, true);
     const int D = in.shape(-1), T = in.shape(-2), B = in.shape(0);
     const int N = static_cast<int>(in.size() / (static_cast<size_t>(B) * T * D));
-    encoder.dispatch([x = in.data<float>(), y = out.data<float>(), o = offset.data<int32_t>(), per_row = offset.size() > 1, B, N, T, D, dims = dims_,
-                      traditional = traditional_, base = base_, scale = scale_]() { rope_rows(x, y, o, per_row, B, N, T, D, dims, traditional, base, scale); });
+    run(inputs, out,
+        [x = in.data<float>(), y = out.data<float>(), o = offset.data<int32_t>(), per_row = offset.size() > 1, B, N, T, D, dims = dims_,
+         traditional = traditional_, base = base_, scale = scale_]() { rope_rows(x, y, o, per_row, B, N, T, D, dims, traditional, base, scale); });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[mlxrt.RoPE] CPU only");
-  }
-  const char* name() const override { return "MlxrtRoPE"; }
   bool is_equivalent(const mx::Primitive& other) const override {
+    if (!CpuPrimitive::is_equivalent(other)) return false;
     const auto& o = static_cast<const RoPE&>(other);
     return dims_ == o.dims_ && traditional_ == o.traditional_ && base_ == o.base_ && scale_ == o.scale_;
   }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
 
  private:
   int dims_;
@@ -496,43 +480,39 @@ class RoPE : public mx::Primitive {
   float base_, scale_;
 };
 
-class PagedAttention : public mx::Primitive {
+class PagedAttention : public CpuPrimitive {
  public:
-  PagedAttention(mx::Stream stream, int width, int block_size) : mx::Primitive(stream), width_(width), block_size_(block_size) {}
+  PagedAttention(mx::Stream stream, int width, int block_size) : CpuPrimitive(stream, "MlxrtPagedAttention"), width_(width), block_size_(block_size) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& q = inputs[0];
     const auto& pool_k = inputs[1];
-    const auto& pool_v = inputs[2];
     const auto& blocks = inputs[3];
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& out = allocate(inputs, outputs, false);
     const bool* bool_mask = nullptr;
     const float* add_mask = nullptr;
     bool per_row = false;
     if (inputs.size() == 5) {
       const auto& mask = inputs[4];
-      (mask.dtype() == mx::bool_ ? (void)(bool_mask = mask.data<bool>()) : (void)(add_mask = mask.data<float>()));
+      if (mask.dtype() == mx::bool_) {
+        bool_mask = mask.data<bool>();
+      } else {
+        add_mask = mask.data<float>();
+      }
       per_row = mask.shape(0) > 1;
     }
     const int rows = q.shape(0), kv_heads = q.shape(1), n_rep = q.shape(2), dim = q.shape(3);
     const int positions = pool_k.shape(1), per_row_blocks = blocks.size() / rows;
-    encoder.dispatch([q = q.data<float>(), k = pool_k.data<float>(), v = pool_v.data<float>(), b = blocks.data<int32_t>(), bool_mask, add_mask, per_row,
-                      o = out.data<float>(), rows, kv_heads, n_rep, dim, positions, per_row_blocks, width = width_, block_size = block_size_]() {
-      paged_attention_rows(q, k, v, b, bool_mask, add_mask, per_row, o, rows, kv_heads, n_rep, dim, positions, per_row_blocks, width, block_size);
-    });
+    run(inputs, out,
+        [q = q.data<float>(), k = pool_k.data<float>(), v = inputs[2].data<float>(), b = blocks.data<int32_t>(), bool_mask, add_mask, per_row,
+         o = out.data<float>(), rows, kv_heads, n_rep, dim, positions, per_row_blocks, width = width_, block_size = block_size_]() {
+          paged_attention_rows(q, k, v, b, bool_mask, add_mask, per_row, o, rows, kv_heads, n_rep, dim, positions, per_row_blocks, width, block_size);
+        });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[mlxrt.PagedAttention] CPU only");
-  }
-  const char* name() const override { return "MlxrtPagedAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
+    if (!CpuPrimitive::is_equivalent(other)) return false;
     const auto& o = static_cast<const PagedAttention&>(other);
     return width_ == o.width_ && block_size_ == o.block_size_;
   }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
 
  private:
   int width_, block_size_;
