@@ -71,7 +71,9 @@ def build_engine(
     names the world, and the step is not compiled (a collective inside a compiled function
     is not supported)."""
     model = load_model(spec.model, builtin_root, progress, world)
-    if mx.default_device() == mx.cpu:
+    if world is not None:
+        native.disable("a distributed world's rank (a lost peer hung the step with the kernels)")
+    elif mx.default_device() == mx.cpu:
         native.load(builtin_root, progress)  # (compiled on first use: before "ready", with progress)
     loaded = with_kv_format(model, spec.kv, sharded=world is not None)
     if world is not None:

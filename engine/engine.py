@@ -114,7 +114,7 @@ class Engine:
         lanes.install(model)
         # mlxrt's CPU kernels, built and checked once per process (`engine.native`: None where
         # MLX's ops serve; `build_engine` has built them first, with progress).
-        if mx.default_device() == mx.cpu:
+        if mx.default_device() == mx.cpu and compiled:  # (not in a distributed world: `engine.build`)
             native.load()
         self._batch = DecodeBatch(layout, self._pool)
         # A lone row decodes uncompiled when quantized (traced: 12.5 vs 13.5 tok/s at 2,048), paged

@@ -13,7 +13,9 @@ nanobind (in the package's `_build` directory, else `fallback_dir`; `.ci/bootstr
 at setup, `python -m engine.native` builds it by hand), then checks each function against MLX's
 own on random inputs before returning the module. It returns None, and the engine computes with
 MLX's ops (the same bits, slower), on anything but Linux x86-64 with AVX2 and FMA, without a
-compiler, when the build or the check fails (each logged once), or with `MLXRT_NATIVE=0`.
+compiler, when the build or the check fails (each logged once), with `MLXRT_NATIVE=0`, and in a
+distributed world's ranks (`disable`: when a peer died, rank 0's step hung with the kernels in it
+instead of failing; not explained yet).
 Only the engine's step uses the kernels (`engine.lanes`), on the CPU backend, for float32.
 """
 
@@ -224,6 +226,14 @@ def load(fallback_dir: Path | None = None, progress: Callable[[str], None] | Non
             log.warning("native_off", reason=f"{type(error).__name__}: {error}")
     _loaded = module
     return module
+
+
+def disable(reason: str) -> None:
+    """MLX's ops serve in this process from now on (logged with `reason`)."""
+    global _loaded
+    if _loaded is not None:
+        log.info("native_off", reason=reason)
+    _loaded = None
 
 
 def loaded() -> ModuleType | None:
