@@ -24,8 +24,8 @@ eight floats at a time, bit for bit MLX's results) serve the same pieces during 
 they are loaded, for float32: the SwiGLU then runs whole (10-20x faster, nothing left to split),
 the attention still on two lanes (its matrix products and masking are MLX's); the model's
 `nn.RMSNorm` and `nn.RoPE` layers (`KernelRMSNorm`, `KernelRoPE`) run as one primitive each in
-place of MLX's six and ~20 ops. A compiled step
-traced inside the step uses them too (`suspended()` stops the splitting only).
+place of MLX's six and ~20 ops. A compiled step traced inside the step uses them too
+(`suspended()` stops the splitting only).
 """
 
 from __future__ import annotations

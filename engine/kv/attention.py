@@ -49,6 +49,31 @@ def install(model) -> list[str]:
     return rebind(model, "scaled_dot_product_attention", _ORIGINAL, attend)
 
 
+DECLINED = object()
+
+
+def stacked_mask(queries: mx.array, kv_heads: int, mask):
+    """The mask `decode_attention` applies to these queries (None: none; a causal mask by name
+    is none for one query, the last position), or `DECLINED` where it does not apply: several
+    queries per row, as many KV heads as query heads, a mask that differs between heads or
+    queries."""
+    heads, num_queries = queries.shape[1:3]
+    if num_queries != 1 or kv_heads == heads or heads % kv_heads:
+        return DECLINED
+    if isinstance(mask, str):
+        return None if mask == "causal" else DECLINED
+    if mask is not None and (mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2] != 1):
+        return DECLINED
+    return mask
+
+
+def stack_queries(queries: mx.array, kv_heads: int, scale: float) -> mx.array:
+    """`[rows, heads, 1, dim]` queries scaled (MLX's first op) as `[rows, kv_heads, heads per KV
+    head, dim]`: each KV head's query heads the rows of one matrix product."""
+    rows, heads, _, dim = queries.shape
+    return (mx.array(scale, queries.dtype) * queries).reshape(rows, kv_heads, heads // kv_heads, dim)
+
+
 def decode_attention(queries: mx.array, keys, values, scale: float, mask) -> mx.array | None:
     """MLX's own attention for one query per row (`[rows, heads, 1, dim]`) over grouped KV heads
     (`[rows, kv_heads, positions, dim]`), with each KV head's query heads stacked as the rows of
@@ -62,22 +87,14 @@ def decode_attention(queries: mx.array, keys, values, scale: float, mask) -> mx.
     values) operation for operation."""
     if not isinstance(keys, mx.array) or not isinstance(values, mx.array) or mx.default_device() != mx.cpu:
         return None
-    rows, heads, num_queries, dim = queries.shape
-    kv_heads = keys.shape[1]
-    if num_queries != 1 or kv_heads == heads or heads % kv_heads:
-        return None
-    if isinstance(mask, str):
-        if mask != "causal":
-            return None
-        mask = None  # one query, the last position: it sees every key
-    if mask is not None and (mask.ndim != 4 or mask.shape[1] != 1 or mask.shape[2] != 1):
+    rows, heads = queries.shape[:2]
+    mask = stacked_mask(queries, keys.shape[1], mask)
+    if mask is DECLINED:
         return None
 
     def stacked(queries: mx.array, keys: mx.array, values: mx.array, mask) -> mx.array:
         rows, heads = queries.shape[:2]
-        kv_heads = keys.shape[1]
-        q = (mx.array(scale, queries.dtype) * queries).reshape(rows, kv_heads, heads // kv_heads, dim)
-        scores = q @ keys.swapaxes(-1, -2)
+        scores = stack_queries(queries, keys.shape[1], scale) @ keys.swapaxes(-1, -2)
         if mask is not None:
             scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype)) if mask.dtype == mx.bool_ else scores + mask
         scores = lanes.softmax(scores)

@@ -30,7 +30,7 @@ import structlog
 from mlx_lm.models.cache import CacheList, KVCache, _BaseCache, create_attention_mask
 
 from engine import lanes
-from engine.kv.attention import decode_attention
+from engine.kv.attention import DECLINED, decode_attention, stack_queries, stacked_mask
 from engine.kv.layout import DTYPES
 from engine.kv.slots import FullSlots
 from engine.step import Step
@@ -388,10 +388,9 @@ class PagedSlots(FullSlots):
         are: row by row over slices of the pool (gathered where a row's blocks do not run
         contiguously) once the rows hold `ROW_ATTENTION_MIN_POSITIONS` (with mlxrt's CPU kernels:
         and a mask, rows of mixed lengths), as mlx-lm's one-sequence attention; below that,
-        split over two CPU lanes (`engine.lanes`), each
-        half of the rows attending over its own blocks (mlxrt's paged attention kernel, else a
-        gathered copy of them). The gathered batch the
-        layer was given is then never evaluated. Anything else (a step of several tokens, keys
+        split over two CPU lanes (`engine.lanes`), each half of the rows attending over its own
+        blocks (mlxrt's paged attention kernel, else a gathered copy of them). The gathered
+        batch the layer was given is then never evaluated. Anything else (a step of several tokens, keys
         the layer changed, a mask this layer did not make) attends over the keys given, as
         every slot does (`engine.kv.attention.decode_attention`, None where that declines)."""
         step = self._batch.step
@@ -516,19 +515,12 @@ def _native_attention(queries: mx.array, pool_keys: mx.array, pool_values: mx.ar
     blocks copied a KV head at a time into a scratch run, the same matrix products, no batch
     copy), bit for bit; None where the kernels are off or `decode_attention` would not apply."""
     module = lanes.kernels(queries, pool_keys, pool_values)
-    rows, heads, num_queries, dim = queries.shape
     kv_heads = pool_keys.shape[0]
-    if module is None or num_queries != 1 or kv_heads == heads or heads % kv_heads:
+    mask = stacked_mask(queries, kv_heads, mask)
+    if module is None or mask is DECLINED or (mask is not None and (mask.shape[3] != width or mask.dtype not in (mx.bool_, mx.float32))):
         return None
-    if isinstance(mask, str):
-        if mask != "causal":
-            return None
-        mask = None
-    if mask is not None and (mask.ndim != 4 or mask.shape[1:3] != (1, 1) or mask.shape[3] != width or mask.dtype not in (mx.bool_, mx.float32)):
-        return None
-    stacked = (mx.array(scale, queries.dtype) * queries).reshape(rows, kv_heads, heads // kv_heads, dim)
-    out = module.paged_attention(stacked, pool_keys, pool_values, blocks, width=width, block_size=block_size, mask=mask)
-    return out.reshape(rows, heads, 1, -1)
+    out = module.paged_attention(stack_queries(queries, kv_heads, scale), pool_keys, pool_values, blocks, width=width, block_size=block_size, mask=mask)
+    return out.reshape(*queries.shape[:2], 1, -1)
 
 
 def _gather_blocks(pool: mx.array, blocks: mx.array, rows: int, width: int, block_size: int) -> mx.array:
