@@ -43,13 +43,10 @@ log = structlog.get_logger(actor="engine")
 MIN_GROWTH = 64  # blocks added at least when the pool grows
 # A new table is placed with room to grow by up to this many positions past its first chunk.
 ROOM_POSITIONS = 512
-# A decode step whose rows hold at least this many positions in all attends row by row over
-# slices of the pool rather than over one gathered copy (`PagedSlots.attend`): measured on
-# `bench`, 16 rows of 1,024 positions 52 vs 21 tok/s, of 256 positions 85 vs 92. With mlxrt's
-# CPU kernels, rows of one length (no mask) attend in halves through their paged attention
-# (16 x 1,024: 175.7 vs 204.8 ms); rows of mixed lengths that wide still go row by row (one of
-# 2,048 beside 15 of 128 took 4.4 s a step in halves against 0.12 s: unexplained, each call
-# alone is ~5 ms; BENCHMARKS.md).
+# Without mlxrt's CPU kernels, a decode step whose rows hold at least this many positions in all
+# attends row by row over slices of the pool rather than over one gathered copy
+# (`PagedSlots.attend`): measured on `bench`, 16 rows of 1,024 positions 52 vs 21 tok/s, of 256
+# positions 85 vs 92. (With the kernels every row reads its own positions in place.)
 ROW_ATTENTION_MIN_POSITIONS = 8192
 
 
@@ -385,14 +382,15 @@ class PagedSlots(FullSlots):
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array | None:
         """A decode step (one token per row, several rows) reads the rows' blocks where they
-        are: row by row over slices of the pool (gathered where a row's blocks do not run
-        contiguously) once the rows hold `ROW_ATTENTION_MIN_POSITIONS` (with mlxrt's CPU kernels:
-        and a mask, rows of mixed lengths), as mlx-lm's one-sequence attention; below that,
-        split over two CPU lanes (`engine.lanes`), each half of the rows attending over its own
-        blocks (mlxrt's paged attention kernel, else a gathered copy of them). The gathered
-        batch the layer was given is then never evaluated. Anything else (a step of several tokens, keys
-        the layer changed, a mask this layer did not make) attends over the keys given, as
-        every slot does (`engine.kv.attention.decode_attention`, None where that declines)."""
+        are. With mlxrt's CPU kernels: their paged attention, each row over its own positions
+        only (rows of mixed lengths do no padded work), split over two CPU lanes
+        (`engine.lanes`). Without: row by row over slices of the pool (gathered where a row's
+        blocks do not run contiguously) once the rows hold `ROW_ATTENTION_MIN_POSITIONS`, as
+        mlx-lm's one-sequence attention; below that, split over the lanes, each half of the rows
+        attending over a gathered copy of its own blocks. The gathered batch the layer was
+        given is then never evaluated. Anything else (a step of several tokens, keys the layer
+        changed, a mask this layer did not make) attends over the keys given, as every slot
+        does (`engine.kv.attention.decode_attention`, None where that declines)."""
         step = self._batch.step
         if (
             step is None
@@ -405,9 +403,13 @@ class PagedSlots(FullSlots):
             or (mask is not None and mask is not step.derived.get(("full-mask", None)))
         ):
             return super().attend(queries, keys, values, scale, mask)
-        if step.num_rows * step.width >= ROW_ATTENTION_MIN_POSITIONS and (mask is not None or lanes.kernels(queries) is None):
-            return self._attend_rows(step, queries, scale)
         read = step.derived.get(self._read_key)
+        if isinstance(read, mx.array) and lanes.kernels(queries) is not None:
+            out = self._attend_native(step, read, queries, scale, mask)
+            if out is not None:
+                return out
+        if step.num_rows * step.width >= ROW_ATTENTION_MIN_POSITIONS:
+            return self._attend_rows(step, queries, scale)
         if lanes.enabled() and isinstance(read, mx.array):
             return self._attend_halves(step, read, queries, scale, mask)
         return super().attend(queries, keys, values, scale, mask)
@@ -427,6 +429,31 @@ class PagedSlots(FullSlots):
                 outputs.append(_attention(queries[row : row + 1], row_keys, row_values, scale, None))
         return mx.concatenate(outputs, axis=0)
 
+    def _attend_native(self, step: Step, blocks: mx.array, queries: mx.array, scale: float, mask) -> mx.array | None:
+        """mlxrt's paged attention kernel over each row's own positions (the step's mask says
+        only where each row ends: `lengths`), in halves of the rows on two lanes when they split;
+        bit for bit `decode_attention` over each row alone, as `_attend_rows` runs it. None where
+        the kernel does not apply."""
+        pool_keys, pool_values = self.pool.arrays(self.ordinal)
+        module = lanes.kernels(queries, pool_keys, pool_values)
+        kv_heads = pool_keys.shape[0]
+        if module is None or stacked_mask(queries, kv_heads, None) is DECLINED:
+            return None
+        rows, width, size = step.num_rows, step.width, self.pool.block_size
+        lengths = None if mask is None else step.derive(("paged-lengths",), lambda: mx.array(step.starts, dtype=mx.int32) + 1)
+        stacked = stack_queries(queries, kv_heads, scale)
+
+        def attend(q: mx.array, own: mx.array, n: mx.array | None) -> mx.array:
+            return module.paged_attention(q, pool_keys, pool_values, own, width=width, block_size=size, lengths=n)
+
+        if lanes.enabled():
+            at, per_row = rows // 2, blocks.shape[0] // rows
+            parts = (lengths[:at], lengths[at:]) if lengths is not None else (None, None)
+            out = lanes.halves(attend, (stacked[:at], blocks[: at * per_row], parts[0]), (stacked[at:], blocks[at * per_row :], parts[1]), axis=0)
+        else:
+            out = attend(stacked, blocks, lengths)
+        return out.reshape(*queries.shape[:2], 1, -1)
+
     def _attend_halves(self, step: Step, blocks: mx.array, queries: mx.array, scale: float, mask) -> mx.array:
         pool_keys, pool_values = self.pool.arrays(self.ordinal)
         rows, width, size = step.num_rows, step.width, self.pool.block_size
@@ -435,9 +462,6 @@ class PagedSlots(FullSlots):
 
         def half(q: mx.array, own: mx.array, m) -> mx.array:
             n = q.shape[0]
-            native = _native_attention(q, pool_keys, pool_values, own, width, size, scale, m)
-            if native is not None:
-                return native
             return _attention(q, _gather_blocks(pool_keys, own, n, width, size), _gather_blocks(pool_values, own, n, width, size), scale, m)
 
         masks = lanes.split_mask(mask, 0, at, rows)
@@ -508,19 +532,6 @@ class PagedSlots(FullSlots):
 def _attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     out = decode_attention(queries, keys, values, scale, mask)
     return out if out is not None else lanes.sdpa(queries, keys, values, scale, mask)
-
-
-def _native_attention(queries: mx.array, pool_keys: mx.array, pool_values: mx.array, blocks: mx.array, width: int, block_size: int, scale: float, mask):
-    """`decode_attention` over the rows' blocks through mlxrt's kernel (`engine.native`: each row's
-    blocks copied a KV head at a time into a scratch run, the same matrix products, no batch
-    copy), bit for bit; None where the kernels are off or `decode_attention` would not apply."""
-    module = lanes.kernels(queries, pool_keys, pool_values)
-    kv_heads = pool_keys.shape[0]
-    mask = stacked_mask(queries, kv_heads, mask)
-    if module is None or mask is DECLINED or (mask is not None and (mask.shape[3] != width or mask.dtype not in (mx.bool_, mx.float32))):
-        return None
-    out = module.paged_attention(stack_queries(queries, kv_heads, scale), pool_keys, pool_values, blocks, width=width, block_size=block_size, mask=mask)
-    return out.reshape(*queries.shape[:2], 1, -1)
 
 
 def _gather_blocks(pool: mx.array, blocks: mx.array, rows: int, width: int, block_size: int) -> mx.array:

@@ -36,8 +36,9 @@ class RequestBlocks:
         """Blocks for each `(request, tokens)` chunk about to be prefilled, and caches writing
         into them for requests that have none yet (a pool grown mid-forward is evaluated there).
         A decode step `in_flight` reads the pool, and a write meanwhile would copy the whole
-        pool: it is waited for first."""
-        if self.pool is None:
+        pool: it is waited for first (only then: a step without chunks keeps decode pipelined)."""
+        chunks = list(chunks)
+        if self.pool is None or not chunks:
             return
         if in_flight:
             mx.eval(in_flight)

@@ -14,9 +14,11 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -323,31 +325,75 @@ extern "C" void cblas_sgemm(int layout, int trans_a, int trans_b, int m, int n, 
                             float beta, float* c, int ldc);
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
+// OpenBLAS runs a product on its worker threads once m * n * k exceeds 65,536 x 4
+// (`interface/gemm.c`'s SMP threshold x GEMM_MULTITHREAD_THRESHOLD). Two of the engine's CPU lanes
+// making such calls at once each wait on the other's use of the same pool of workers: one step of
+// rows 2,048 positions wide took 4.7 s against 0.25 s with one call at a time (BENCHMARKS.md). So
+// those calls take turns here (each still on every core); smaller ones run side by side.
+constexpr double kThreadedProduct = 65536.0 * 4;
+static std::mutex threaded_products;
+
+static void sgemm(int trans_b, int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c, int ldc) {
+  if (static_cast<double>(m) * n * k > kThreadedProduct) {
+    std::lock_guard<std::mutex> turn(threaded_products);
+    cblas_sgemm(kRowMajor, kNoTrans, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+  } else {
+    cblas_sgemm(kRowMajor, kNoTrans, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
+  }
+}
+
+// Where a row's first `width` positions of KV head 0 start in the pool when its blocks there run
+// contiguously (then every head's are read in place), else -1 (copied into a scratch run).
+static int64_t contiguous_start(const int32_t* own, int width, int block_size, int positions) {
+  const int needed = (width + block_size - 1) / block_size;
+  for (int b = 1; b < needed; b++) {
+    if (own[b] != own[0] + b) return -1;
+  }
+  const int64_t start = static_cast<int64_t>(own[0]) * block_size;
+  return start + width <= positions ? start : -1;
+}
+
 // One decode step's attention over paged KV: for each row and KV head, the row's first `width`
-// positions are copied from its blocks into a scratch run, then the same matrix products as
-// `engine.kv.attention.decode_attention` makes MLX run on the gathered batch (`q @ k^T`: M = query
-// heads per KV head, N = width, K = dim, keys transposed; `p @ v`: K = width), with the mask
-// (`where` with float32's lowest, or added) and the softmax above between them: bit for bit that
-// function's result over `_gather_blocks`' batch, without the batch's copy.
+// positions (where they run contiguously in the pool, read in place; else copied from its blocks
+// into a scratch run), then the same matrix products as `engine.kv.attention.decode_attention`
+// makes MLX run on the gathered batch (`q @ k^T`: M = query heads per KV head, N = width, K = dim,
+// keys transposed; `p @ v`: K = width), with the mask (`where` with float32's lowest, or added) and
+// the softmax above between them: bit for bit that function's result over `_gather_blocks`' batch,
+// without the batch's copy. With `lengths` (no mask) row r attends over its first lengths[r]
+// positions only (clamped to [1, width]): bit for bit `decode_attention` over that row alone, as
+// `PagedSlots._attend_rows` runs it, without the padded positions' work.
 static void paged_attention_rows(const float* q, const float* pool_k, const float* pool_v, const int32_t* blocks, const bool* bool_mask,
-                                 const float* add_mask, bool mask_per_row, float* out, int rows, int kv_heads, int n_rep, int dim, int positions,
-                                 int per_row, int width, int block_size) {
-  std::vector<float> keys(static_cast<size_t>(width) * dim), values(static_cast<size_t>(width) * dim), scores(static_cast<size_t>(n_rep) * width);
+                                 const float* add_mask, bool mask_per_row, const int32_t* lengths, float* out, int rows, int kv_heads, int n_rep,
+                                 int dim, int positions, int per_row, int width, int block_size) {
+  std::vector<float> scratch_k, scratch_v, scores(static_cast<size_t>(n_rep) * width);
   constexpr float lowest = std::numeric_limits<float>::lowest();
   for (int r = 0; r < rows; r++) {
     const int32_t* own = blocks + static_cast<size_t>(r) * per_row;
     const size_t mask_row = mask_per_row ? static_cast<size_t>(r) * width : 0;
+    const int w = lengths != nullptr ? std::clamp(lengths[r], 1, width) : width;
+    const int64_t start = contiguous_start(own, w, block_size, positions);
+    if (start < 0 && scratch_k.empty()) {
+      scratch_k.resize(static_cast<size_t>(width) * dim);
+      scratch_v.resize(static_cast<size_t>(width) * dim);
+    }
     for (int h = 0; h < kv_heads; h++) {
       const float* head_k = pool_k + static_cast<size_t>(h) * positions * dim;
       const float* head_v = pool_v + static_cast<size_t>(h) * positions * dim;
-      for (int start = 0, b = 0; start < width; start += block_size, b++) {
-        const int n = std::min(block_size, width - start);
-        const size_t from = (static_cast<size_t>(own[b]) * block_size) * dim;
-        std::memcpy(keys.data() + static_cast<size_t>(start) * dim, head_k + from, static_cast<size_t>(n) * dim * sizeof(float));
-        std::memcpy(values.data() + static_cast<size_t>(start) * dim, head_v + from, static_cast<size_t>(n) * dim * sizeof(float));
+      const float* keys = scratch_k.data();
+      const float* values = scratch_v.data();
+      if (start >= 0) {
+        keys = head_k + static_cast<size_t>(start) * dim;
+        values = head_v + static_cast<size_t>(start) * dim;
+      } else {
+        for (int from = 0, b = 0; from < w; from += block_size, b++) {
+          const int n = std::min(block_size, w - from);
+          const size_t at = (static_cast<size_t>(own[b]) * block_size) * dim;
+          std::memcpy(scratch_k.data() + static_cast<size_t>(from) * dim, head_k + at, static_cast<size_t>(n) * dim * sizeof(float));
+          std::memcpy(scratch_v.data() + static_cast<size_t>(from) * dim, head_v + at, static_cast<size_t>(n) * dim * sizeof(float));
+        }
       }
       const float* queries = q + (static_cast<size_t>(r) * kv_heads + h) * n_rep * dim;
-      cblas_sgemm(kRowMajor, kNoTrans, kTrans, n_rep, width, dim, 1.0f, queries, dim, keys.data(), dim, 0.0f, scores.data(), width);
+      sgemm(kTrans, n_rep, w, dim, queries, dim, keys, dim, scores.data(), w);
       if (bool_mask != nullptr || add_mask != nullptr) {
         for (int i = 0; i < n_rep; i++) {
           float* row = scores.data() + static_cast<size_t>(i) * width;
@@ -356,9 +402,9 @@ static void paged_attention_rows(const float* q, const float* pool_k, const floa
           }
         }
       }
-      softmax_rows(scores.data(), scores.data(), n_rep, width);
+      softmax_rows(scores.data(), scores.data(), n_rep, w);
       float* result = out + (static_cast<size_t>(r) * kv_heads + h) * n_rep * dim;
-      cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, n_rep, dim, width, 1.0f, scores.data(), width, values.data(), dim, 0.0f, result, dim);
+      sgemm(kNoTrans, n_rep, dim, w, scores.data(), w, values, dim, result, dim);
     }
   }
 }
@@ -490,10 +536,13 @@ class PagedAttention : public CpuPrimitive {
     auto& out = allocate(inputs, outputs, false);
     const bool* bool_mask = nullptr;
     const float* add_mask = nullptr;
+    const int32_t* lengths = nullptr;
     bool per_row = false;
     if (inputs.size() == 5) {
       const auto& mask = inputs[4];
-      if (mask.dtype() == mx::bool_) {
+      if (mask.dtype() == mx::int32) {
+        lengths = mask.data<int32_t>();
+      } else if (mask.dtype() == mx::bool_) {
         bool_mask = mask.data<bool>();
       } else {
         add_mask = mask.data<float>();
@@ -503,9 +552,10 @@ class PagedAttention : public CpuPrimitive {
     const int rows = q.shape(0), kv_heads = q.shape(1), n_rep = q.shape(2), dim = q.shape(3);
     const int positions = pool_k.shape(1), per_row_blocks = blocks.size() / rows;
     run(inputs, out,
-        [q = q.data<float>(), k = pool_k.data<float>(), v = inputs[2].data<float>(), b = blocks.data<int32_t>(), bool_mask, add_mask, per_row,
+        [q = q.data<float>(), k = pool_k.data<float>(), v = inputs[2].data<float>(), b = blocks.data<int32_t>(), bool_mask, add_mask, per_row, lengths,
          o = out.data<float>(), rows, kv_heads, n_rep, dim, positions, per_row_blocks, width = width_, block_size = block_size_]() {
-          paged_attention_rows(q, k, v, b, bool_mask, add_mask, per_row, o, rows, kv_heads, n_rep, dim, positions, per_row_blocks, width, block_size);
+          paged_attention_rows(q, k, v, b, bool_mask, add_mask, per_row, lengths, o, rows, kv_heads, n_rep, dim, positions, per_row_blocks, width,
+                               block_size);
         });
   }
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -565,7 +615,7 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
 // `queries` [rows, kv_heads, query heads per KV head, dim] already scaled, pools [kv_heads,
 // positions, dim], `blocks` [rows * n] block ids (row-major), `mask` [rows or 1, 1, 1, width].
 mx::array paged_attention(const mx::array& queries, const mx::array& pool_keys, const mx::array& pool_values, const mx::array& blocks, int width,
-                          int block_size, const std::optional<mx::array>& mask, mx::StreamOrDevice s) {
+                          int block_size, const std::optional<mx::array>& mask, const std::optional<mx::array>& lengths, mx::StreamOrDevice s) {
   check_float32(queries, "paged attention's queries");
   check_float32(pool_keys, "paged attention's keys");
   check_float32(pool_values, "paged attention's values");
@@ -585,6 +635,13 @@ mx::array paged_attention(const mx::array& queries, const mx::array& pool_keys, 
       throw std::invalid_argument("[mlxrt.native] paged attention's mask must be [rows or 1, 1, 1, width], boolean or float32");
     }
     inputs.push_back(mx::contiguous(m, false, stream));
+  }
+  if (lengths) {
+    const auto& n = *lengths;
+    if (mask || n.dtype() != mx::int32 || n.ndim() != 1 || n.shape(0) != queries.shape(0)) {
+      throw std::invalid_argument("[mlxrt.native] paged attention's lengths must be int32 [rows], without a mask");
+    }
+    inputs.push_back(mx::contiguous(n, false, stream));
   }
   return mx::array(queries.shape(), mx::float32, std::make_shared<PagedAttention>(stream, width, block_size), std::move(inputs));
 }
@@ -667,7 +724,7 @@ NB_MODULE(_kernels, m) {
   m.def("swiglu", &mlxrt::swiglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(), "mlx-lm's swiglu(gate, up) for float32 on the CPU.");
   m.def("exp", &mlxrt::exp, "x"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.exp(x) for float32 on the CPU.");
   m.def("paged_attention", &mlxrt::paged_attention, "queries"_a, "pool_keys"_a, "pool_values"_a, "blocks"_a, nb::kw_only(), "width"_a, "block_size"_a,
-        "mask"_a = nb::none(), "stream"_a = nb::none(), "A decode step's grouped attention over paged KV (float32, CPU).");
+        "mask"_a = nb::none(), "lengths"_a = nb::none(), "stream"_a = nb::none(), "A decode step's grouped attention over paged KV (float32, CPU).");
   m.def("rope", &mlxrt::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a, "scale"_a, "offset"_a, "stream"_a = nb::none(),
         "mx.fast.rope (no freqs) for float32 on the CPU.");
   m.def("rms_norm", &mlxrt::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.fast.rms_norm(x, weight, eps) for float32 on the CPU.");

@@ -187,6 +187,37 @@ def test_an_engines_tokens_with_them_are_mlx_lms(kernels, monkeypatch):
         assert driver.tokens[name] == greedy_tokens(model, tokenizer, prompt, 8)
 
 
+def test_a_paged_batchs_tokens_through_the_kernel_are_mlx_lms(kernels, monkeypatch):
+    """Three requests of mixed lengths batched in blocks of 4 on `builtin:tiny`: every decode
+    step's attention through the paged kernel (counted: each row over its own positions, in
+    halves of the rows); the greedy tokens are mlx-lm's."""
+    from types import SimpleNamespace
+
+    from policies.layout import with_kv_blocks
+    from tests.support.engine_driver import Driver, admit_request, random_prompts
+    from tests.support.mlx_reference import greedy_tokens, load_reference
+
+    calls: list[int] = []
+
+    def paged_attention(queries, *args, **kwargs):
+        calls.append(queries.shape[0])
+        return kernels.paged_attention(queries, *args, **kwargs)
+
+    names = ("swiglu", "softmax", "scaled_dot_product_attention", "rms_norm", "rope")
+    proxy = SimpleNamespace(paged_attention=paged_attention, **{name: getattr(kernels, name) for name in names})
+    model, tokenizer = load_reference("builtin:tiny")
+    engine = Engine(model, with_kv_blocks(probe_layout(model), 4))
+    monkeypatch.setattr(native, "_loaded", proxy)
+    monkeypatch.setattr(lanes, "MIN_ELEMENTS", 1)
+    prompts = random_prompts([9, 14, 5, 30])
+    driver = Driver(engine)
+    driver.admit(*(admit_request(name, prompt, max_tokens=10) for name, prompt in zip("abcd", prompts)))
+    driver.run()
+    assert 2 in calls, calls  # (halves of four rows)
+    for name, prompt in zip("abcd", prompts):
+        assert driver.tokens[name] == greedy_tokens(model, tokenizer, prompt, 10)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 576), (16, 1, 576), (3, 127, 576), (2, 5, 7), (9, 64), (4, 1, 2, 33)])
 @pytest.mark.parametrize("eps", [1e-5, 1e-6, 0.5])
 def test_rms_norm_as_mlxs(kernels, shape, eps):
@@ -265,8 +296,13 @@ def test_rope_on_a_transposed_view_and_bad_offsets(kernels):
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive", "one"])
-@pytest.mark.parametrize(("rows", "heads", "kv_heads", "width", "block_size"), [(16, 9, 3, 140, 16), (3, 8, 2, 37, 4), (1, 4, 1, 16, 16)])
-def test_paged_attention_is_decode_attention_over_the_gathered_blocks(kernels, mask_kind, rows, heads, kv_heads, width, block_size):
+@pytest.mark.parametrize("layout", ["scattered", "runs"])
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "width", "block_size"), [(16, 9, 3, 140, 16), (3, 8, 2, 37, 4), (1, 4, 1, 16, 16), (2, 9, 3, 2100, 16)])
+def test_paged_attention_is_decode_attention_over_the_gathered_blocks(kernels, mask_kind, layout, rows, heads, kv_heads, width, block_size):
+    """Rows whose blocks are scattered (copied into a scratch run) or run contiguously (read in
+    place, the first row's run one block short of the pool's end; the last row's run breaks
+    after its first block, so it is copied), and rows wide enough for OpenBLAS to thread their
+    products."""
     from engine.kv.attention import decode_attention
     from engine.kv.paged import _gather_blocks
 
@@ -275,7 +311,14 @@ def test_paged_attention_is_decode_attention_over_the_gathered_blocks(kernels, m
     k1, k2, k3, k4, k5 = mx.random.split(mx.random.key(rows + width), 5)
     pool_keys = mx.random.normal((kv_heads, pool_blocks * block_size, dim), key=k1)
     pool_values = mx.random.normal((kv_heads, pool_blocks * block_size, dim), key=k2)
-    blocks = mx.random.permutation(pool_blocks, key=k3)[: rows * per_row].astype(mx.int32)
+    if layout == "scattered":
+        blocks = mx.random.permutation(pool_blocks, key=k3)[: rows * per_row].astype(mx.int32)
+    else:
+        runs = [pool_blocks - (r + 1) * per_row for r in range(rows)]
+        table = [b for first in runs for b in range(first, first + per_row)]
+        if rows > 1:
+            table[(rows - 1) * per_row + 1] = 0  # (the last row's second block elsewhere)
+        blocks = mx.array(table, dtype=mx.int32)
     queries = mx.random.normal((rows, heads, 1, dim), key=k4)
     mask = {
         "none": None,
@@ -291,6 +334,41 @@ def test_paged_attention_is_decode_attention_over_the_gathered_blocks(kernels, m
     assert _equal(got, expected)
     with pytest.raises(ValueError, match="paged attention"):
         kernels.paged_attention(stacked, pool_keys, pool_values, blocks, width=per_row * block_size + 1, block_size=block_size)
+
+
+@pytest.mark.parametrize("layout", ["scattered", "runs"])
+@pytest.mark.parametrize(("rows", "width", "block_size"), [(5, 140, 16), (3, 37, 4), (2, 2100, 16)])
+def test_paged_attention_with_lengths_is_decode_attention_over_each_row_alone(kernels, layout, rows, width, block_size):
+    """Rows of mixed lengths (the step's mask says only where each ends): each row attends over
+    its own first `lengths[r]` positions, bit for bit `decode_attention` over that row alone
+    (`PagedSlots._attend_rows`), the padded positions never read."""
+    from engine.kv.attention import decode_attention
+    from engine.kv.paged import _gather_blocks
+
+    heads, kv_heads, dim = 9, 3, 64
+    per_row = -(-width // block_size)
+    pool_blocks = rows * per_row + 4
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(width), 4)
+    pool_keys = mx.random.normal((kv_heads, pool_blocks * block_size, dim), key=k1)
+    pool_values = mx.random.normal((kv_heads, pool_blocks * block_size, dim), key=k2)
+    if layout == "scattered":
+        blocks = mx.random.permutation(pool_blocks, key=k3)[: rows * per_row].astype(mx.int32)
+    else:
+        blocks = mx.arange(rows * per_row, dtype=mx.int32)
+    lengths = [width - (r * 997) % width for r in range(rows)]  # (the first row the full width)
+    queries = mx.random.normal((rows, heads, 1, dim), key=k4)
+    stacked = (mx.array(0.125, mx.float32) * queries).reshape(rows, kv_heads, heads // kv_heads, dim)
+    got = kernels.paged_attention(
+        stacked, pool_keys, pool_values, blocks, width=width, block_size=block_size, lengths=mx.array(lengths, dtype=mx.int32)
+    ).reshape(rows, heads, 1, -1)
+    for r, n in enumerate(lengths):
+        own = blocks[r * per_row : (r + 1) * per_row]
+        keys, values = _gather_blocks(pool_keys, own, 1, n, block_size), _gather_blocks(pool_values, own, 1, n, block_size)
+        expected = decode_attention(queries[r : r + 1], keys, values, 0.125, None)
+        assert expected is not None
+        assert _equal(got[r : r + 1], expected), (r, n)
+    with pytest.raises(ValueError, match="lengths"):
+        kernels.paged_attention(stacked, pool_keys, pool_values, blocks, width=width, block_size=block_size, lengths=mx.array([1], dtype=mx.int32))
 
 
 def test_a_failed_build_or_a_wrong_result_leaves_mlxs_ops(monkeypatch, tmp_path, kernels):
