@@ -46,6 +46,17 @@ _SWIGLU = activations.swiglu
 # The fewest elements a piece must have to be split: below it, the join and the second
 # stream's handoff (~30-60 us here) cost about what the second core saves.
 MIN_ELEMENTS = 8192
+# OpenBLAS runs a matrix product on its worker threads once m * n * k exceeds 65,536 x 4
+# (`interface/gemm.c`), and two lanes making such calls at once wait on each other's use of its
+# workers. Attention halves whose products are that large are not split, unless they are at
+# least `LARGE_PRODUCT` (there the split softmax pays for the wait). Measured per layer (9 query
+# heads over 3 KV heads, 64 dims; split vs whole, ms): a lone decode row over 2,048 positions
+# 2.22 vs 0.47, over 1,024 0.38 vs 0.30 (by KV heads: not split at all), over 512 0.25 vs 0.24; 16 rows over 1,024 2.66 vs 4.06 (products under the
+# threshold); prefill 8 x 127 tokens 9.5 vs 6.9, 1 x 128 over 2,048 12.2 vs 9.1, 1 x 256 over 256
+# 8.6 vs 2.8, 1 x 512 over 1,024 20.5 vs 19.5, 1 x 512 over 2,048 44.3 vs 60.6, 1 x 1,024 over
+# 1,024 40.3 vs 57.3; 16 x 63 over 63 4.6 vs 6.5.
+THREADED_PRODUCT = 65536 * 4
+LARGE_PRODUCT = 1 << 26
 
 _local = threading.local()
 
@@ -181,9 +192,15 @@ def softmax(x: mx.array) -> mx.array:
 
 def split_attention(fn: Callable[..., mx.array], queries: mx.array, keys: mx.array, values: mx.array, mask) -> mx.array | None:
     """`fn(queries, keys, values, mask)` over two halves of the rows, or of the KV heads (with
-    their query heads) for a lone row; None where neither has two parts."""
-    rows, heads = queries.shape[:2]
+    their query heads) for a lone row's prefill chunk; None where neither has two parts, for a
+    lone decode row, and where the halves' matrix products are ones OpenBLAS threads but not
+    large (`THREADED_PRODUCT`)."""
+    rows, heads, num_queries = queries.shape[:3]
     kv_heads = keys.shape[1]
+    # Each product's m (a row's queries; a decode row's query heads per KV head, stacked) x n x k.
+    product = (num_queries if num_queries > 1 else max(1, heads // kv_heads)) * keys.shape[2] * keys.shape[3]
+    if THREADED_PRODUCT < product < LARGE_PRODUCT or (rows == 1 and num_queries == 1):
+        return None  # (a lone decode row's KV heads: level at 512 positions, slower past)
     if rows >= 2:
         at = rows // 2
         parts = [split_at(x, 0, at, rows) for x in (queries, keys, values)]

@@ -372,6 +372,9 @@ class PagedSlots(FullSlots):
         pool = self.pool
         heads = self.layout.heads
         index = step.derive(("paged-write", pool.positions, heads), lambda: pool.flat_index(self._write_positions(step), heads))
+        # (The last step's read holds the pool's last arrays: dropped first, so that a write
+        # evaluated on its own, as the step profiler does, still scatters in place.)
+        self._fetched = None
         pool.write(self.ordinal, _heads_first(keys), _heads_first(values), index)
         self._fetched = self._read(step)
         return self._fetched

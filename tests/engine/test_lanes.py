@@ -85,7 +85,7 @@ def _masks(rows: int, heads: int, queries: int, positions: int, dtype):
     }
 
 
-@pytest.mark.parametrize(("rows", "heads", "kv_heads", "queries", "positions"), [(4, 9, 3, 33, 40), (3, 8, 8, 24, 24), (1, 9, 3, 64, 96), (1, 8, 2, 40, 40)])
+@pytest.mark.parametrize(("rows", "heads", "kv_heads", "queries", "positions"), [(4, 9, 3, 33, 40), (3, 8, 8, 24, 24), (1, 9, 3, 48, 80), (1, 8, 2, 40, 40)])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 def test_prefill_attention_split_by_rows_or_kv_heads_is_mlxs_bit_for_bit(rows, heads, kv_heads, queries, positions, dtype, splits):
     """Rows split in two where there are several, a lone row's KV heads (with their query
@@ -101,8 +101,10 @@ def test_prefill_attention_split_by_rows_or_kv_heads_is_mlxs_bit_for_bit(rows, h
     assert splits == [0 if rows > 1 else 1] * 5
 
 
-@pytest.mark.parametrize(("rows", "positions"), [(16, 190), (5, 700), (1, 4096)])
+@pytest.mark.parametrize(("rows", "positions"), [(16, 190), (5, 700), (1, 700), (4, 4096)])
 def test_decode_attention_split_is_the_unsplit_bit_for_bit(rows, positions, splits):
+    """Rows split in two; a lone row, and rows whose products OpenBLAS threads (3 query heads
+    x 4,096 positions x 64), are not split (`lanes.THREADED_PRODUCT`)."""
     q = _normal((rows, 9, 1, 64), 1)
     k, v = _normal((rows, 3, positions, 64), 2), _normal((rows, 3, positions, 64), 3)
     mask = mx.arange(positions)[None, None, None, :] < (positions - mx.arange(rows))[:, None, None, None]
@@ -112,7 +114,7 @@ def test_decode_attention_split_is_the_unsplit_bit_for_bit(rows, positions, spli
             got = decode_attention(q, k, v, 0.125, m)
         assert got is not None and expected is not None
         assert mx.array_equal(got, expected).item()
-    assert splits == [0 if rows > 1 else 1] * 2
+    assert splits == ([0] * 2 if rows > 1 and positions < 4096 else [])
 
 
 @pytest.mark.parametrize("rows", [4, 1])
@@ -120,13 +122,26 @@ def test_a_mask_of_fewer_dimensions_aligns_to_the_right(rows, splits):
     """A `[queries, keys]` mask whose query count equals the rows (or heads) is not split
     along them: it broadcasts over both."""
     q = _normal((rows, 4, 4, 64), 1)
-    k, v = _normal((rows, 4, 4096, 64), 2), _normal((rows, 4, 4096, 64), 3)
-    mask = mx.arange(4096)[None, :] <= mx.array([4092, 4093, 4094, 4095])[:, None]  # [4, 4096]
+    k, v = _normal((rows, 4, 1000, 64), 2), _normal((rows, 4, 1000, 64), 3)
+    mask = mx.arange(1000)[None, :] <= mx.array([996, 997, 998, 999])[:, None]  # [4, 1000]
     expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
     with lanes.parallel():
         got = lanes.attention(q, k, v, 0.125, mask)
     assert got is not None and mx.array_equal(got, expected).item()
     assert splits == [0 if rows > 1 else 1]
+
+
+@pytest.mark.parametrize(("rows", "queries", "positions", "split"), [(8, 127, 127, False), (1, 256, 256, False), (1, 512, 2048, True), (2, 64, 64, True)])
+def test_prefill_halves_whose_products_openblas_threads_are_split_only_when_large(rows, queries, positions, split, splits):
+    """Products over `THREADED_PRODUCT` (m x n x k: a row's queries x positions x 64) and under
+    `LARGE_PRODUCT` stay whole; the result is the same either way."""
+    q = _normal((rows, 9, queries, 64), 1)
+    k, v = _normal((rows, 3, positions, 64), 2), _normal((rows, 3, positions, 64), 3)
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    with lanes.parallel():
+        got = lanes.attention(q, k, v, 0.125, "causal")
+    assert (got is not None) == split and len(splits) == split
+    assert mx.array_equal(got if got is not None else lanes.sdpa(q, k, v, 0.125, "causal"), expected).item()
 
 
 def test_what_cannot_be_split_is_left_to_the_caller():
