@@ -88,6 +88,13 @@ class BlockAllocator:
             heapq.heapify(self._heap)
         return blocks
 
+    def free_after(self, block: int) -> int:
+        """How many blocks right after `block` are free (up to the capacity)."""
+        count = 0
+        while block + 1 + count < self.capacity and not self._refs[block + 1 + count]:
+            count += 1
+        return count
+
     def largest_free_run(self) -> tuple[int, int]:
         """(first block, length) of the longest run of free blocks."""
         best_start, best_length, start = 0, 0, None

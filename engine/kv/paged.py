@@ -136,6 +136,14 @@ class BlockPool:
 
     def allocate(self, count: int, after: int | None = None, room: int = 0) -> list[int]:
         missing = count - self.allocator.num_free
+        allocator = self.allocator
+        if after is not None and missing <= 0 and not self._full():
+            # A table's run that reaches the pool's end grows the pool rather than continuing in
+            # free blocks elsewhere: its positions stay one run (read in place).
+            free = allocator.free_after(after)
+            end = after + 1 + free == allocator.capacity
+            if free < count and end and (not self.max_blocks or allocator.capacity + count - free <= self.max_blocks):
+                missing = count - free
         if missing > 0:
             self._grow(self.allocator.capacity + missing)
         elif room and self.allocator.largest_free_run()[1] < count + room and not self._full():
@@ -384,10 +392,10 @@ class PagedSlots(FullSlots):
         return self._fetched
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array | None:
-        """A decode step (one token per row, several rows) reads the rows' blocks where they
-        are. With mlxrt's CPU kernels: their paged attention, each row over its own positions
-        only (rows of mixed lengths do no padded work), split over two CPU lanes
-        (`engine.lanes`). Without: row by row over slices of the pool (gathered where a row's
+        """A decode step (one token per row) reads the rows' blocks where they are. With mlxrt's
+        CPU kernels: their paged attention, each row over its own positions only (rows of mixed
+        lengths do no padded work), several rows split over two CPU lanes (`engine.lanes`). Without
+        (several rows; a lone row attends over its slice of the pool or gathered copy): row by row over slices of the pool (gathered where a row's
         blocks do not run contiguously) once the rows hold `ROW_ATTENTION_MIN_POSITIONS`, as
         mlx-lm's one-sequence attention; below that, split over the lanes, each half of the rows
         attending over a gathered copy of its own blocks. The gathered batch the layer was
@@ -402,15 +410,17 @@ class PagedSlots(FullSlots):
             or values is not self._fetched[1]
             or step.num_new != 1
             or step.rows is not None
-            or step.num_rows < 2
             or (mask is not None and mask is not step.derived.get(("full-mask", None)))
         ):
             return super().attend(queries, keys, values, scale, mask)
         read = step.derived.get(self._read_key)
-        if isinstance(read, mx.array) and lanes.kernels(queries) is not None:
-            out = self._attend_native(step, read, queries, scale, mask)
+        if lanes.kernels(queries) is not None:
+            blocks = read if isinstance(read, mx.array) else step.derive(("paged-blocks", self.pool.positions), lambda: self._blocks(step, step.width))
+            out = self._attend_native(step, blocks, queries, scale, mask)
             if out is not None:
                 return out
+        if step.num_rows < 2:
+            return super().attend(queries, keys, values, scale, mask)
         if step.num_rows * step.width >= ROW_ATTENTION_MIN_POSITIONS:
             return self._attend_rows(step, queries, scale)
         if lanes.enabled() and isinstance(read, mx.array):
@@ -449,7 +459,7 @@ class PagedSlots(FullSlots):
         def attend(q: mx.array, own: mx.array, n: mx.array | None) -> mx.array:
             return module.paged_attention(q, pool_keys, pool_values, own, width=width, block_size=size, lengths=n)
 
-        if lanes.enabled():
+        if lanes.enabled() and rows >= 2:
             at, per_row = rows // 2, blocks.shape[0] // rows
             parts = (lengths[:at], lengths[at:]) if lengths is not None else (None, None)
             out = lanes.halves(attend, (stacked[:at], blocks[: at * per_row], parts[0]), (stacked[at:], blocks[at * per_row :], parts[1]), axis=0)
@@ -510,12 +520,17 @@ class PagedSlots(FullSlots):
         when one row's blocks run contiguously, else each row's blocks (a row with fewer:
         block 0 after its own, masked out like any position past a row's end)."""
         rows = list(step.rows) if step.rows is not None else list(range(step.num_rows))
-        tables, size = self._batch.tables, self.pool.block_size
-        num_blocks = blocks_for(width, size)
         if len(rows) == 1:
-            first = contiguous_run(tables[rows[0]], num_blocks)
+            first = contiguous_run(self._batch.tables[rows[0]], blocks_for(width, self.pool.block_size))
             if first is not None:
-                return first * size
+                return first * self.pool.block_size
+        return self._blocks(step, width)
+
+    def _blocks(self, step: Step, width: int) -> mx.array:
+        """The step's rows' blocks covering positions `[0, width)`, row-major (a row with fewer:
+        block 0 after its own)."""
+        rows = list(step.rows) if step.rows is not None else list(range(step.num_rows))
+        tables, num_blocks = self._batch.tables, blocks_for(width, self.pool.block_size)
         blocks = [b for row in rows for b in (tables[row][:num_blocks] + [0] * max(0, num_blocks - len(tables[row])))]
         return mx.array(blocks, dtype=mx.int32)
 

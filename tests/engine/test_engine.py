@@ -366,3 +366,23 @@ def test_a_request_failing_at_admission_gives_back_everything_it_took(failure):
     assert engine.kv_tokens() == {} and all(a.users == 0 for a in engine.adapters.infos())
     engine.drop_prefixes([entry.entry_id])
     assert engine.pool_stats().used == 0
+
+
+@pytest.mark.parametrize("budget", [0, 64])
+def test_a_run_that_reaches_the_pools_end_grows_the_pool_to_stay_one_run(budget):
+    """A table extended past the pool's last block grows the pool (within the budget) rather than
+    continuing in free blocks elsewhere, so its positions stay one run, read in place; at the
+    budget it takes the free blocks elsewhere."""
+    from engine.kv.paged import BlockPool, contiguous_run
+
+    model, _ = load_reference("builtin:tiny")
+    pool = BlockPool(with_kv_blocks(probe_layout(model), 4), max_blocks=budget)
+    first = pool.allocate(56)
+    table = pool.allocate(8)
+    assert pool.allocator.capacity == 64 and table == list(range(56, 64))
+    pool.release(first)
+    table += pool.allocate(8, after=table[-1])
+    if budget:
+        assert pool.allocator.capacity == 64 and table[8:] == list(range(8))
+    else:
+        assert pool.allocator.capacity > 64 and contiguous_run(table, len(table)) == 56
