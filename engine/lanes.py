@@ -51,8 +51,8 @@ MIN_ELEMENTS = 8192
 # workers. Attention halves whose products are that large are not split, unless they are at
 # least `LARGE_PRODUCT` (there the split softmax pays for the wait). Measured per layer (9 query
 # heads over 3 KV heads, 64 dims; split vs whole, ms): a lone decode row over 2,048 positions
-# 2.22 vs 0.47, over 1,024 0.38 vs 0.30 (by KV heads: not split at all), over 512 0.25 vs 0.24; 16 rows over 1,024 2.66 vs 4.06 (products under the
-# threshold); prefill 8 x 127 tokens 9.5 vs 6.9, 1 x 128 over 2,048 12.2 vs 9.1, 1 x 256 over 256
+# 2.22 vs 0.47, over 1,024 0.38 vs 0.30, over 512 0.25 vs 0.24 (by KV heads: never split); 16 rows
+# over 1,024 2.66 vs 4.06 (products under the threshold); prefill 8 x 127 tokens 9.5 vs 6.9, 1 x 128 over 2,048 12.2 vs 9.1, 1 x 256 over 256
 # 8.6 vs 2.8, 1 x 512 over 1,024 20.5 vs 19.5, 1 x 512 over 2,048 44.3 vs 60.6, 1 x 1,024 over
 # 1,024 40.3 vs 57.3; 16 x 63 over 63 4.6 vs 6.5.
 THREADED_PRODUCT = 65536 * 4

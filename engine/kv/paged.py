@@ -135,14 +135,14 @@ class BlockPool:
         table += self.allocate(missing, room=room)
 
     def allocate(self, count: int, after: int | None = None, room: int = 0) -> list[int]:
-        missing = count - self.allocator.num_free
         allocator = self.allocator
-        if after is not None and missing <= 0 and not self._full():
-            # A table's run that reaches the pool's end grows the pool rather than continuing in
-            # free blocks elsewhere: its positions stay one run (read in place).
+        missing = count - allocator.num_free
+        if after is not None and missing <= 0:
+            # A table's run that reaches the pool's end grows the pool (within the budget) rather
+            # than continuing in free blocks elsewhere: its positions stay one run (read in place).
             free = allocator.free_after(after)
-            end = after + 1 + free == allocator.capacity
-            if free < count and end and (not self.max_blocks or allocator.capacity + count - free <= self.max_blocks):
+            grown = allocator.capacity + count - free
+            if free < count and after + 1 + free == allocator.capacity and (not self.max_blocks or grown <= self.max_blocks):
                 missing = count - free
         if missing > 0:
             self._grow(self.allocator.capacity + missing)
@@ -394,11 +394,12 @@ class PagedSlots(FullSlots):
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array | None:
         """A decode step (one token per row) reads the rows' blocks where they are. With mlxrt's
         CPU kernels: their paged attention, each row over its own positions only (rows of mixed
-        lengths do no padded work), several rows split over two CPU lanes (`engine.lanes`). Without
-        (several rows; a lone row attends over its slice of the pool or gathered copy): row by row over slices of the pool (gathered where a row's
-        blocks do not run contiguously) once the rows hold `ROW_ATTENTION_MIN_POSITIONS`, as
-        mlx-lm's one-sequence attention; below that, split over the lanes, each half of the rows
-        attending over a gathered copy of its own blocks. The gathered batch the layer was
+        lengths do no padded work), several rows split over two CPU lanes (`engine.lanes`).
+        Without them (a lone row attends over its slice of the pool or a gathered copy), several
+        rows attend row by row over slices of the pool (gathered where a row's blocks do not run
+        contiguously) once they hold `ROW_ATTENTION_MIN_POSITIONS`, as mlx-lm's one-sequence
+        attention; below that, split over the lanes, each half of the rows attending over a
+        gathered copy of its own blocks. The gathered batch the layer was
         given is then never evaluated. Anything else (a step of several tokens, keys the layer
         changed, a mask this layer did not make) attends over the keys given, as every slot
         does (`engine.kv.attention.decode_attention`, None where that declines)."""

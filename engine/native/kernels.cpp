@@ -334,12 +334,9 @@ constexpr double kThreadedProduct = 65536.0 * 4;
 static std::mutex threaded_products;
 
 static void sgemm(int trans_b, int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c, int ldc) {
-  if (static_cast<double>(m) * n * k > kThreadedProduct) {
-    std::lock_guard<std::mutex> turn(threaded_products);
-    cblas_sgemm(kRowMajor, kNoTrans, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
-  } else {
-    cblas_sgemm(kRowMajor, kNoTrans, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
-  }
+  std::unique_lock<std::mutex> turn(threaded_products, std::defer_lock);
+  if (static_cast<double>(m) * n * k > kThreadedProduct) turn.lock();
+  cblas_sgemm(kRowMajor, kNoTrans, trans_b, m, n, k, 1.0f, a, lda, b, ldb, 0.0f, c, ldc);
 }
 
 // Where a row's first `width` positions of KV head 0 start in the pool when its blocks there run
