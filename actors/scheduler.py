@@ -4,10 +4,15 @@ Receives `protocols.scheduler` messages; asks the KV store for room before
 admitting; sends one `RunStep` at a time to the model actor; reports tokens,
 progress and endings to each request's session (never blocking on one: session
 inboxes coalesce). Decisions are `SchedulePolicy`'s; this class moves messages.
+
+While only decode rows run and steps are short (`scheduler.run_ahead_below_s`), the next
+decode step is queued on the MLX thread before the last one's outcome is handled, so two
+are queued at once and the device does not wait on this task between them.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, assert_never
@@ -49,7 +54,16 @@ StartStep = Callable[[StepPlan], "Job[StepOutcome | StepFailed] | None"]
 
 
 class SchedulerActor:
-    def __init__(self, policy: SchedulePolicy, *, model: Mailbox, kv: Mailbox, capacity: int, start_step: StartStep | None = None):
+    def __init__(
+        self,
+        policy: SchedulePolicy,
+        *,
+        model: Mailbox,
+        kv: Mailbox,
+        capacity: int,
+        start_step: StartStep | None = None,
+        run_ahead_below_s: float = 0.0,
+    ):
         self.policy = policy
         self.inbox: Mailbox[SchedulerInbox] = Mailbox(capacity)
         self._model = model
@@ -58,6 +72,11 @@ class SchedulerActor:
         self._reported_keys: set[str] = set()
         self._steps_since_report = 0
         self._spec_totals = SpecTotals()
+        self._run_ahead_below_s = run_ahead_below_s
+        # The last step's time on the MLX thread, and the step queued ahead (its start, plan
+        # and job: None where it goes through the model's inbox).
+        self._last_step_s = math.inf
+        self._ahead: tuple[float, StepPlan, Job[StepOutcome | StepFailed] | None] | None = None
         # The figures as of the last loop turn, read without a message (`/metrics` must not wait
         # behind a step): at most one step old.
         self.latest = self._stats()
@@ -69,7 +88,7 @@ class SchedulerActor:
                 await self._drain_inbox()
                 await self._admit()
                 self.latest = self._stats()
-                if self.policy.has_work():
+                if self._ahead is not None or self.policy.has_work():
                     await self._step()
                 else:
                     await self.handle(await self.inbox.receive())
@@ -159,11 +178,17 @@ class SchedulerActor:
                 return
 
     async def _step(self) -> None:
-        started = time.monotonic()
-        plan = self.policy.plan(started)
-        # From here to the step's start no other task runs: the sessions take the last step's
-        # tokens while this one computes.
-        job = self._start_step(plan) if self._start_step is not None else None
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            started, plan, job = ahead
+        else:
+            started = time.monotonic()
+            plan = self.policy.plan(started)
+            # From here to the step's start no other task runs: the sessions take the last step's
+            # tokens while this one computes.
+            job = self._start_step(plan) if self._start_step is not None else None
+        if job is not None:
+            self._run_ahead(plan)
         result = await job.result() if job is not None else await ask(self._model, RunStep, plan=plan)
         # The plan has run: the prefixes its admissions started from may be evicted now.
         for admit in plan.admit:
@@ -174,11 +199,24 @@ class SchedulerActor:
                 tracked.admit = msgspec.structs.replace(tracked.admit, disk_prefix=None)  # the engine holds that KV now
         match result:
             case StepOutcome():
+                self._last_step_s = result.step_s
                 await self._deliver(result, started)
             case StepFailed(error=error, code=code):
                 log.error("step_failed", error=error, code=code)
                 for ended in self.policy.fail_all(error, code):
                     await self._finish(ended)
+
+    def _run_ahead(self, plan: StepPlan) -> None:
+        """Queue the decode step that follows `plan`'s (queued, not yet handled) where the
+        policy can plan it already (`SchedulePolicy.plans_ahead`), nothing waits in the inbox
+        and steps are short (`scheduler.run_ahead_below_s`): the MLX thread then goes from one
+        step to the next without waiting on this task's round trip."""
+        if self._last_step_s >= self._run_ahead_below_s or len(self.inbox) or not self.policy.plans_ahead(plan):
+            return
+        assert self._start_step is not None
+        started = time.monotonic()
+        following = self.policy.plan(started)
+        self._ahead = (started, following, self._start_step(following))
 
     async def _deliver(self, outcome: StepOutcome, started: float) -> None:
         now = time.monotonic()

@@ -321,6 +321,19 @@ class SchedulePolicy:
             denoise=denoise,
         )
 
+    def plans_ahead(self, plan: StepPlan) -> bool:
+        """Whether the plan after `plan` can be made before `plan`'s outcome is applied: `plan`
+        only decodes, and nothing but that outcome can change the next one (no request waits
+        for admission or a batch slot, none is prefilling, paused, parked, releasing or taking
+        checkpoints). The next plan is then a decode step; rows the outcome ends are the
+        engine's to drop, and anything that arrives meanwhile goes in the plan after it."""
+        if not plan.decode or plan.admit or plan.prefill or plan.release or plan.park or plan.unpark or plan.checkpoint or plan.denoise:
+            return False
+        if plan.forget_checkpoints or self._to_admit or self._forgotten or self.admission_candidate() is not None:
+            return False
+        active = self._active.values()
+        return bool(active) and all(t.phase is Phase.DECODING and not (t.paused or t.parked or t.checkpoint_every) for t in active)
+
     def forget_checkpoint(self, request_id: str) -> None:
         """The request's checkpoint is deleted: the next plan says so (to follower ranks)."""
         self._forgotten.append(request_id)

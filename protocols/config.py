@@ -50,6 +50,11 @@ class SchedulerConfig(Section, frozen=True):
     # another model on it (a model pool's) is working: after a step, its scheduler waits so
     # that the other model's decode keeps its pace. 1: no limit. Alone on the thread, none.
     denoise_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.25
+    # While only decode rows run and steps take less than this, the scheduler queues the next
+    # decode step before it handles the last one's tokens, so the device never waits on the
+    # event loop between steps (the round trip is a share of a short step); a request arriving
+    # meanwhile is admitted at most one such step later. 0: never.
+    run_ahead_below_s: Annotated[float, msgspec.Meta(ge=0)] = 0.02
 
 
 AUTO_BLOCK_SIZE = 16

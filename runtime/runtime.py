@@ -444,6 +444,7 @@ async def _start_scheduler(config: RuntimeConfig, model: ModelActor, kv: Mailbox
         token_budget=config.step_token_budget,
         adapter_slots=AdapterSlots(config.lora.max_resident, adapters),
     )
-    scheduler = SchedulerActor(policy, model=model.inbox, kv=kv, capacity=s.max_queued_requests + 2 * s.max_batch_size + 16, start_step=model.start_step)
+    capacity = s.max_queued_requests + 2 * s.max_batch_size + 16
+    scheduler = SchedulerActor(policy, model=model.inbox, kv=kv, capacity=capacity, start_step=model.start_step, run_ahead_below_s=s.run_ahead_below_s)
     await tg.start(scheduler.run)
     return scheduler

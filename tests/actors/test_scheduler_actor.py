@@ -9,11 +9,12 @@ from contextlib import asynccontextmanager
 import anyio
 
 from actors.mailbox import Mailbox, SessionMailbox, answer, ask
+from actors.mlx_thread import Job
 from actors.scheduler import SchedulerActor
 from policies.scheduling import SchedulePolicy
 from protocols.api import CheckpointReport, GenerateRequest, SamplingParams
-from protocols.kv import KvReservation, ReleaseKv, ReserveKv, SaveCheckpoint
-from protocols.model import AdmitRequest, CheckpointData, PrefillReport, PrefillWork, RowOutput, RunStep, StepFailed, StepOutcome, StepPlan
+from protocols.kv import KvReservation, PrefixesSaved, ReleaseKv, ReserveKv, SaveCheckpoint
+from protocols.model import AdmitRequest, CheckpointData, PrefillReport, PrefillWork, RowOutput, RunStep, SavedPrefix, StepFailed, StepOutcome, StepPlan
 from protocols.scheduler import AddRequest, CancelRequest, CheckpointWritten, GetSchedulerStats, SchedulerStats, SetPaused
 from protocols.session import PrefillProgressed, RequestFinished, RequestRejected, TokensGenerated
 
@@ -71,7 +72,7 @@ def outcome(*rows: RowOutput, **fields) -> StepOutcome:
         num_decode_rows=len(rows),
         kv_tokens={},
         kv_bytes=0,
-        step_s=0.0,
+        step_s=fields.pop("step_s", 0.0),
         **fields,
     )
 
@@ -259,3 +260,150 @@ async def test_stats_count_requests_by_phase_steps_and_finished_requests():
         second = await stats_after_step(model, outcome(RowOutput(request_id="a", token_ids=[], finish_reason="length")))
     assert first == SchedulerStats(waiting=1, prefilling=1, decoding=1, steps=1, num_finished=0, paused=0)
     assert second == SchedulerStats(waiting=1, prefilling=1, decoding=0, steps=2, num_finished=1, paused=0)
+
+
+# -- running ahead: the next decode step queued before the last one's outcome is handled -----
+
+
+class FakeThread:
+    """The MLX thread's queue as `start_step` fills it: the test completes each job in order;
+    `room` jobs may be queued at once (more are refused, as a full queue refuses them)."""
+
+    def __init__(self, room: int = 8) -> None:
+        self.queued: list[tuple[StepPlan, Job]] = []
+        self.room = room
+
+    def start_step(self, plan: StepPlan) -> Job | None:
+        if len(self.queued) >= self.room:
+            return None
+        job: Job = Job()
+        self.queued.append((plan, job))
+        return job
+
+    async def complete(self, reply: StepOutcome | StepFailed, *, then: tuple = (), scheduler: SchedulerActor | None = None) -> StepPlan:
+        """Finish the oldest queued job once every task is idle; `then` goes to the scheduler's
+        inbox first (as `FakeModel.step`)."""
+        await anyio.wait_all_tasks_blocked()
+        for message in then:
+            assert scheduler is not None
+            scheduler.inbox.send_nowait(message)
+        plan, job = self.queued.pop(0)
+        job._outcome.append(reply)
+        job._done.set()
+        return plan
+
+    def plans(self) -> list[StepPlan]:
+        return [plan for plan, _ in self.queued]
+
+
+@asynccontextmanager
+async def running_ahead(run_ahead_below_s: float = 0.02, room: int = 8, **kv_options):
+    kv, model, thread = FakeKv(**kv_options), FakeModel(), FakeThread(room)
+    scheduler = SchedulerActor(policy(), model=model.inbox, kv=kv.inbox, capacity=32, start_step=thread.start_step, run_ahead_below_s=run_ahead_below_s)
+    model.scheduler = scheduler
+    with kv.inbox, model.inbox, anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(kv.run)
+            await tg.start(scheduler.run)
+            yield scheduler, thread, kv, model
+            tg.cancel_scope.cancel()
+
+
+def tokens(rid: str, *ids: int, step_s: float = 0.001, **fields) -> StepOutcome:
+    return outcome(RowOutput(request_id=rid, token_ids=list(ids)), step_s=step_s, **fields)
+
+
+DECODE = StepPlan(decode=True)
+
+
+async def test_steady_short_decode_steps_are_queued_two_deep_and_every_token_is_delivered_in_order():
+    async with running_ahead() as (scheduler, thread, _kv, _model):
+        session = SessionMailbox()
+        submit(scheduler, add("a", session))
+        first = await thread.complete(tokens("a", 5))
+        await anyio.wait_all_tasks_blocked()
+        # Only decode left: the step after the next is queued before the next's outcome is handled.
+        assert thread.plans() == [DECODE, DECODE]
+        await thread.complete(tokens("a", 6))
+        await anyio.wait_all_tasks_blocked()
+        assert thread.plans() == [DECODE, DECODE]
+        await thread.complete(tokens("a", 7))
+        await thread.complete(outcome(RowOutput(request_id="a", token_ids=[], finish_reason="stop", stop_token_id=0), step_s=0.001))
+        # The step queued behind the last one is still run and handled: nothing is left queued after it.
+        await thread.complete(outcome(step_s=0.001))
+        await anyio.wait_all_tasks_blocked()
+        assert thread.plans() == []
+        stats = await ask(scheduler.inbox, GetSchedulerStats)
+        got, end = await received(session)
+    assert first.admit and first.decode
+    assert got == TokensGenerated(request_id="a", token_ids=[5, 6, 7])
+    assert (end.finish_reason, stats.steps, stats.decoding) == ("stop", 5, 0)
+
+
+async def test_a_request_arriving_during_run_ahead_is_admitted_in_the_plan_after_the_queued_one():
+    async with running_ahead() as (scheduler, thread, _kv, _model):
+        submit(scheduler, add("a", SessionMailbox()))
+        await thread.complete(tokens("a", 5))
+        # "b" arrives while two decode steps are queued: the first of them runs as planned, and
+        # nothing more is queued ahead until "b" is in.
+        await thread.complete(tokens("a", 6), then=(add("b", SessionMailbox()),), scheduler=scheduler)
+        await anyio.wait_all_tasks_blocked()
+        assert thread.plans() == [DECODE]
+        await thread.complete(tokens("a", 7))
+        await anyio.wait_all_tasks_blocked()
+        [admitting] = thread.plans()
+    assert [a.request_id for a in admitting.admit] == ["b"] and admitting.decode
+
+
+async def test_a_request_cancelled_during_run_ahead_gets_no_token_after_the_cancel_and_is_released_next():
+    async with running_ahead() as (scheduler, thread, kv, _model):
+        session = SessionMailbox()
+        submit(scheduler, add("a", session))
+        await thread.complete(tokens("a", 5))
+        await thread.complete(tokens("a", 6), then=(CancelRequest(request_id="a"),), scheduler=scheduler)
+        # The step queued before the cancel arrived still decodes the row; its token is dropped.
+        await thread.complete(tokens("a", 7))
+        await anyio.wait_all_tasks_blocked()
+        assert thread.plans() == [StepPlan(release=["a"])]
+        await thread.complete(outcome(released=["a"], step_s=0.001))
+        await anyio.wait_all_tasks_blocked()
+        got, end = await received(session)
+    assert got == TokensGenerated(request_id="a", token_ids=[5, 6])
+    assert end.finish_reason == "cancelled"
+    assert kv.of_type(ReleaseKv) == [ReleaseKv(request_id="a", delete_checkpoint=False)]
+
+
+async def test_the_outcome_of_a_step_queued_ahead_is_handled_even_when_every_request_has_ended():
+    saved = SavedPrefix(entry_id="e1", tokens=[1, 2, 5], num_bytes=64)
+    async with running_ahead() as (scheduler, thread, kv, _model):
+        submit(scheduler, add("a", SessionMailbox()))
+        await thread.complete(tokens("a", 5))
+        await thread.complete(outcome(RowOutput(request_id="a", token_ids=[6], finish_reason="length"), step_s=0.001))
+        # The engine kept the ended row's KV as a prefix entry; the queued step's outcome says so.
+        await thread.complete(outcome(step_s=0.001, saved_prefixes=[saved]))
+        await anyio.wait_all_tasks_blocked()
+    assert kv.of_type(PrefixesSaved) == [PrefixesSaved(entries=[saved])]
+    assert thread.plans() == []
+
+
+async def test_no_step_is_queued_ahead_when_steps_are_long_or_run_ahead_is_off():
+    for threshold, step_s in ((0.02, 0.5), (0.0, 0.001)):
+        async with running_ahead(threshold) as (scheduler, thread, _kv, _model):
+            submit(scheduler, add("a", SessionMailbox()))
+            for token in (5, 6, 7):
+                await thread.complete(tokens("a", token, step_s=step_s))
+                await anyio.wait_all_tasks_blocked()
+                assert thread.plans() == [DECODE]
+
+
+async def test_a_step_queued_ahead_that_finds_the_thread_queue_full_goes_through_the_model_inbox():
+    async with running_ahead(room=1) as (scheduler, thread, _kv, model):
+        session = SessionMailbox()
+        submit(scheduler, add("a", session))
+        await thread.complete(tokens("a", 5))
+        await thread.complete(tokens("a", 6))
+        # The next plan was made ahead but the queue had no room: the model actor runs it.
+        assert await model.step(tokens("a", 7)) == DECODE
+        await anyio.wait_all_tasks_blocked()
+        [got] = await received(session)
+    assert got == TokensGenerated(request_id="a", token_ids=[5, 6, 7])

@@ -74,8 +74,9 @@ async def test_cancel_by_id_mid_prefill_and_mid_decode(tiny_config):
             finished, steps = results[phase]
             assert finished.finish_reason == "cancelled"
             # The release rides the first plan after the scheduler reads the cancel (see the
-            # policy and engine tests); the margin covers steps run while events were in transit.
-            assert steps <= 3, "the cancelled request must end within a step of the cancel"
+            # policy and engine tests), or, while short decode steps run ahead, the plan after
+            # the one queued ahead; the margin covers steps run while events were in transit.
+            assert steps <= 4, "the cancelled request must end within two steps of the cancel"
         for i, reference in enumerate(references):
             assert results[i][0] == reference
         await _wait_idle(rt)

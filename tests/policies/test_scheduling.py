@@ -213,6 +213,10 @@ class Sim:
     steps: list[StepRecord] = field(default_factory=list)
     ended: dict[str, Ended] = field(default_factory=dict)
     tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Plan the next step before applying this one's outcome where the policy can
+    # (`plans_ahead`), as the scheduler does while steps are short.
+    run_ahead: bool = False
+    ahead: StepPlan | None = None
 
     def add(self, tracked: Tracked) -> Tracked:
         self.tracked[tracked.request_id] = tracked
@@ -238,7 +242,9 @@ class Sim:
     def step(self) -> StepRecord:
         self.now += 1.0
         num_decoding = self._num_decoding()
-        plan = self.policy.plan(self.now)
+        plan, self.ahead = self.ahead or self.policy.plan(self.now), None
+        if self.run_ahead and self.policy.plans_ahead(plan):
+            self.ahead = self.policy.plan(self.now)
         outcome = self.engine.step(plan)
         for row in outcome.outputs:
             self.tokens.setdefault(row.request_id, []).extend(row.token_ids)
@@ -253,7 +259,7 @@ class Sim:
     def run(self, max_steps: int = 1000) -> None:
         for _ in range(max_steps):
             self.admit_all()
-            if not self.policy.has_work():
+            if not self.policy.has_work() and self.ahead is None:
                 return
             self.step()
         raise AssertionError("the simulation did not finish")
@@ -907,12 +913,13 @@ def workloads(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(workloads(), st.booleans())
-def test_random_workloads_complete_and_respect_invariants(workload, sync_after_prefill):
+@given(workloads(), st.booleans(), st.booleans())
+def test_random_workloads_complete_and_respect_invariants(workload, sync_after_prefill, run_ahead):
     chunk_size, token_budget, max_batch_size, max_skips, requests = workload
     sim = Sim(
         make_policy(max_batch_size=max_batch_size, chunk_size=chunk_size, token_budget=token_budget, max_skips=max_skips),
         engine=FakeEngine(sync_after_prefill=sync_after_prefill),
+        run_ahead=run_ahead,
     )
     arrivals: dict[int, list[Tracked]] = {}
     for i, (prompt_len, max_tokens, arrival, priority) in enumerate(requests):
@@ -922,7 +929,7 @@ def test_random_workloads_complete_and_respect_invariants(workload, sync_after_p
         for tracked in arrivals.pop(step, []):
             sim.add(tracked)
         sim.admit_all()
-        if sim.policy.has_work():
+        if sim.policy.has_work() or sim.ahead is not None:
             record = sim.step()
             assert prefill_tokens(record.plan) <= max(chunk_size, token_budget - record.num_decoding)
             assert record.outcome.num_decode_rows <= max_batch_size
@@ -944,6 +951,47 @@ def test_random_workloads_complete_and_respect_invariants(workload, sync_after_p
             assert sync_after_prefill or timeline.prefill_started < timeline.first_token
     assert sim.policy.num_finished == len(requests)
     assert sim.engine.seqs == {} and sim.engine.batch == []
+
+
+def test_a_plan_is_made_ahead_only_while_every_admitted_request_just_decodes():
+    policy = make_policy(max_batch_size=2, chunk_size=4)
+    sim = Sim(policy, run_ahead=True)
+    sim.add(make_tracked("a", prompt_len=9, max_tokens=6))
+    sim.admit_all()
+    prefilling = sim.step().plan
+    assert not policy.plans_ahead(prefilling)  # admits and prefills
+    sim.step()
+    decoding = sim.step().plan
+    assert decoding == StepPlan(decode=True) and policy.plans_ahead(decoding)
+    # A request that could be admitted (a free batch slot) stops it; one that must wait does not.
+    sim.add(make_tracked("b", prompt_len=11, max_tokens=2))
+    assert not policy.plans_ahead(decoding)
+    sim.add(make_tracked("c", prompt_len=3, max_tokens=2))
+    sim.admit_all()
+    assert sim.step().plan == StepPlan(decode=True)  # the plan made ahead runs first
+    assert [a.request_id for a in sim.step().plan.admit] == ["b"]
+    assert not policy.plans_ahead(decoding)  # "b" is prefilling
+    for tracked in policy._active.values():
+        tracked.phase = Phase.DECODING
+    assert policy.admission_candidate() is None and policy.plans_ahead(decoding)
+    policy.set_paused("b", True)
+    assert not policy.plans_ahead(decoding)
+    policy.set_paused("b", False)
+    policy._active["b"].checkpoint_every = 4
+    assert not policy.plans_ahead(decoding)
+
+
+def test_with_plans_made_ahead_every_request_gets_the_same_tokens_and_chunks():
+    results = []
+    for run_ahead in (False, True):
+        sim = Sim(make_policy(max_batch_size=3, chunk_size=4, token_budget=8), run_ahead=run_ahead)
+        for i, (prompt_len, max_tokens) in enumerate([(9, 7), (3, 12), (14, 5), (2, 9)]):
+            sim.add(make_tracked(f"r{i}", prompt_len=prompt_len, max_tokens=max_tokens))
+        sim.run()
+        ahead = sum(1 for record in sim.steps if record.plan == StepPlan(decode=True))
+        results.append(({rid: (e.reason, sim.tokens[rid], sim.chunks_of(rid)) for rid, e in sim.ended.items()}, ahead))
+    (plain, _), (ahead, decode_steps) = results
+    assert ahead == plain and decode_steps > 0
 
 
 def test_requests_ended_before_admission_count_as_finished():
