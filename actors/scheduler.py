@@ -1,13 +1,15 @@
 """The scheduler actor: admission, continuous batching, cancellation.
 
 Receives `protocols.scheduler` messages; asks the KV store for room before
-admitting; sends one `RunStep` at a time to the model actor; reports tokens,
-progress and endings to each request's session (never blocking on one: session
-inboxes coalesce). Decisions are `SchedulePolicy`'s; this class moves messages.
+admitting; hands the model one step plan at a time, and handles its outcome before
+planning the next; reports tokens, progress and endings to each request's session
+(never blocking on one: session inboxes coalesce). Decisions are `SchedulePolicy`'s;
+this class moves messages.
 
-While only decode rows run and steps are short (`scheduler.run_ahead_below_s`), the next
-decode step is queued on the MLX thread before the last one's outcome is handled, so two
-are queued at once and the device does not wait on this task between them.
+The exception: while only decode rows run and steps are short
+(`scheduler.run_ahead_below_s`), the next decode step is queued on the MLX thread before
+the last one's outcome is handled, so two are queued at once and the device does not
+wait on this task between them.
 """
 
 from __future__ import annotations

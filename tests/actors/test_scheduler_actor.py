@@ -88,9 +88,15 @@ def policy(**options) -> SchedulePolicy:
 
 
 @asynccontextmanager
-async def running(schedule: SchedulePolicy | None = None, **kv_options):
+async def running(schedule: SchedulePolicy | None = None, *, thread: FakeThread | None = None, run_ahead_below_s: float = 0.0, **kv_options):
+    """A scheduler between a fake KV store and a fake model; with `thread`, steps are queued on
+    it (`start_step`) and only those that find it full go through the model's inbox."""
     kv, model = FakeKv(**kv_options), FakeModel()
-    scheduler = model.scheduler = SchedulerActor(schedule or policy(), model=model.inbox, kv=kv.inbox, capacity=32)
+    start_step = thread.start_step if thread is not None else None
+    scheduler = SchedulerActor(schedule or policy(), model=model.inbox, kv=kv.inbox, capacity=32, start_step=start_step, run_ahead_below_s=run_ahead_below_s)
+    model.scheduler = scheduler
+    if thread is not None:
+        thread.scheduler = scheduler
     with kv.inbox, model.inbox, anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
             tg.start_soon(kv.run)
@@ -272,6 +278,7 @@ class FakeThread:
     def __init__(self, room: int = 8) -> None:
         self.queued: list[tuple[StepPlan, Job]] = []
         self.room = room
+        self.scheduler: SchedulerActor | None = None
 
     def start_step(self, plan: StepPlan) -> Job | None:
         if len(self.queued) >= self.room:
@@ -280,13 +287,13 @@ class FakeThread:
         self.queued.append((plan, job))
         return job
 
-    async def complete(self, reply: StepOutcome | StepFailed, *, then: tuple = (), scheduler: SchedulerActor | None = None) -> StepPlan:
+    async def complete(self, reply: StepOutcome | StepFailed, *, then: tuple = ()) -> StepPlan:
         """Finish the oldest queued job once every task is idle; `then` goes to the scheduler's
         inbox first (as `FakeModel.step`)."""
         await anyio.wait_all_tasks_blocked()
-        for message in then:
-            assert scheduler is not None
-            scheduler.inbox.send_nowait(message)
+        if then:
+            assert self.scheduler is not None
+            submit(self.scheduler, *then)
         plan, job = self.queued.pop(0)
         job._outcome.append(reply)
         job._done.set()
@@ -298,15 +305,9 @@ class FakeThread:
 
 @asynccontextmanager
 async def running_ahead(run_ahead_below_s: float = 0.02, room: int = 8, **kv_options):
-    kv, model, thread = FakeKv(**kv_options), FakeModel(), FakeThread(room)
-    scheduler = SchedulerActor(policy(), model=model.inbox, kv=kv.inbox, capacity=32, start_step=thread.start_step, run_ahead_below_s=run_ahead_below_s)
-    model.scheduler = scheduler
-    with kv.inbox, model.inbox, anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(kv.run)
-            await tg.start(scheduler.run)
-            yield scheduler, thread, kv, model
-            tg.cancel_scope.cancel()
+    thread = FakeThread(room)
+    async with running(thread=thread, run_ahead_below_s=run_ahead_below_s, **kv_options) as (scheduler, model, kv):
+        yield scheduler, thread, kv, model
 
 
 def tokens(rid: str, *ids: int, step_s: float = 0.001, **fields) -> StepOutcome:
@@ -346,7 +347,7 @@ async def test_a_request_arriving_during_run_ahead_is_admitted_in_the_plan_after
         await thread.complete(tokens("a", 5))
         # "b" arrives while two decode steps are queued: the first of them runs as planned, and
         # nothing more is queued ahead until "b" is in.
-        await thread.complete(tokens("a", 6), then=(add("b", SessionMailbox()),), scheduler=scheduler)
+        await thread.complete(tokens("a", 6), then=(add("b", SessionMailbox()),))
         await anyio.wait_all_tasks_blocked()
         assert thread.plans() == [DECODE]
         await thread.complete(tokens("a", 7))
@@ -360,7 +361,7 @@ async def test_a_request_cancelled_during_run_ahead_gets_no_token_after_the_canc
         session = SessionMailbox()
         submit(scheduler, add("a", session))
         await thread.complete(tokens("a", 5))
-        await thread.complete(tokens("a", 6), then=(CancelRequest(request_id="a"),), scheduler=scheduler)
+        await thread.complete(tokens("a", 6), then=(CancelRequest(request_id="a"),))
         # The step queued before the cancel arrived still decodes the row; its token is dropped.
         await thread.complete(tokens("a", 7))
         await anyio.wait_all_tasks_blocked()
