@@ -20,8 +20,12 @@ from engine.kv.factory import make_slots
 from engine.kv.paged import BlockPool
 from engine.kv.slots import FullSlots, ListSlots, Slots, StateSlots
 from engine.step import LEN_STEP, Step, round_up
+from policies.blocks import blocks_for
 from policies.layout import RING_MARGIN, is_trimmable
 from protocols.model import LayerLayout
+
+# The fewest blocks per row the compiled step attends over (`DecodeBatch._traced_blocks`).
+MIN_TRACED_BLOCKS = 8
 
 
 def _next_power_of_two(n: int) -> int:
@@ -208,12 +212,25 @@ class DecodeBatch:
         lengths = self.lengths
         rows = len(lengths)
         self._reserve(rows, max(lengths) + 1)
-        outputs = compiled(tokens, mx.array(lengths, dtype=mx.int32), *(a for slots in self.slots for a in slots.traced_inputs(rows)))
+        positions = mx.array(lengths, dtype=mx.int32)
+        blocks = self._traced_blocks(lengths) if self.paged else positions  # (unread without paged layers)
+        outputs = compiled(tokens, positions, blocks, *(a for slots in self.slots for a in slots.traced_inputs(rows)))
         remaining = iter(outputs[1:])
         for slots in self.slots:
             slots.take_traced(remaining, rows)
         self.lengths = [n + 1 for n in lengths]
         return outputs[0]
+
+    def _traced_blocks(self, lengths: list[int]) -> mx.array:
+        """The rows' block ids for the compiled step, each row's table with blocks for its new
+        position, cut or padded (block 0, never read: past the row's length) to a count that
+        grows by powers of two (from `MIN_TRACED_BLOCKS`), so that the step's shapes, and so its
+        traces, change a few times over a row's life rather than at every block."""
+        assert self.pool is not None
+        self._extend_tables(range(len(lengths)), lengths, [1] * len(lengths))
+        size = self.pool.block_size
+        per_row = max(MIN_TRACED_BLOCKS, _next_power_of_two(blocks_for(max(lengths) + 1, size)))
+        return mx.array([b for table in self.tables for b in (table[:per_row] + [0] * max(0, per_row - len(table)))], dtype=mx.int32)
 
     def unpadded_groups(self, lengths: list[int]) -> list[list[int]]:
         """Indices of inputs that may share a forward. Padding is masked out of attention, but

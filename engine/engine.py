@@ -117,12 +117,12 @@ class Engine:
         if mx.default_device() == mx.cpu and compiled:  # (not in a distributed world: `engine.build`)
             native.load()
         self._batch = DecodeBatch(layout, self._pool)
-        # A lone row decodes uncompiled when quantized (traced: 12.5 vs 13.5 tok/s at 2,048), paged
-        # (read in place: no fixed buffers) or sharded (collectives stay out of traced functions).
+        # A lone row decodes uncompiled when quantized (traced: 12.5 vs 13.5 tok/s at 2,048) or
+        # sharded (collectives stay out of traced functions).
         self._quantized = is_quantized(layout)
         # (A model whose rotary positions the engine passes, Qwen-VL's, decodes uncompiled.)
         explicit = getattr(model, "explicit_positions", False)
-        self._decode_step = compile_decode_step(model, layout) if compiled and not self._quantized and self._pool is None and not explicit else None
+        self._decode_step = compile_decode_step(model, layout) if compiled and not self._quantized and not explicit else None
         # Quantized first chunks prefill together over full attention without a float head only.
         together = not self._quantized or (self._trimmable and quantized_start(layout) == 0)
         self._batched_prefill_limit = float("inf") if together else quantized_start(layout)

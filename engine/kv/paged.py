@@ -208,8 +208,8 @@ class BlockPool:
     def write(self, ordinal: int, keys: mx.array, values: mx.array, index: mx.array) -> None:
         """`keys`/`values` `[heads, n, dim]` at flat `[heads * n]` `index`."""
         pool_keys, pool_values = self.arrays(ordinal)
-        self.keys[ordinal] = _scatter(pool_keys, keys, index)
-        self.values[ordinal] = _scatter(pool_values, values, index)
+        self.keys[ordinal] = scatter_flat(pool_keys, keys, index)
+        self.values[ordinal] = scatter_flat(pool_values, values, index)
 
     def write_positions(self, ordinal: int, table: Sequence[int], keys: mx.array, values: mx.array, start: int) -> None:
         """One request's `[1, heads, n, dim]` keys and values as its positions `[start, start + n)`."""
@@ -229,7 +229,7 @@ class BlockPool:
             start = first * self.block_size
             return keys[None, :, start : start + width], values[None, :, start : start + width]
         index = mx.array(list(table[: blocks_for(width, self.block_size)]), dtype=mx.int32)
-        return _gather_blocks(keys, index, 1, width, self.block_size), _gather_blocks(values, index, 1, width, self.block_size)
+        return gather_blocks(keys, index, 1, width, self.block_size), gather_blocks(values, index, 1, width, self.block_size)
 
     def copy_positions(self, source: Sequence[int], target: Sequence[int], start: int, stop: int) -> None:
         """Positions `[start, stop)` of a sequence in `source` blocks into `target` blocks, in
@@ -254,14 +254,14 @@ def _resized(array: mx.array | None, layer: LayerLayout, dim: int, old: int, pos
     return resized
 
 
-def _scatter(pool: mx.array, new: mx.array, index: mx.array) -> mx.array:
+def scatter_flat(pool: mx.array, new: mx.array, index: mx.array) -> mx.array:
     heads, positions, dim = pool.shape
     flat = pool.reshape(heads * positions, dim)
     flat[index] = new.reshape(-1, dim)
     return flat.reshape(heads, positions, dim)
 
 
-def _heads_first(x: mx.array) -> mx.array:
+def heads_first(x: mx.array) -> mx.array:
     """`[rows, heads, n, dim]` as `[heads, rows * n, dim]` (row-major over rows, then n)."""
     rows, heads, n, dim = x.shape
     return x.transpose(1, 0, 2, 3).reshape(heads, rows * n, dim)
@@ -369,10 +369,15 @@ class PagedSlots(FullSlots):
         pass  # the batch moves the row's table
 
     def traced_inputs(self, rows: int) -> list[mx.array]:
-        raise NotImplementedError("a paged batch does not run the compiled step")
+        """The layer's pools for the compiled step (`engine.compiled`), which writes them and
+        returns them (`take_traced`). Nothing else keeps them meanwhile, so that the write
+        reuses their memory rather than copying the pool."""
+        self._fetched = None
+        return list(self.pool.arrays(self.ordinal))
 
     def take_traced(self, outputs: Iterator[mx.array], rows: int) -> None:
-        raise NotImplementedError("a paged batch does not run the compiled step")
+        pool = self.pool
+        pool.keys[self.ordinal], pool.values[self.ordinal] = next(outputs), next(outputs)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         step = self._batch.step
@@ -383,7 +388,7 @@ class PagedSlots(FullSlots):
         # (The last step's read holds the pool's last arrays: dropped first, so that a write
         # evaluated on its own, as the step profiler does, still scatters in place.)
         self._fetched = None
-        pool.write(self.ordinal, _heads_first(keys), _heads_first(values), index)
+        pool.write(self.ordinal, heads_first(keys), heads_first(values), index)
         self._fetched = self._read(step)
         return self._fetched
 
@@ -438,7 +443,7 @@ class PagedSlots(FullSlots):
                 row_keys, row_values = pool_keys[None, :, read:end], pool_values[None, :, read:end]
             else:
                 size, length = self.pool.block_size, step.starts[row] + 1
-                row_keys, row_values = _gather_blocks(pool_keys, read, 1, length, size), _gather_blocks(pool_values, read, 1, length, size)
+                row_keys, row_values = gather_blocks(pool_keys, read, 1, length, size), gather_blocks(pool_values, read, 1, length, size)
             with lanes.suspended(), mx.stream(lanes.second()) if split and row % 2 else contextlib.nullcontext():
                 outputs.append(_attention(queries[row : row + 1], row_keys, row_values, scale, None))
         return mx.concatenate(outputs, axis=0)
@@ -476,7 +481,7 @@ class PagedSlots(FullSlots):
 
         def half(q: mx.array, own: mx.array, m) -> mx.array:
             n = q.shape[0]
-            return _attention(q, _gather_blocks(pool_keys, own, n, width, size), _gather_blocks(pool_values, own, n, width, size), scale, m)
+            return _attention(q, gather_blocks(pool_keys, own, n, width, size), gather_blocks(pool_values, own, n, width, size), scale, m)
 
         masks = lanes.split_mask(mask, 0, at, rows)
         return lanes.halves(half, (queries[:at], blocks[: at * per_row], masks[0]), (queries[at:], blocks[at * per_row :], masks[1]), axis=0)
@@ -514,7 +519,7 @@ class PagedSlots(FullSlots):
             return keys[None, :, read : read + width], values[None, :, read : read + width]
         rows = len(step.starts)
         size = self.pool.block_size
-        return _gather_blocks(keys, read, rows, width, size), _gather_blocks(values, read, rows, width, size)
+        return gather_blocks(keys, read, rows, width, size), gather_blocks(values, read, rows, width, size)
 
     def _read_plan(self, step: Step, width: int) -> int | mx.array:
         """Where the step's rows' positions `[0, width)` are: the pool position they start at
@@ -553,7 +558,7 @@ def _attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float
     return out if out is not None else lanes.sdpa(queries, keys, values, scale, mask)
 
 
-def _gather_blocks(pool: mx.array, blocks: mx.array, rows: int, width: int, block_size: int) -> mx.array:
+def gather_blocks(pool: mx.array, blocks: mx.array, rows: int, width: int, block_size: int) -> mx.array:
     """`[rows, heads, width, dim]`: each row's first `width` positions from its `blocks`
     (`rows * n` block ids, row-major), copied a whole block at a time (MLX gathers a block's
     `block_size x dim` run faster than its positions one by one)."""

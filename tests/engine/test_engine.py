@@ -311,6 +311,95 @@ def test_the_compiled_one_token_step_matches_the_op_by_op_step(model_and_tokeniz
     assert traced.lengths == built.lengths and traced.capacity[1] > LEN_STEP
 
 
+def _paged_batch(model, layout, prompts: list[list[int]]):
+    """A paged decode batch (its own pool) holding each prompt's KV but its last token, each
+    row's blocks split by a block held elsewhere (so no row's positions run contiguously)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.batch import DecodeBatch
+    from engine.kv.paged import BlockPool
+
+    pool = BlockPool(layout)
+    batch = DecodeBatch(layout, pool)
+    for i, prompt in enumerate(prompts):
+        table = pool.allocate(2)
+        pool.allocate(1)  # (held by no row: the table's next blocks come after it)
+        cache = make_prompt_cache(model)
+        model(mx.array(prompt[:-1])[None], cache=cache)
+        batch.add_row(f"r{i}", cache, len(prompt) - 1, table=table)
+    return batch
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "mlx-ops"])
+@pytest.mark.parametrize("name,rows", [("tiny", 1), ("tiny", 2), ("tiny-gemma3", 1), ("tiny-lfm2", 1)])
+def test_the_compiled_step_over_paged_layers_matches_the_op_by_op_step(name, rows, kernels, monkeypatch):
+    """A paged batch's compiled one-token step (its pools written in place, each row reading
+    its own scattered blocks; with mlxrt's paged kernel or over a gathered copy): the logits
+    and greedy tokens of the op-by-op paged step, across a pool growth and the growth of the
+    attended blocks past `MIN_TRACED_BLOCKS`; traced once per such geometry, not per step."""
+    import mlx.core as mx
+
+    from engine import compiled, lanes, native
+    from engine.batch import MIN_TRACED_BLOCKS
+    from engine.compiled import compile_decode_step
+
+    if kernels and native.load() is None:
+        pytest.skip("mlxrt's CPU kernels are not built on this machine")
+    traces: list[int] = []
+
+    class Counted(compiled._Masks):
+        def __init__(self, *args):
+            traces.append(1)
+            super().__init__(*args)
+
+    monkeypatch.setattr(compiled, "_Masks", Counted)
+    model, _ = load_reference(f"builtin:{name}")
+    layout = with_kv_blocks(probe_layout(model), 4)
+    edge = MIN_TRACED_BLOCKS * 4  # the positions the first traced width holds
+    prompts = random_prompts([edge - 5, 9][:rows])
+    step = compile_decode_step(model, layout)
+    traced, built = _paged_batch(model, layout, prompts), _paged_batch(model, layout, prompts)
+    tokens = [p[-1] for p in prompts]
+    with lanes.parallel(kernels):
+        for i in range(12):
+            if i == 3:  # (the first row attends past `edge` from step 6)
+                for batch in (traced, built):
+                    assert batch.pool is not None
+                    batch.pool.allocate(batch.pool.allocator.num_free + 1)  # (the pool grows)
+            a = traced.forward_one(step, mx.array(tokens, dtype=mx.uint32))
+            b = _step(model, built, tokens)
+            assert mx.allclose(a, b, atol=1e-4).item()
+            tokens = mx.argmax(a, axis=-1).tolist()
+            assert tokens == mx.argmax(b, axis=-1).tolist()
+    assert traced.lengths == built.lengths and max(traced.lengths) > edge
+    assert len(traces) == 3  # the first geometry, the grown pool, the wider blocks
+
+
+def test_a_lone_paged_request_decodes_through_the_compiled_step_with_mlx_lms_tokens():
+    """A paged engine's lone request decodes with the compiled step (not building the
+    model's graph each step), past a widening of its attended blocks, with mlx-lm's tokens."""
+    from engine.batch import MIN_TRACED_BLOCKS
+
+    model, tokenizer = load_reference("builtin:tiny")
+    engine = Engine(model, with_kv_blocks(probe_layout(model), 4))
+    assert engine._decode_step is not None
+    calls: list[int] = []
+    step = engine._decode_step
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return step(*args)
+
+    engine._decode_step = counted
+    prompt = random_prompts([MIN_TRACED_BLOCKS * 4 - 6])[0]
+    driver = Driver(engine)
+    driver.admit(admit_request("a", prompt, max_tokens=16))
+    driver.run()
+    assert driver.tokens["a"] == greedy_tokens(model, tokenizer, prompt, 16)
+    assert len(calls) >= 15 and set(calls) == {1}  # (every token after the first, which the prefill samples)
+
+
 @pytest.mark.parametrize("name", ["tiny", "tiny-gemma3", "tiny-lfm2", "nemotron_h"])
 def test_rows_appending_different_counts_equal_appending_one_at_a_time(name):
     """Known tokens of unequal counts appended over some rows in one call (the jump-forward

@@ -304,7 +304,7 @@ def test_paged_attention_is_decode_attention_over_the_gathered_blocks(kernels, m
     after its first block, so it is copied), and rows wide enough for OpenBLAS to thread their
     products."""
     from engine.kv.attention import decode_attention
-    from engine.kv.paged import _gather_blocks
+    from engine.kv.paged import gather_blocks
 
     per_row = -(-width // block_size) + 1  # (a spare block past the width, as a row may hold)
     dim, pool_blocks = 64, rows * per_row + 8
@@ -326,7 +326,7 @@ def test_paged_attention_is_decode_attention_over_the_gathered_blocks(kernels, m
         "additive": mx.random.normal((rows, 1, 1, width), key=k5),
         "one": mx.random.uniform(shape=(1, 1, 1, width), key=k5) > 0.2,
     }[mask_kind]
-    keys, values = _gather_blocks(pool_keys, blocks, rows, width, block_size), _gather_blocks(pool_values, blocks, rows, width, block_size)
+    keys, values = gather_blocks(pool_keys, blocks, rows, width, block_size), gather_blocks(pool_values, blocks, rows, width, block_size)
     expected = decode_attention(queries, keys, values, 0.125, mask)
     assert expected is not None
     stacked = (mx.array(0.125, mx.float32) * queries).reshape(rows, kv_heads, heads // kv_heads, dim)
@@ -343,7 +343,7 @@ def test_paged_attention_with_lengths_is_decode_attention_over_each_row_alone(ke
     its own first `lengths[r]` positions, bit for bit `decode_attention` over that row alone
     (`PagedSlots._attend_rows`), the padded positions never read."""
     from engine.kv.attention import decode_attention
-    from engine.kv.paged import _gather_blocks
+    from engine.kv.paged import gather_blocks
 
     heads, kv_heads, dim = 9, 3, 64
     per_row = -(-width // block_size)
@@ -363,7 +363,7 @@ def test_paged_attention_with_lengths_is_decode_attention_over_each_row_alone(ke
     ).reshape(rows, heads, 1, -1)
     for r, n in enumerate(lengths):
         own = blocks[r * per_row : (r + 1) * per_row]
-        keys, values = _gather_blocks(pool_keys, own, 1, n, block_size), _gather_blocks(pool_values, own, 1, n, block_size)
+        keys, values = gather_blocks(pool_keys, own, 1, n, block_size), gather_blocks(pool_values, own, 1, n, block_size)
         expected = decode_attention(queries[r : r + 1], keys, values, 0.125, None)
         assert expected is not None
         assert _equal(got[r : r + 1], expected), (r, n)
