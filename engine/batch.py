@@ -13,8 +13,10 @@ state and read `lengths`. All of them answer from the step's geometry (`begin_st
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from engine.kv.factory import make_slots
 from engine.kv.paged import BlockPool
@@ -26,6 +28,13 @@ from protocols.model import LayerLayout
 
 # The fewest blocks per row the compiled step attends over (`DecodeBatch._traced_blocks`).
 MIN_TRACED_BLOCKS = 8
+
+
+class _BlockIds(NamedTuple):
+    key: tuple
+    lengths: list[int]
+    ids: np.ndarray
+    array: mx.array
 
 
 def _next_power_of_two(n: int) -> int:
@@ -58,6 +67,10 @@ class DecodeBatch:
         self.has_state = any(isinstance(s, StateSlots | ListSlots) for s in self.slots)
         self.step: Step | None = None
         self._rows_capacity = 0
+        # The last `block_ids` made, and what it was made from (rows joining or leaving bump
+        # `_rows_version`; tables only grow while their row is in the batch).
+        self._rows_version = 0
+        self._block_ids: _BlockIds | None = None
 
     def __len__(self) -> int:
         return len(self.row_ids)
@@ -93,6 +106,7 @@ class DecodeBatch:
             self.pool.ensure(table, length + 1)
             self.tables.append(table)
         self._reserve(row + 1, length + 1)
+        self._rows_version += 1
         for layer, slots in enumerate(self.slots):
             slots.join_row(row, caches[layer] if caches else None, length)
         self.row_ids.append(request_id)
@@ -113,6 +127,7 @@ class DecodeBatch:
         row = self.index(request_id)
         last = len(self.row_ids) - 1
         order = list(range(last))
+        self._rows_version += 1
         if self.paged:  # (the request keeps its table and its blocks)
             self.tables[row] = self.tables[last]
             self.tables.pop()
@@ -229,8 +244,27 @@ class DecodeBatch:
         assert self.pool is not None
         self._extend_tables(range(len(lengths)), lengths, [1] * len(lengths))
         size = self.pool.block_size
-        per_row = max(MIN_TRACED_BLOCKS, _next_power_of_two(blocks_for(max(lengths) + 1, size)))
-        return mx.array([b for table in self.tables for b in (table[:per_row] + [0] * max(0, per_row - len(table)))], dtype=mx.int32)
+        return self.block_ids(None, max(MIN_TRACED_BLOCKS, _next_power_of_two(blocks_for(max(lengths) + 1, size))))
+
+    def block_ids(self, rows: Sequence[int] | None, per_row: int) -> mx.array:
+        """`rows`' (every row's: None) first `per_row` blocks, row-major, a row with fewer padded
+        with block 0 (read by no step: past the row's end). Kept while the rows and their
+        tables' lengths stay (a block is added every `block_size` steps)."""
+        tables = self.tables if rows is None else [self.tables[row] for row in rows]
+        key, lengths = (self._rows_version, None if rows is None else tuple(rows), per_row), [len(t) for t in tables]
+        kept = self._block_ids
+        if kept is not None and kept.key == key:
+            if kept.lengths == lengths:
+                return kept.array
+            changed = [i for i, (n, before) in enumerate(zip(lengths, kept.lengths)) if n != before]
+            ids = kept.ids  # (only rows whose tables grew are written again)
+        else:
+            changed, ids = list(range(len(tables))), np.zeros((len(tables), per_row), dtype=np.int32)
+        for i in changed:
+            own = tables[i][:per_row]
+            ids[i, : len(own)] = own
+        self._block_ids = _BlockIds(key, lengths, ids, mx.array(ids.reshape(-1)))
+        return self._block_ids.array
 
     def unpadded_groups(self, lengths: list[int]) -> list[list[int]]:
         """Indices of inputs that may share a forward. Padding is masked out of attention, but

@@ -37,6 +37,8 @@ class BlockAllocator:
         # skipped when popped.
         self._heap: list[int] = []
         self.num_free = 0
+        # Blocks held more than once (kept as they change: the engine reports it every step).
+        self.num_shared = 0
         self.grow(capacity)
 
     def grow(self, capacity: int) -> None:
@@ -121,12 +123,14 @@ class BlockAllocator:
             if self._refs[block] <= 0:
                 raise ValueError(f"block {block} is free")
             self._refs[block] += 1
+            self.num_shared += self._refs[block] == 2
 
     def release(self, blocks: Iterable[int]) -> None:
         for block in blocks:
             if self._refs[block] <= 0:
                 raise ValueError(f"block {block} released more often than held")
             self._refs[block] -= 1
+            self.num_shared -= self._refs[block] == 1
             if self._refs[block] == 0:
                 heapq.heappush(self._heap, block)
                 self.num_free += 1
@@ -137,13 +141,12 @@ class BlockAllocator:
     def stats(self, holders: Iterable[tuple[int, int]] = (), block_bytes: int = 0) -> KvPool:
         """`holders`: (positions, blocks held) of each holder, for the unused positions."""
         unused = sum(max(0, held * self.block_size - positions) for positions, held in holders)
-        shared = sum(1 for r in self._refs if r > 1)
         return KvPool(
             block_size=self.block_size,
             capacity=self.capacity,
             used=self.num_used,
             free=self.num_free,
-            shared=shared,
+            shared=self.num_shared,
             unused_positions=unused,
             block_bytes=block_bytes,
         )

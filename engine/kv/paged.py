@@ -533,12 +533,8 @@ class PagedSlots(FullSlots):
         return self._blocks(step, width)
 
     def _blocks(self, step: Step, width: int) -> mx.array:
-        """The step's rows' blocks covering positions `[0, width)`, row-major (a row with fewer:
-        block 0 after its own)."""
-        rows = list(step.rows) if step.rows is not None else list(range(step.num_rows))
-        tables, num_blocks = self._batch.tables, blocks_for(width, self.pool.block_size)
-        blocks = [b for row in rows for b in (tables[row][:num_blocks] + [0] * max(0, num_blocks - len(tables[row])))]
-        return mx.array(blocks, dtype=mx.int32)
+        """The step's rows' blocks covering positions `[0, width)` (`DecodeBatch.block_ids`)."""
+        return self._batch.block_ids(step.rows, blocks_for(width, self.pool.block_size))
 
     def join_row(self, row: int, cache: Any, length: int) -> None:
         """A request's paged cache is in the row's blocks already; a contiguous one (a

@@ -93,7 +93,7 @@ def test_stats_count_shared_blocks_and_positions_past_each_holders_end():
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["allocate", "hold", "release"]), st.integers(1, 4), st.integers(0, 50)), max_size=60))
-def test_free_and_used_blocks_always_add_up(operations):
+def test_free_used_and_shared_blocks_always_add_up(operations):
     allocator = BlockAllocator(8, capacity=16)
     held: list[int] = []  # one entry per reference
     for op, count, pick in operations:
@@ -112,3 +112,4 @@ def test_free_and_used_blocks_always_add_up(operations):
         assert allocator.num_used == len(set(held))
         assert allocator.num_used + allocator.num_free == allocator.capacity
         assert all(allocator.refs(b) == held.count(b) for b in range(allocator.capacity))
+        assert allocator.stats().shared == sum(1 for b in set(held) if held.count(b) > 1)
