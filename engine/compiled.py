@@ -41,7 +41,8 @@ def _scatter_one(buffer: mx.array, new: mx.array, slots: mx.array) -> mx.array:
     rows = new.shape[0]
     if rows == capacity_rows:
         return mx.put_along_axis(buffer, slots[:, None, None, None], new, axis=2)
-    index = ((mx.arange(rows)[:, None] * heads + mx.arange(heads)[None, :]) * capacity + slots[:, None]).reshape(-1)
+    # (Each (row, head)'s first position as a range, not `capacity` times an index: `_Masks`.)
+    index = (mx.arange(0, rows * heads * capacity, capacity, dtype=mx.int32).reshape(rows, heads) + slots[:, None]).reshape(-1)
     flat = buffer.reshape(capacity_rows * heads * capacity, dim)
     flat[index] = new.reshape(rows * heads, dim)
     return flat.reshape(capacity_rows, heads, capacity, dim)
@@ -49,7 +50,12 @@ def _scatter_one(buffer: mx.array, new: mx.array, slots: mx.array) -> mx.array:
 
 class _Masks:
     """The step's masks, built once per (kind, capacity, window) and shared by the layers, and
-    its paged geometry (`blocks`: each row's block ids, row-major, as many per row)."""
+    its paged geometry (`blocks`: each row's block ids, row-major, as many per row).
+
+    No Python number that changes with the shapes (a width, a pool's size) goes into the
+    elementwise ops: MLX fuses them into one C++ kernel per set of scalar constants, compiled
+    with g++ on the CPU backend, so such a constant would compile new kernels at every retrace
+    (in a request, not at the load's warm-up). Ranges carry them instead (`mx.arange`'s step)."""
 
     def __init__(self, positions: mx.array, blocks: mx.array):
         self.positions = positions
@@ -61,9 +67,11 @@ class _Masks:
         key = ("paged-writes", block_size)
         if key not in self._built:
             rows = self.positions.shape[0]
-            per_row = self.blocks.shape[0] // rows
-            own = mx.take(self.blocks, mx.arange(rows, dtype=mx.int32) * per_row + self.positions // block_size)
-            self._built[key] = own * block_size + self.positions % block_size
+            index = self.positions // block_size
+            if rows > 1:  # (each row's blocks start `per_row` after the last's)
+                per_row = self.blocks.shape[0] // rows
+                index = index + mx.arange(0, rows * per_row, per_row, dtype=mx.int32)
+            self._built[key] = mx.take(self.blocks, index) * block_size + self.positions % block_size
         return self._built[key]
 
     def lengths(self) -> mx.array:
@@ -150,7 +158,7 @@ class _TracedPaged:
             self.values = mx.slice_update(self.values, values[0], writes, (1,))
         else:
             heads, positions = self.keys.shape[:2]
-            index = (mx.arange(heads, dtype=mx.int32)[:, None] * positions + writes[None, :]).reshape(-1)
+            index = (mx.arange(0, heads * positions, positions, dtype=mx.int32)[:, None] + writes[None, :]).reshape(-1)
             self.keys = scatter_flat(self.keys, heads_first(keys), index)
             self.values = scatter_flat(self.values, heads_first(values), index)
         self._fetched = None

@@ -376,6 +376,64 @@ def test_the_compiled_step_over_paged_layers_matches_the_op_by_op_step(name, row
     assert len(traces) == 3  # the first geometry, the grown pool, the wider blocks
 
 
+_RETRACE_SCRIPT = """
+import json, pathlib, sys
+import runtime  # noqa: F401
+import mlx.core as mx
+from engine import lanes, native
+from engine.batch import MIN_TRACED_BLOCKS
+from engine.compiled import compile_decode_step
+from engine.kv.layout import probe_layout
+from policies.layout import with_kv_blocks
+from tests.engine.test_engine import _paged_batch
+from tests.support.engine_driver import random_prompts
+from tests.support.mlx_reference import load_reference
+
+kernels = lambda: sorted(p.name for p in pathlib.Path(sys.argv[1]).rglob("*.so"))
+model, _ = load_reference("builtin:tiny")
+layout = with_kv_blocks(probe_layout(model), 4)
+seen = []
+with lanes.parallel(native.load() is not None):
+    for rows in (1, 2):
+        prompts = random_prompts([MIN_TRACED_BLOCKS * 4 - 2, 9][:rows])
+        batch, step = _paged_batch(model, layout, prompts), compile_decode_step(model, layout)
+        tokens = mx.array([p[-1] for p in prompts], dtype=mx.uint32)
+        mx.eval(batch.forward_one(step, tokens))
+        first = kernels()
+        for i in range(6):  # wider blocks from the second step on, then a grown pool
+            if i == 3:
+                batch.pool.allocate(batch.pool.allocator.num_free + 1)
+            mx.eval(batch.forward_one(step, tokens))
+        seen.append([first, kernels()])
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.slow
+def test_the_compiled_paged_step_retraced_at_a_new_width_or_pool_compiles_no_new_kernel(tmp_path):
+    """MLX compiles the step's fused elementwise ops with g++ once per set of scalar constants
+    (on the CPU backend, into `$TMPDIR`, once per process): a retrace for wider blocks or a
+    grown pool must find every kernel it needs made already, or a request would wait on g++
+    after the load's warm-up. (A fresh process, so that no kernel is loaded already.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("only the CPU backend compiles kernels with g++")
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(repo)}
+    result = subprocess.run([sys.executable, "-c", _RETRACE_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env, cwd=repo, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (one_first, one_after), (two_first, two_after) = json.loads(result.stdout.strip().splitlines()[-1])
+    assert one_first and one_after == one_first  # a lone row: a slice update
+    assert two_after == two_first  # two rows: a scatter
+
+
 def test_a_lone_paged_request_decodes_through_the_compiled_step_with_mlx_lms_tokens():
     """A paged engine's lone request decodes with the compiled step (not building the
     model's graph each step), past a widening of its attended blocks, with mlx-lm's tokens."""
