@@ -29,7 +29,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList
 
 from engine import lanes
 from engine.kv.attention import DECLINED, decode_attention, stack_queries, stacked_mask
-from engine.kv.paged import gather_blocks, heads_first, scatter_flat
+from engine.kv.paged import flat_index, gather_blocks, heads_first, scatter_flat
 from policies.layout import ring_capacity
 from protocols.model import LayerLayout
 
@@ -157,8 +157,7 @@ class _TracedPaged:
             self.keys = mx.slice_update(self.keys, keys[0], writes, (1,))
             self.values = mx.slice_update(self.values, values[0], writes, (1,))
         else:
-            heads, positions = self.keys.shape[:2]
-            index = (mx.arange(0, heads * positions, positions, dtype=mx.int32)[:, None] + writes[None, :]).reshape(-1)
+            index = flat_index(writes, *self.keys.shape[:2])
             self.keys = scatter_flat(self.keys, heads_first(keys), index)
             self.values = scatter_flat(self.values, heads_first(values), index)
         self._fetched = None

@@ -202,8 +202,7 @@ class BlockPool:
         return keys, values
 
     def flat_index(self, positions: mx.array, heads: int) -> mx.array:
-        """`[heads * n]` flat indices of pool positions `positions` (`[n]`) in every head."""
-        return (mx.arange(heads, dtype=mx.int32)[:, None] * self.positions + positions[None, :]).reshape(-1)
+        return flat_index(positions, heads, self.positions)
 
     def write(self, ordinal: int, keys: mx.array, values: mx.array, index: mx.array) -> None:
         """`keys`/`values` `[heads, n, dim]` at flat `[heads * n]` `index`."""
@@ -252,6 +251,14 @@ def _resized(array: mx.array | None, layer: LayerLayout, dim: int, old: int, pos
     if array is not None and old:
         resized[:, :old] = array
     return resized
+
+
+def flat_index(positions: mx.array, heads: int, pool_positions: int) -> mx.array:
+    """`[heads * n]` flat indices of pool positions `positions` (`[n]`) in every head of a pool
+    of `pool_positions`. (Each head's start as a range, not the pool's size times an index: no
+    size-dependent constant in a compiled step's fused ops, `engine.compiled._Masks`.)"""
+    starts = mx.arange(0, heads * pool_positions, pool_positions, dtype=mx.int32)
+    return (starts[:, None] + positions[None, :]).reshape(-1)
 
 
 def scatter_flat(pool: mx.array, new: mx.array, index: mx.array) -> mx.array:
