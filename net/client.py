@@ -64,6 +64,9 @@ class Client:
                 raise _error_for(welcome)
             if not isinstance(welcome, Welcome):
                 raise ServerError("protocol_error", f"expected Welcome, got {type(welcome).__name__}")
+            if welcome.protocol_version != PROTOCOL_VERSION:
+                # Every frame after it would be in another version's shape.
+                raise ServerError("protocol_error", f"the server chose protocol version {welcome.protocol_version}; this client speaks {PROTOCOL_VERSION}")
             client = cls(stream, reader, welcome)
             with single_errors():
                 async with anyio.create_task_group() as tg:

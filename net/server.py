@@ -27,6 +27,7 @@ from protocols.api import Finished
 from protocols.errors import ErrorCode, MlxrtError, error_code
 from protocols.wire import (
     PROTOCOL_VERSION,
+    SUPPORTED_PROTOCOL_VERSIONS,
     AdapterCommand,
     Adapters,
     Cancel,
@@ -39,6 +40,7 @@ from protocols.wire import (
     ModelSummary,
     Resume,
     Welcome,
+    for_version,
 )
 from runtime.config import ServerConfig
 from runtime.serving import Serving
@@ -123,10 +125,11 @@ class Server:
         except FileNotFoundError:
             pass
 
-    def welcome(self) -> Welcome:
+    def welcome(self, version: int = PROTOCOL_VERSION) -> Welcome:
+        """The answer to a `Hello` that chose protocol `version`."""
         info, config = self.runtime.model_info, self.runtime.config
         return Welcome(
-            protocol_version=PROTOCOL_VERSION,
+            protocol_version=version,
             model=ModelSummary(
                 path=info.path,
                 model_type=info.model_type,
@@ -156,6 +159,8 @@ class Connection:
         self._outbox_send, self._outbox_receive = anyio.create_memory_object_stream[bytes](server.config.send_buffer_frames)
         self._reading = anyio.CancelScope()
         self._writer_done = anyio.Event()
+        # The protocol version this client's Hello chose: the shape of everything sent to it.
+        self._version = PROTOCOL_VERSION
 
     def stop_reading(self) -> None:
         """Take no more requests; the live ones are cancelled and their endings flushed."""
@@ -180,7 +185,7 @@ class Connection:
             tg.cancel_scope.cancel()
 
     async def send(self, message: msgspec.Struct) -> None:
-        await self._outbox_send.send(encode_frame(message))
+        await self._outbox_send.send(encode_frame(for_version(message, self._version)))
 
     async def _write_loop(self) -> None:
         stall = self._server.config.client_stall_timeout_s
@@ -239,17 +244,23 @@ class Connection:
                 return False
 
     async def _handshake(self, reader: FrameReader) -> bool:
+        """Read the Hello and settle this connection's protocol version; any other first frame, or
+        a version this server does not speak, is refused (naming the versions it does)."""
         with anyio.move_on_after(self._server.config.handshake_timeout_s):
             try:
                 body = await reader.read_frame()
                 hello = reader.decode(body) if body is not None else None
             except (FrameTooLarge, anyio.IncompleteRead, msgspec.DecodeError, msgspec.ValidationError):
                 hello = None
-            if not isinstance(hello, Hello) or hello.protocol_version != PROTOCOL_VERSION:
-                message = f"the first frame must be Hello(protocol_version={PROTOCOL_VERSION})"
-                await self.send(Error(code="protocol_error", message=message))
+            if not isinstance(hello, Hello):
+                await self.send(_version_refusal("the first frame must be a Hello"))
                 return False
-            await self.send(self._server.welcome())
+            if hello.protocol_version not in SUPPORTED_PROTOCOL_VERSIONS:
+                log.info("protocol_version_refused", protocol_version=hello.protocol_version)
+                await self.send(_version_refusal(f"protocol version {hello.protocol_version} is not supported"))
+                return False
+            self._version = hello.protocol_version
+            await self.send(self._server.welcome(self._version))
             return True
         log.warning("handshake_timeout", seconds=self._server.config.handshake_timeout_s)
         return False
@@ -321,6 +332,13 @@ class Connection:
             pass  # the client is gone; its requests are being cancelled
         finally:
             self._requests.discard(rid)
+
+
+def _version_refusal(reason: str) -> Error:
+    """The Error that ends a handshake: why, and the versions a client may ask for."""
+    versions = ", ".join(map(str, SUPPORTED_PROTOCOL_VERSIONS))
+    message = f"{reason}; this server speaks protocol versions {versions}: send Hello(protocol_version=N) with one of them first"
+    return Error(code="protocol_error", message=message, supported_versions=list(SUPPORTED_PROTOCOL_VERSIONS))
 
 
 def _refusal(rid: str, exc: MlxrtError) -> Error:

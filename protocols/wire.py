@@ -9,13 +9,26 @@ from __future__ import annotations
 
 from typing import Literal
 
-from protocols.api import AdapterInfo, DenoiseProgress, Finished, GenerateRequest, PrefillProgress, TokenDelta, ToolCall, ToolCallDelta
+import msgspec
+
+from protocols.api import AdapterInfo, DenoiseProgress, Finished, GenerateRequest, ModelStatus, PrefillProgress, TokenDelta, ToolCall, ToolCallDelta
 from protocols.base import Message, Record
 from protocols.errors import ErrorCode
+from protocols.kv import KvStats
+from protocols.metrics import MetricsSnapshot
+from protocols.model import WorldStats
+from protocols.scheduler import SchedulerStats
 from protocols.stats import Stats
 
+# The versions this server speaks, oldest first: a connection's `Hello` picks one, and every
+# server message on it takes that version's shape (`for_version`). README.md "Versions".
+# `Hello` and `Error` keep one shape in every version, and the client messages are the same in both
+# (`AdapterCommand` came in version 1).
+# 1: the first version.
 # 2: `Stats` is the runtime's own struct (`protocols.stats`), with `adapters`.
-PROTOCOL_VERSION = 2
+SUPPORTED_PROTOCOL_VERSIONS: tuple[int, ...] = (1, 2)
+# The newest, which `net.client` speaks.
+PROTOCOL_VERSION = SUPPORTED_PROTOCOL_VERSIONS[-1]
 
 # -- client -> server --------------------------------------------------------------
 
@@ -92,6 +105,9 @@ class Error(Message, frozen=True):
     request_id: str | None = None
     # For invalid requests: the offending field, e.g. "sampling.temperature".
     field: str | None = None
+    # Only in a handshake's refusal (a first frame that is not a Hello of a version the server
+    # speaks): the versions it does. Unset (not encoded) otherwise: other Errors keep their shape.
+    supported_versions: list[int] | msgspec.UnsetType = msgspec.UNSET
 
 
 class Adapters(Message, frozen=True):
@@ -105,3 +121,33 @@ class Adapters(Message, frozen=True):
 
 
 ServerMessage = Welcome | TokenDelta | ToolCall | ToolCallDelta | PrefillProgress | DenoiseProgress | Finished | Error | Stats | Adapters
+
+
+# -- older versions --------------------------------------------------------------
+
+
+class StatsV1(Message, frozen=True, tag="Stats"):
+    """`Stats` as version 1 sends it: the socket's own struct, without `adapters`."""
+
+    scheduler: SchedulerStats
+    kv: KvStats
+    live_requests: int
+    connections: int
+    metrics: MetricsSnapshot | None = None
+    models: list[ModelStatus] = msgspec.field(default_factory=list)
+    world: WorldStats | None = None
+
+
+def for_version(message: msgspec.Struct, version: int) -> msgspec.Struct:
+    """`message` in the shape a client of protocol `version` decodes (the newest: unchanged)."""
+    if version < 2 and isinstance(message, Stats):
+        return StatsV1(
+            scheduler=message.scheduler,
+            kv=message.kv,
+            live_requests=message.live_requests,
+            connections=message.connections,
+            metrics=message.metrics,
+            models=message.models,
+            world=message.world,
+        )
+    return message

@@ -12,7 +12,7 @@ import pytest
 from net.client import Client
 from net.framing import HEADER
 from protocols.api import Finished, GenerateRequest, TokenDelta
-from protocols.wire import PROTOCOL_VERSION, Cancel, Error, Generate, GetStats, Hello, Stats
+from protocols.wire import PROTOCOL_VERSION, SUPPORTED_PROTOCOL_VERSIONS, Cancel, Error, Generate, GetStats, Hello, Stats
 from tests.support.config import CHUNK
 from tests.support.events import collect
 from tests.support.mlx_reference import greedy_tokens, load_reference
@@ -121,13 +121,14 @@ UNKNOWN_TAGS = [
     {"type": "Shutdown"},
 ]
 
-# First frames that are not a valid Hello: each gets protocol_error and the connection closes.
+# First frames that are not a valid Hello: each gets protocol_error naming the supported versions,
+# and the connection closes.
 NOT_HELLO_FIRST = [
     pack({"type": "Generate", "request": {"prompt_ids": [1, 2, 3], "request_id": "early"}}),
     pack({"type": "GetStats"}),
     pack({"type": "Cancel", "request_id": "x"}),
-    pack({"type": "Hello", "protocol_version": PROTOCOL_VERSION + 1}),
-    pack({"type": "Hello", "protocol_version": 0}),
+    pack({"type": "Hello", "protocol_version": max(SUPPORTED_PROTOCOL_VERSIONS) + 1}),
+    pack({"type": "Hello", "protocol_version": min(SUPPORTED_PROTOCOL_VERSIONS) - 1}),
     pack({"type": "Hello"}),
     pack({"type": "Launch"}),
     b"\xc1",
@@ -145,7 +146,7 @@ def test_a_hundred_malformed_frames_are_survived(server, reference):
     for i in range(10):
         with RawConnection(path) as raw:
             if i % 2 == 0:
-                raw.hello()
+                raw.hello(SUPPORTED_PROTOCOL_VERSIONS[i % len(SUPPORTED_PROTOCOL_VERSIONS)])
             raw.send_bytes(HEADER.pack(100) + rng.randbytes(10))
             sent["truncated"] += 1
             if i % 4 == 3:
@@ -200,7 +201,9 @@ def test_a_hundred_malformed_frames_are_survived(server, reference):
         with RawConnection(path) as raw:
             raw.send_body(body)
             sent["not_hello_first"] += 1
-            assert codes(raw.read_until_eof()) == ["protocol_error"]
+            refusals = raw.read_until_eof()
+            assert codes(refusals) == ["protocol_error"]
+            assert refusals[0].supported_versions == list(SUPPORTED_PROTOCOL_VERSIONS)
     with RawConnection(path) as raw:
         raw.send_bytes(HEADER.pack(2**31))  # oversize before Hello
         sent["not_hello_first"] += 1
@@ -263,9 +266,10 @@ def test_protocol_errors_name_the_request_and_keep_the_connection(server):
             pass
         raw.send(Generate(request=live))  # the same id again, while live
         raw.send(Cancel(request_id="nobody"))
-        raw.send(Hello(protocol_version=1))  # a second Hello
+        raw.send(Hello(protocol_version=PROTOCOL_VERSION))  # a second Hello
         raw.send(GetStats())
-        errors, stats = [], None
+        errors: list[Error] = []
+        stats: Stats | None = None
         while len(errors) < 3 or stats is None:
             message = raw.read()
             assert message is not None
@@ -312,7 +316,7 @@ async def test_connections_beyond_max_connections_are_refused(server):
                 raw.hello()
             assert (await client.stats()).connections == MAX_CONNECTIONS
             with RawConnection(server.socket) as extra:
-                extra.send(Hello(protocol_version=1))
+                extra.send(Hello(protocol_version=PROTOCOL_VERSION))
                 assert codes(extra.read_until_eof()) == ["busy"]
             with pytest.raises(ServerBusyError):
                 async with Client.connect(server.socket):

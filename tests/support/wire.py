@@ -60,10 +60,11 @@ class RawConnection:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_WR)
 
-    def hello(self) -> Welcome:
-        self.send(Hello(protocol_version=PROTOCOL_VERSION, client="raw-test"))
+    def hello(self, version: int = PROTOCOL_VERSION) -> Welcome:
+        """Say Hello in protocol `version` (the newest by default); the server's Welcome."""
+        self.send(Hello(protocol_version=version, client="raw-test"))
         welcome = self.read()
-        assert isinstance(welcome, Welcome), welcome
+        assert isinstance(welcome, Welcome) and welcome.protocol_version == version, welcome
         return welcome
 
     def _fill(self, n: int) -> bool:
