@@ -7,9 +7,10 @@ A message's content part is an image as
 - `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}` (OpenAI's shape).
 Only images the request carries are read: a remote URL is refused (a server that fetches what a
 prompt names is an SSRF hole) unless `server.allow_remote_images` is set (`runtime.remote_images`
-fetches it, bounded in bytes and time). Limits, each a typed error naming the field: images per request,
-bytes per image, decoded pixels (read from the header, so a decompression bomb is refused
-before it is decoded), formats.
+fetches them first, bounded in bytes, time, redirects and hosts). Limits, each a typed error naming
+the field: images per request, bytes per image, formats and pixels per image (both read from the
+file's structure by `image_formats` before PIL sees it, so a bomb or a truncated file is refused
+before it is decoded); an animation's first frame only is decoded.
 
 The prefix cache keys an image prompt by its token ids with every image position replaced by an
 id past the vocabulary derived from the digests of the request's images (`key_ids`): the same
@@ -29,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from policies.image_formats import read_header
 from protocols.config import LimitsConfig
 from protocols.errors import InvalidRequestError, RequestTooLargeError
 
-FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _IMAGE_TYPES = ("image", "image_url")
 
 
@@ -78,20 +79,31 @@ def image_parts(messages: list[dict[str, Any]], limits: LimitsConfig, fetch: Fet
     return rendered, images
 
 
+def remote_urls(messages: list[dict[str, Any]], limits: LimitsConfig) -> list[str]:
+    """The http(s) URLs the image parts name, in order (what `image_parts` will `fetch`).
+    Raises `InvalidRequestError` for more than `limits.max_images` images, before any is fetched."""
+    sources = [_source(part) for message in messages for part in _parts(message) if _is_image(part)]
+    if len(sources) > limits.max_images:
+        raise InvalidRequestError(f"at most {limits.max_images} images per request (limits.max_images)", field="messages")
+    return [s for s in sources if isinstance(s, str) and s.startswith(("http://", "https://"))]
+
+
 def decode_image(data: bytes, limits: LimitsConfig) -> Any:
-    """A PIL image in RGB, checked before it is decoded: a known format, at most
-    `limits.max_image_pixels` pixels (from the header), and a file that decodes."""
+    """A PIL image in RGB (an animation's first frame), checked from its structure before PIL
+    sees it (`image_formats.read_header`: an accepted format, whole, at most
+    `limits.max_image_pixels` pixels), then opened by that format's plugin alone."""
     from PIL import Image
 
+    header = read_header(data, limits.max_image_pixels)
     try:
-        image = Image.open(io.BytesIO(data), formats=FORMATS)
+        image = Image.open(io.BytesIO(data), formats=(header.format,))
+        width, height = image.size
+    except Image.DecompressionBombError:
+        raise RequestTooLargeError(f"an image has more pixels than {limits.max_image_pixels} (limits.max_image_pixels)", field="messages") from None
     except Exception:  # PIL raises several types for what is not an image it reads
-        raise InvalidRequestError(f"an image is not a readable {', '.join(FORMATS)} file", field="messages") from None
-    width, height = image.size
-    if width * height > limits.max_image_pixels:
+        raise InvalidRequestError(f"an image is not a readable {header.format} file", field="messages") from None
+    if width * height > limits.max_image_pixels:  # (PIL's view of the size, checked again)
         raise RequestTooLargeError(f"an image has {width}x{height} pixels, more than {limits.max_image_pixels} (limits.max_image_pixels)", field="messages")
-    if width < 1 or height < 1:
-        raise InvalidRequestError("an image has no pixels", field="messages")
     try:
         image.load()
         return image.convert("RGB")
@@ -180,12 +192,15 @@ def _is_image(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") in _IMAGE_TYPES
 
 
-def _image_bytes(part: dict[str, Any], limits: LimitsConfig, fetch: Fetch | None) -> bytes:
+def _source(part: dict[str, Any]) -> Any:
     if part.get("type") == "image_url":
         source = part.get("image_url")
-        source = source.get("url") if isinstance(source, dict) else source
-    else:
-        source = part.get("image")
+        return source.get("url") if isinstance(source, dict) else source
+    return part.get("image")
+
+
+def _image_bytes(part: dict[str, Any], limits: LimitsConfig, fetch: Fetch | None) -> bytes:
+    source = _source(part)
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
     elif isinstance(source, str) and source.startswith(("http://", "https://")) and fetch is not None:

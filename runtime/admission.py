@@ -91,6 +91,9 @@ class Admission:
         self._max_checkpoint_bytes = checkpoints.max_file_bytes(info.max_context, info.layers)
         # Requests being prepared at once (tokenizing, compiling): beyond this, busy.
         self._preparing = anyio.Semaphore(config.scheduler.max_queued_requests)
+        # Remote image fetches run in threads of their own: a slow host never holds the render threads.
+        self._image_fetches = anyio.CapacityLimiter(config.server.remote_image_max_fetches)
+        self._image_fetch_settings = remote_images.fetch_settings(config.server)
 
     async def prepare(self, request: GenerateRequest, request_id: str) -> Prepared:
         """Raises `MlxrtError`s only."""
@@ -140,6 +143,9 @@ class Admission:
         if request.truncate_prompt_tokens:
             raise InvalidRequestError("truncate_prompt_tokens cannot cut an image prompt", field="truncate_prompt_tokens")
         assert request.messages is not None
+        fetch = None
+        if self._config.server.allow_remote_images:
+            fetch = await remote_images.prefetch(request.messages, self._config.limits, self._image_fetch_settings, self._image_fetches)
         render_images = functools.partial(
             image_prompts.render_image_prompt,
             request.messages,
@@ -148,7 +154,7 @@ class Admission:
             self._info.vocab_size,
             self._max_prompt_bytes,
             self._config.limits,
-            remote_images.fetcher(self._config.server.remote_image_timeout_s) if self._config.server.allow_remote_images else None,
+            fetch,
         )
         rendered = await anyio.to_thread.run_sync(render_images)
         return rendered.prompt_ids, VisionPrompt(arrays=rendered.arrays, digests=rendered.digests, key_ids=rendered.key_ids)

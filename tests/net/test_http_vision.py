@@ -153,6 +153,11 @@ async def test_remote_images_are_fetched_only_when_allowed_and_within_limits():
     config = msgspec.structs.replace(make_config(VISION_MODEL), limits=msgspec.structs.replace(make_config().limits, max_image_bytes=len(big) - 1))
     with _image_host(routes) as host:
         async with serving(config, allow_remote_images=True, remote_image_timeout_s=2.0) as served, served.client() as client:
+            # Loopback is not a public address: refused before any connection unless allowed.
+            with pytest.raises(openai.BadRequestError, match=r"not a public address.*remote_image_allowed_networks"):
+                await client.chat.completions.create(model=served.model, messages=_chat(f"{host}/cat.png"), max_tokens=4)
+        allowed = {"remote_image_allowed_networks": ["127.0.0.1"]}
+        async with serving(config, allow_remote_images=True, remote_image_timeout_s=2.0, **allowed) as served, served.client() as client:
             fetched = await client.chat.completions.create(model=served.model, messages=_chat(f"{host}/cat.png"), max_tokens=8, temperature=0)
             sent = await client.chat.completions.create(model=served.model, messages=_chat(data_url(png(9))), max_tokens=8, temperature=0)
             assert fetched.choices[0].message.content == sent.choices[0].message.content
