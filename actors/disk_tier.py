@@ -14,8 +14,9 @@ Reads: a prompt whose longest disk match beats the RAM tier's by a chunk or more
 (every file checked whole) in a worker thread while the scheduler keeps stepping other
 requests, then admitted with the KV (`DiskPrefix`). A damaged file is removed (with the
 chunks after it) and the read keeps what came before it. A write that fails (a full disk,
-a read-only directory) pauses writes for `RETRY_WRITES_S` with the error in the stats;
-reads and requests go on.
+a read-only directory) pauses writes for `RETRY_WRITES_S` with the error in the stats and
+one warning; reads and requests go on. An entry whose name cannot be written (a directory
+in its place) is skipped alone.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ class DiskFiles(Protocol):
         ...
 
     def write(self, entry: DiskEntry, tokens: list[int], arrays: dict) -> int:
-        """Write an entry whose positions hold `tokens`; returns the file's bytes."""
+        """Write an entry whose positions hold `tokens`; returns the file's bytes. Raises
+        `ValueError` when this entry's name cannot be written (a directory in its place),
+        `OSError` when the directory cannot (a full disk: writes pause)."""
         ...
 
     def delete(self, keys: list[str]) -> None: ...
@@ -249,11 +252,15 @@ class DiskTier:
             )
             try:
                 num_bytes, seconds = await anyio.to_thread.run_sync(self._timed_write, entry, plan.tokens, arrays)
+            except ValueError as exc:  # this entry only (the chunks after it are skipped: no parent)
+                self._skipped += 1
+                log.warning("disk_entry_unwritable", key=key[:16], error=str(exc))
+                continue
             except OSError as exc:
                 self._write_failures += 1
                 self._paused_until = time.monotonic() + RETRY_WRITES_S
                 self._error = f"{type(exc).__name__}: {exc.strerror or exc}"
-                log.error("disk_write_failed", error=self._error, retry_in_s=RETRY_WRITES_S)
+                log.warning("disk_write_failed", error=self._error, retry_in_s=RETRY_WRITES_S, serving="ram_only")
                 return
             self.index.add(dataclasses.replace(entry, num_bytes=num_bytes))
             self._writes += 1

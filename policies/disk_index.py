@@ -104,9 +104,11 @@ class DiskIndex:
             return DiskMatch([match.entry_id], match.num_tokens, whole=True) if match is not None else None
         # Chunks that hold at least one of the first `max_tokens` positions.
         span = min(len(tokens), -(-max_tokens // self.chunk) * self.chunk)
-        found = []
-        for key in chunk_keys(namespace, tokens[:span], self.chunk):
-            if key not in self._entries:
+        found: list[str] = []
+        for i, key in enumerate(chunk_keys(namespace, tokens[:span], self.chunk)):
+            entry = self._entries.get(key)
+            # A file's header says where its positions are: they must be where the prompt needs them.
+            if entry is None or entry.end != (i + 1) * self.chunk or entry.parent != (found[-1] if found else None):
                 break
             found.append(key)
         if not found:
@@ -124,8 +126,13 @@ class DiskIndex:
 
     def add(self, entry: DiskEntry) -> bool:
         """Index an entry written (or found at start); False when it cannot be reached (its
-        parent chunk is not indexed) or is already there."""
+        parent chunk is not indexed, or it does not end a chunk after it: another chunk size),
+        does not hold its tokens, or is already there."""
         if entry.key in self._entries or (entry.parent is not None and entry.parent not in self._entries):
+            return False
+        if self.whole and entry.end != len(entry.tokens):
+            return False
+        if not self.whole and entry.end != self.chunk + (self._entries[entry.parent].end if entry.parent is not None else 0):
             return False
         if self.whole and not self._radix.insert(entry.key, entry.tokens, entry.num_bytes, whole=True, namespace=entry.namespace):
             return False

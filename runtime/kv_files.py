@@ -11,15 +11,21 @@ named by its key:
 The header names the model, tokenizer and KV format, the adapter namespace, the entry's key,
 its parent chunk, its positions and its tokens. At start the directory is locked (one server
 per subdirectory: another gets `DiskCacheLockedError`) and scanned: headers are read (not
-whole files), and a file whose header is damaged, foreign, or for another key is removed.
-A read checks the whole file's digest and its header against what was looked up, so a
-damaged, truncated or swapped file is never served (the caller removes it). Files are 0600
-in 0700 directories and written atomically, without fsync: a torn file is caught by its
-digest, and the tier is a cache. Blocking I/O: call from worker threads.
+whole files), and a file whose header is damaged, foreign, or for another key is removed, as
+is a link, FIFO or device in an entry's place (never followed, never opened blocking); a
+directory there is left alone and logged. A directory that cannot be created or opened
+leaves the runtime RAM-only (`disk_cache_unavailable`), one that cannot be written serves
+what it holds (`disk_cache_read_only`). A read checks the whole file's digest and its header
+against what was looked up, so a damaged, truncated or swapped file is never served (the
+caller removes it). Files are 0600 in 0700 directories and written to a temporary name,
+then renamed, without fsync: a kill leaves a temporary file (removed by the next scan), a
+power loss at worst a torn file its digest catches, and the tier is a cache. Blocking I/O:
+call from worker threads.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -83,6 +89,11 @@ class DamagedEntryError(ValueError):
     """A file that must not be served: truncated, altered, foreign, or not the entry asked for."""
 
 
+class DiskCacheUnavailableError(OSError):
+    """The directory cannot be created or opened (a path through a file, no permission, a
+    read-only or full file system): the runtime serves from RAM only."""
+
+
 @dataclass(frozen=True)
 class Identity:
     """What an entry's KV belongs to."""
@@ -120,7 +131,7 @@ def tensor_views(data: memoryview, name: str) -> dict[str, np.ndarray]:
                 raise ValueError(f"tensor {tensor} overruns the file")
             arrays[tensor] = np.frombuffer(data, dtype=dtype, count=count, offset=base + begin).reshape(shape)
         return arrays
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise DamagedEntryError(f"{name} has unreadable tensors: {exc}") from None
 
 
@@ -150,13 +161,24 @@ class DiskFiles:
     def open(self) -> bool:
         """Create or check the directories and lock ours; returns whether files can be written
         (a read-only directory still serves what it holds). Raises `DiskCacheLockedError` when
-        another server holds it, `DiskCacheError` when it is not ours or open to others."""
+        another server holds it, `DiskCacheError` when it is not ours or open to others, and
+        `DiskCacheUnavailableError` when it cannot be created or opened."""
+        writable = False
+        for directory in (self.root, self.directory):
+            try:
+                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            except FileExistsError:
+                pass  # (not a directory: the check below says so)
+            except OSError as exc:
+                raise DiskCacheUnavailableError(f"{directory} cannot be created: {exc.strerror or exc}") from None
+            try:
+                writable = private_files.prepare_directory(directory, writable=False)
+            except private_files.PrivateDirError as exc:
+                raise DiskCacheError(f"kv.disk_cache_dir: {exc}") from None
         try:
-            private_files.prepare_directory(self.root, writable=False)
-            writable = private_files.prepare_directory(self.directory, writable=False)
-        except private_files.PrivateDirError as exc:
-            raise DiskCacheError(f"kv.disk_cache_dir: {exc}") from None
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise DiskCacheUnavailableError(f"{self.directory} cannot be opened: {exc.strerror or exc}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -193,7 +215,10 @@ class DiskFiles:
             created_at=time.time(),
         )
         pieces = encode(header, safetensors.numpy.save(arrays))
-        private_files.write_atomic(self.path(header.key), pieces, sync=False)
+        try:
+            private_files.write_atomic(self.path(header.key), pieces, sync=False)
+        except IsADirectoryError:  # this entry's name only: the others can still be written
+            raise DamagedEntryError(f"{header.key}{SUFFIX}: a directory is in its place") from None
         return sum(map(len, pieces))
 
     def read(self, entry: DiskEntry, tokens: list[int]) -> dict[str, np.ndarray]:
@@ -223,7 +248,7 @@ class DiskFiles:
     def delete(self, keys: list[str]) -> None:
         for key in keys:
             try:
-                private_files.remove_regular(self.path(key))
+                _discard(self.path(key))
             except DamagedEntryError:
                 pass
 
@@ -236,37 +261,42 @@ class DiskFiles:
             except (OSError, DamagedEntryError):
                 pass
 
-    def scan(self, *, whole: bool) -> tuple[list[DiskEntry], int]:
-        """The entries on disk, least recently used first, and how many files were removed
-        (damaged or foreign headers, leftover temporary files, the wrong kind of entry)."""
+    def scan(self, *, whole: bool) -> tuple[list[DiskEntry], int, int]:
+        """The entries on disk, least recently used first, how many files were removed (damaged
+        or foreign headers, leftover temporary files, links, FIFOs or devices in an entry's
+        place, the wrong kind of entry) and how many were left alone (directories in an entry's
+        place, files that fail to read)."""
         found: list[tuple[float, DiskEntry]] = []
-        removed = 0
+        removed = ignored = 0
         try:
             names = os.listdir(self.directory)
         except OSError:
-            return [], 0
+            return [], 0, 0
         for name in names:
             path = self.directory / name
-            if name.endswith(".tmp"):
-                private_files.remove_regular(path)
-                removed += 1
-                continue
-            if not name.endswith(SUFFIX):
+            if not name.endswith((SUFFIX, ".tmp")):
                 continue
             try:
+                if name.endswith(".tmp"):
+                    raise DamagedEntryError(f"{name} is a leftover temporary file")
                 entry, mtime = self._scan_one(path, name, whole)
             except DamagedEntryError:
-                private_files.remove_regular(path)
-                removed += 1
+                removed, ignored = (removed + 1, ignored) if _discard(path) else (removed, ignored + 1)
                 continue
             except OSError:
+                ignored += 1
                 continue
             found.append((mtime, entry))
         found.sort(key=lambda item: (item[0], -item[1].end))  # a chain touched at once: its deepest chunks first
-        return [entry for _, entry in found], removed
+        return [entry for _, entry in found], removed, ignored
 
     def _scan_one(self, path: Path, name: str, whole: bool) -> tuple[DiskEntry, float]:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise DamagedEntryError(f"{name} is a link") from None
+            raise
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode) or info.st_size > self.max_file_bytes:
@@ -289,6 +319,18 @@ class DiskFiles:
         return entry, info.st_mtime
 
 
+def _discard(path: Path) -> bool:
+    """Remove what is at `path` unless it is a directory (a link goes, never what it points to);
+    returns whether anything was removed."""
+    try:
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        path.unlink()
+        return True
+    except OSError:
+        return False
+
+
 async def open_tier(kv: KvConfig, info: ModelInfo) -> DiskTier | None:
     """The disk tier `kv.disk_cache_dir` asks for, its directory locked and its index rebuilt
     from the files there (None when it is off). Raises `DiskCacheLockedError` or
@@ -301,7 +343,7 @@ async def open_tier(kv: KvConfig, info: ModelInfo) -> DiskTier | None:
     files = DiskFiles(Path(kv.disk_cache_dir).expanduser(), identity, max_file_bytes=checkpoints.max_file_bytes(info.max_context, layers))
     started = time.monotonic()
 
-    def open_and_scan() -> tuple[bool, list[DiskEntry], int]:
+    def open_and_scan() -> tuple[bool, list[DiskEntry], int, int]:
         writable = files.open()
         try:
             return (writable, *files.scan(whole=whole))
@@ -309,7 +351,15 @@ async def open_tier(kv: KvConfig, info: ModelInfo) -> DiskTier | None:
             files.close()
             raise
 
-    writable, entries, removed = await anyio.to_thread.run_sync(open_and_scan)
+    try:
+        writable, entries, removed, ignored = await anyio.to_thread.run_sync(open_and_scan)
+    except DiskCacheUnavailableError as exc:
+        log.warning("disk_cache_unavailable", directory=str(files.directory), error=str(exc), serving="ram_only")
+        return None
+    if not writable:
+        log.warning("disk_cache_read_only", directory=str(files.directory), error="the directory cannot be written: entries are read, not written")
+    if ignored:
+        log.warning("disk_files_ignored", directory=str(files.directory), count=ignored, why="directories in entries' places, or files that fail to read")
     index = DiskIndex(chunk=kv.disk_chunk_tokens, whole=whole)
     dropped = index.restore(entries) + index.evict_to(kv.disk_cache_bytes)
     if dropped and writable:

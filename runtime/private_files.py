@@ -57,7 +57,8 @@ def prepare_directory(directory: Path, *, writable: bool = True) -> bool:
 def write_file(path: Path, data: bytes | Sequence[bytes], *, sync: bool = True) -> None:
     """Write a new 0600 file (never through a link) of `data` (or its pieces, in order), fsynced
     unless `sync` is off."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    # O_NONBLOCK: a FIFO left at the name fails the open (ENXIO) instead of blocking it forever.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     try:
         for piece in [data] if isinstance(data, bytes) else data:
             view = memoryview(piece)

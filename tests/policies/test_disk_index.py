@@ -95,3 +95,23 @@ def test_whole_entries_match_only_where_they_end():
     assert index.lookup([*tokens[:5], 1, 2], 6, None) is None  # a window cannot be cut back
     assert index.lookup(tokens, 5, None) is None  # the prompt's last token must stay to forward
     assert index.remove(key) == [key] and index.lookup([*tokens, 1], 7, None) is None
+
+
+def test_a_chunk_is_found_only_at_the_positions_its_file_says_it_holds():
+    index = DiskIndex(chunk=C, whole=False)
+    keys = chunk_keys(None, list(range(12)), C)
+    assert index.add(DiskEntry(key=keys[0], num_bytes=1, end=4))
+    # The third chunk's key on a file that says it is a first chunk (a relabelled file).
+    assert index.add(DiskEntry(key=keys[2], num_bytes=1, end=4))
+    assert index.add(DiskEntry(key=keys[1], num_bytes=1, end=8, parent=keys[0]))
+    match = index.lookup(list(range(13)), 12, None)
+    assert match is not None and match.keys == keys[:2] and match.num_tokens == 8
+
+
+def test_chunks_of_another_size_or_whole_entries_short_of_their_tokens_are_not_indexed():
+    index = DiskIndex(chunk=C, whole=False)
+    keys = chunk_keys(None, list(range(16)), 2 * C)  # written with another `kv.disk_chunk_tokens`
+    found = [DiskEntry(key=keys[0], num_bytes=1, end=8), DiskEntry(key=keys[1], num_bytes=1, end=16, parent=keys[0])]
+    assert index.restore(found) == keys and len(index) == 0  # unreachable: their files are removed
+    wholes = DiskIndex(chunk=C, whole=True)
+    assert not wholes.add(DiskEntry(key=whole_key(None, [1, 2, 3]), num_bytes=1, end=9, tokens=(1, 2, 3)))
