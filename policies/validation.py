@@ -13,9 +13,9 @@ import json
 import math
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeGuard
 
-from protocols.api import GenerateRequest, SamplingParams
+from protocols.api import DenoisingOptions, GenerateRequest, SamplingParams
 from protocols.config import LimitsConfig
 from protocols.errors import InvalidRequestError, RequestTooLargeError
 from protocols.model import ModelInfo
@@ -83,15 +83,11 @@ def validate(request: GenerateRequest, info: ModelInfo, limits: LimitsConfig = L
     if request.messages is not None and (not request.messages or not all(isinstance(m, dict) for m in request.messages)):
         raise InvalidRequestError("messages must be a non-empty list of objects", field="messages")
     validate_sampling(request.sampling)
-    validate_denoising(request, info)
+    validate_denoising(request, info, limits)
     validate_logit_controls(request.sampling, info.vocab_size, request.max_tokens)
 
 
-# Denoising settings' bounds.
-MAX_DENOISING_STEPS = 1024
-
-
-def validate_denoising(request: GenerateRequest, info: ModelInfo) -> None:
+def validate_denoising(request: GenerateRequest, info: ModelInfo, limits: LimitsConfig = LimitsConfig()) -> None:
     """A diffusion model's request: its options in range, and what its denoising rule does not
     define refused by name (never silently ignored); options for another model refused."""
     options = request.denoising
@@ -100,14 +96,7 @@ def validate_denoising(request: GenerateRequest, info: ModelInfo) -> None:
             raise InvalidRequestError("denoising options apply to diffusion language models only", field="denoising")
         return
     if options is not None:
-        for name, value, ok, expected in (
-            ("max_steps", options.max_steps, lambda v: 1 <= v <= MAX_DENOISING_STEPS, f"an integer in [1, {MAX_DENOISING_STEPS}]"),
-            ("canvas_length", options.canvas_length, lambda v: v >= 1, "an integer >= 1"),
-            ("min_canvas_length", options.min_canvas_length, lambda v: v >= 1, "an integer >= 1"),
-            ("threshold", options.threshold, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
-        ):
-            if value is not None and not ok(value):
-                raise InvalidRequestError(f"denoising.{name} must be {expected}", field=f"denoising.{name}")
+        check_denoising_options(options, info, limits)
     s, defaults = request.sampling, SamplingParams()
     refused = {
         "logprobs": request.logprobs or request.top_logprobs > 0,
@@ -139,6 +128,28 @@ def validate_denoising(request: GenerateRequest, info: ModelInfo) -> None:
         if asked:
             what = "sampling filters, penalties and logits controls" if name == "sampling" else name
             raise InvalidRequestError(f"{what} do not apply to a diffusion language model's denoising (its rule: temperature and seed)", field=name)
+
+
+def check_denoising_options(options: DenoisingOptions, info: ModelInfo, limits: LimitsConfig) -> None:
+    """Each option an integer (a number for `threshold`) in range: the engine sizes arrays and
+    loops by them, so a float or a bool there would fail a step shared with other requests."""
+    if not isinstance(options, DenoisingOptions):
+        raise InvalidRequestError("denoising must be an object of denoising options", field="denoising")
+    canvas = options.canvas_length if _is_count(options.canvas_length) else info.canvas_length
+    for name, value, most, why in (
+        ("max_steps", options.max_steps, limits.max_denoise_steps, "limits.max_denoise_steps"),
+        ("canvas_length", options.canvas_length, info.canvas_length, f"the model's {'block' if info.denoises_blocks else 'canvas'} length"),
+        ("min_canvas_length", options.min_canvas_length, canvas, "the canvas length"),
+    ):
+        if value is not None and not (_is_count(value) and 1 <= value <= most):
+            raise InvalidRequestError(f"denoising.{name} must be an integer in [1, {most}] ({why}), got {repr(value)[:40]}", field=f"denoising.{name}")
+    threshold = options.threshold
+    if threshold is not None and not (isinstance(threshold, int | float) and not isinstance(threshold, bool) and 0.0 <= threshold <= 1.0):
+        raise InvalidRequestError(f"denoising.threshold must be a number in [0, 1], got {repr(threshold)[:40]}", field="denoising.threshold")
+
+
+def _is_count(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def validate_sampling(s: SamplingParams) -> None:

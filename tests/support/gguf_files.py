@@ -5,12 +5,15 @@ merges, token kinds, special ids, chat template) and its weights with the `gguf`
 writer: 2-D weights quantized to `qtype` with the package's reference quantizers (1-D tensors
 stay F32, as llama.cpp keeps them), llama's Q and K rows permuted the way
 `convert_hf_to_gguf.py` permutes them. Nothing is downloaded.
+`gguf_header(...)` writes a header byte by byte, with whatever counts, lengths and offsets a
+hostile file claims.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +171,28 @@ def _add(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
         writer.add_string(key, value)
     else:
         writer.add_array(key, value)  # lists of ints are written as INT32, of strings as STRING
+
+
+def gguf_header(
+    *,
+    version: int = 3,
+    n_tensors: int | None = None,
+    n_kv: int | None = None,
+    kvs: tuple[tuple[str | bytes, int, bytes], ...] = (),
+    tensors: tuple[tuple[str | bytes, tuple[int, ...], int, int], ...] = (),
+    magic: bytes = b"GGUF",
+) -> bytes:
+    """A GGUF header written byte by byte, counts and lengths as given (true or not): metadata
+    `(key, value type, encoded value)` and tensors `(name, dims innermost first, ggml type, offset)`."""
+    out = magic + struct.pack("<IQQ", version, len(tensors) if n_tensors is None else n_tensors, len(kvs) if n_kv is None else n_kv)
+    for key, kind, payload in kvs:
+        out += gguf_string(key) + struct.pack("<I", kind) + payload
+    for name, dims, kind, offset in tensors:
+        out += gguf_string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", kind, offset)
+    return out
+
+
+def gguf_string(text: str | bytes, length: int | None = None) -> bytes:
+    """A GGUF string: its length (the true one unless `length` says otherwise), then its bytes."""
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw) if length is None else length) + raw

@@ -9,6 +9,7 @@ tensors do not have) is refused before a model is built.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, cast
@@ -96,7 +97,16 @@ class _Metadata:
             raise ModelLoadError(f"{self.file.path}: GGUF metadata {full!r} is {type(value).__name__} {value!r}, expected one {kind.__name__}")
         if kind is int and not 0 < cast(int, value) < 1 << 40:
             raise ModelLoadError(f"{self.file.path}: GGUF metadata {full!r} = {value} is out of range")
+        if kind is float and not math.isfinite(cast(float, value)):
+            raise ModelLoadError(f"{self.file.path}: GGUF metadata {full!r} = {value} is not a finite number")
         return value
+
+    def positive(self, key: str, default: Any = None) -> float:
+        """A float that must be > 0 (an epsilon, a rotary base): 0 or less makes every output NaN."""
+        value = self.get(key, float, default)
+        if value <= 0:
+            raise ModelLoadError(f"{self.file.path}: GGUF metadata {self.prefix}.{key!s} = {value} must be positive")
+        return cast(float, value)
 
 
 def model_config(file: GGUFFile, arch: Architecture) -> dict[str, Any]:
@@ -110,6 +120,8 @@ def model_config(file: GGUFFile, arch: Architecture) -> dict[str, Any]:
         raise ModelLoadError(f"{file.path}: keys and values of different head sizes are not supported")
     if meta.get("rope.dimension_count", int, head_dim) != head_dim:
         raise ModelLoadError(f"{file.path}: rotary embedding over part of each head is not supported for GGUF {meta.prefix!r}")
+    if head_dim % 2:  # rotary embeddings turn pairs of dimensions (and llama.cpp's Q/K permutation needs them)
+        raise ModelLoadError(f"{file.path}: GGUF head size {head_dim} is odd; rotary embeddings need an even one")
     if heads % kv_heads:
         raise ModelLoadError(f"{file.path}: {heads} attention heads do not group into {kv_heads} key-value heads")
     embeddings = file.tensors.get("token_embd.weight")
@@ -130,10 +142,10 @@ def model_config(file: GGUFFile, arch: Architecture) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": meta.get("attention.layer_norm_rms_epsilon", float),
+        "rms_norm_eps": meta.positive("attention.layer_norm_rms_epsilon"),
         "vocab_size": embeddings.shape[0],
         "max_position_embeddings": meta.get("context_length", int, DEFAULT_CONTEXT),
-        "rope_theta": meta.get("rope.freq_base", float, 10000.0),
+        "rope_theta": meta.positive("rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in file.tensors,
     }
     if arch.qkv_bias is None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import mmap
+import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,7 +135,11 @@ class GGUFFile:
     def open(cls, path: Path | str) -> GGUFFile:
         path = Path(path)
         try:
-            with open(path, "rb") as f:
+            # Non-blocking: opening a FIFO (or a device) named like a model must not wait for a writer.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            with open(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ModelLoadError(f"{path}: not a regular file")
                 size = f.seek(0, 2)
                 if size < 24:
                     raise ModelLoadError(f"{path}: not a valid GGUF file: {size} bytes")

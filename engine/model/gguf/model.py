@@ -87,7 +87,7 @@ def load_gguf(
         eos = [
             file.metadata[k]
             for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-            if isinstance(file.metadata.get(k), int)
+            if isinstance(file.metadata.get(k), int) and not isinstance(file.metadata.get(k), bool)
         ]
         defaults = getattr(module, "TOKENIZER_DEFAULTS", None)
         tokenizer = load_tokenizer(file, cache_root, eos_token_ids=eos, defaults=defaults, progress=progress)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer_dir
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -74,7 +75,13 @@ def load_tokenizer(
     if not (directory / "tokenizer.json").is_file():
         if progress:
             progress(f"building the tokenizer from {file.path.name}'s metadata (once)")
-        _save_atomically(_build(file), directory)
+        try:
+            built = _build(file)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # the tokenizers library refusing what the checks let through
+            raise ModelLoadError(f"{file.path}: its tokenizer metadata does not make a tokenizer: {type(exc).__name__}: {exc}") from exc
+        _save_atomically(built, directory)
     try:
         return load_tokenizer_dir(directory, eos_token_ids=eos_token_ids, defaults=defaults)
     except Exception as exc:  # a damaged cache entry: built again next time
@@ -111,7 +118,7 @@ def _token(file: GGUFFile, tokens: list[str], key: str) -> str | None:
     index = file.metadata.get(key)
     if index is None:
         return None
-    if not isinstance(index, int) or not 0 <= index < len(tokens):
+    if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(tokens):
         raise ModelLoadError(f"{file.path}: GGUF metadata {key} = {index!r} is not a token id")
     return tokens[index]
 
@@ -119,11 +126,18 @@ def _token(file: GGUFFile, tokens: list[str], key: str) -> str | None:
 def _byte_level(file: GGUFFile, tokens: list[str], bos: str | None) -> Tokenizer:
     meta = file.metadata
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
+    if not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
         raise ModelLoadError(
             f"{file.path}: GGUF pre-tokenizer {pre!r} is unknown (known: {', '.join(sorted(PRE_TOKENIZERS))}); its text would be split wrongly"
         )
     merges = meta.get("tokenizer.ggml.merges", [])
+    kinds = meta.get("tokenizer.ggml.token_type", np.zeros(0, np.int32))
+    if not isinstance(merges, list):  # (a list is a GGUF array of strings)
+        raise ModelLoadError(f"{file.path}: GGUF metadata tokenizer.ggml.merges is {type(merges).__name__}, expected an array of strings")
+    if not isinstance(kinds, np.ndarray) or kinds.dtype.kind not in "iu":
+        raise ModelLoadError(f"{file.path}: GGUF metadata tokenizer.ggml.token_type is {type(kinds).__name__}, expected an array of integers")
+    _check_utf8(file, tokens, "tokenizer.ggml.tokens")
+    _check_utf8(file, merges, "tokenizer.ggml.merges")
     pairs = [tuple(merge.split(" ")) for merge in merges]
     if any(len(pair) != 2 for pair in pairs):
         raise ModelLoadError(f"{file.path}: GGUF merges must be pairs of tokens separated by one space")
@@ -141,11 +155,21 @@ def _byte_level(file: GGUFFile, tokens: list[str], bos: str | None) -> Tokenizer
         steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
     backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
     backend.decoder = decoders.ByteLevel()
-    kinds = list(meta.get("tokenizer.ggml.token_type", []))
-    backend.add_tokens([AddedToken(t, special=k == CONTROL, normalized=False) for t, k in zip(tokens, kinds) if k in (CONTROL, USER_DEFINED)])
+    backend.add_tokens([AddedToken(t, special=k == CONTROL, normalized=False) for t, k in zip(tokens, kinds.tolist()) if k in (CONTROL, USER_DEFINED)])
     if bos is not None:
         backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
     return backend
+
+
+def _check_utf8(file: GGUFFile, strings: list[str], key: str) -> None:
+    """A byte-level vocabulary is printable text: bytes that are not UTF-8 (kept as surrogates
+    by the reader) mean a damaged file, which the tokenizers library would refuse untyped."""
+    for i, text in enumerate(strings):
+        if not text.isascii():
+            try:
+                text.encode()
+            except UnicodeEncodeError:
+                raise ModelLoadError(f"{file.path}: GGUF metadata {key}[{i}] is not UTF-8 text") from None
 
 
 def _transformers_tokenizer(file: GGUFFile):
