@@ -1,12 +1,17 @@
 """The HTTP front's middleware, outermost first in `build_app`: responses counted by route
 and status; the Host header checked against the names the server answers and POST bodies
 required to be JSON unless a key is set (browsers: DNS rebinding, cross-site forms); API
-requests in flight capped; CORS; the API key (a bearer token, or Anthropic's `x-api-key`).
-Refusals use the error JSON of the route's API (`responses.error_body_for`)."""
+requests in flight capped; CORS; the API keys (a bearer token, or Anthropic's `x-api-key`),
+the one a request proved recorded in its scope (`OWNER`) as a fingerprint, for the routes that
+keep what a key made its own (the Responses API's store). Refusals use the error JSON of the
+route's API (`responses.error_body_for`)."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import secrets
+from collections.abc import Iterable
 
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -32,26 +37,55 @@ PATHS = (
 PATTERNS = (("/v1/models/", "/v1/models/{model}"), ("/v1/responses/", "/v1/responses/{response_id}"))
 
 
-class Authorization:
-    """API-key check (constant time) for every path but the open ones: `Authorization: Bearer
-    <key>` or `x-api-key: <key>` (Anthropic's header)."""
+# The scope key holding the fingerprint of the API key a request proved ("" without keys).
+OWNER = "mlxrt.owner"
+# Fingerprints are keyed per process: they name a key within this process and let no one test a
+# guessed key against one seen elsewhere (a log, a dump); what they tag is lost on restart too.
+_FINGERPRINT_KEY = secrets.token_bytes(32)
 
-    def __init__(self, app: ASGIApp, api_key: str, open_paths: tuple[str, ...] = ("/health",)):
+
+def owner_fingerprint(api_key: bytes) -> str:
+    """The owner recorded for what a request with `api_key` makes: a keyed hash, never the key."""
+    return hmac.new(_FINGERPRINT_KEY, api_key, hashlib.sha256).hexdigest()
+
+
+def request_owner(scope: Scope) -> str:
+    """The fingerprint of the key the request proved; "" when the server has no keys."""
+    return scope.get(OWNER, "")
+
+
+class Authorization:
+    """API-key check (constant time, against every key) for every path but the open ones:
+    `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's header). The key's
+    fingerprint goes into the scope (`OWNER`)."""
+
+    def __init__(self, app: ASGIApp, api_keys: Iterable[str], open_paths: tuple[str, ...] = ("/health",)):
         self.app = app
-        self._key = api_key.encode()
+        self._keys = [(key.encode(), owner_fingerprint(key.encode())) for key in dict.fromkeys(api_keys) if key]
+        assert self._keys, "Authorization without a key"
         self._open = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self._open:
             headers = dict(scope["headers"])
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            bearer = scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
-            if not bearer and not hmac.compare_digest(headers.get(b"x-api-key", b"").strip(), self._key):
+            bearer = token.strip() if scheme.lower() == b"bearer" else b""
+            owner = self._owner(bearer) or self._owner(headers.get(b"x-api-key", b"").strip())
+            if owner is None:
                 how = "x-api-key: <key>, or Authorization: Bearer <key>" if anthropic_route(scope["path"]) else "Authorization: Bearer <key>"
                 response = error_response(HttpError("unauthorized", f"a valid API key is required ({how})"), error_body_for(scope["path"]))
                 await response(scope, receive, send)
                 return
+            scope = {**scope, OWNER: owner}
         await self.app(scope, receive, send)
+
+    def _owner(self, token: bytes) -> str | None:
+        """The fingerprint of the key `token` is; every key is compared, so the time taken tells nothing."""
+        found = None
+        for key, fingerprint in self._keys:
+            if hmac.compare_digest(token, key):
+                found = fingerprint
+        return found
 
 
 class ResponseCounter:

@@ -9,7 +9,8 @@ to the assistant message just before them), `function_call_output` items `tool` 
 `reasoning` items are dropped. Tools are flat function tools, given to the template as chat's
 nested ones; `tool_choice` and `text.format` become chat's `tool_choice` and `response_format`.
 With `previous_response_id`, the stored conversation of that response (`response_store`) comes
-between the instructions and the new input.
+between the instructions and the new input: the caller's own response only, in a chain of at most
+`limits.max_response_chain` responses and `limits.max_response_history_bytes` of conversation.
 
 `ResponsesOutput` takes the events one at a time: reasoning, text and tool calls become
 `reasoning`, `message` and `function_call` output items in the order they come, streamed as
@@ -22,8 +23,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -34,6 +35,7 @@ from net.http import responses_api_types as ra
 from net.http.mapping import HttpError, chat_messages, ending_error, native_sampling, openai_error
 from net.http.response_store import ResponseStore
 from protocols.api import Event, Finished, GenerateRequest, SamplingParams, TokenDelta, ToolCall, ToolCallDelta, new_request_id
+from protocols.config import LimitsConfig
 
 T = TypeVar("T")
 
@@ -62,12 +64,15 @@ class Turn:
     generate: GenerateRequest
     # The previous turns and this turn's input, as chat messages (the instructions excluded).
     history: list[dict[str, Any]]
+    # Responses in its chain, its own included (what its stored entry records).
+    depth: int = 1
 
 
-def responses_request(body: ra.ResponsesRequest, store: ResponseStore) -> Turn:
+def responses_request(body: ra.ResponsesRequest, store: ResponseStore, *, owner: str = "", limits: LimitsConfig = LimitsConfig()) -> Turn:
+    """The request the body makes, continuing `owner`'s stored response it names, if any."""
     if body.background:
         raise HttpError("invalid_request", "background responses are not supported: leave `background` false", "background")
-    history = store.get(body.previous_response_id, "previous_response_id").messages() if body.previous_response_id is not None else []
+    history, depth = previous_turns(body.previous_response_id, store, owner, limits)
     history += input_messages(body.input)
     system = chat_messages([oa.ChatMessage(role="system", content=body.instructions)]) if body.instructions else []
     sampling = SamplingParams(
@@ -98,7 +103,25 @@ def responses_request(body: ra.ResponsesRequest, store: ResponseStore) -> Turn:
         speculative=body.speculative,
         acceptance=body.acceptance,
     )
-    return Turn(generate, history)
+    return Turn(generate, history, depth)
+
+
+def previous_turns(response_id: str | None, store: ResponseStore, owner: str, limits: LimitsConfig) -> tuple[list[dict[str, Any]], int]:
+    """The conversation `response_id` ended, and the depth of a response continuing it; a chain
+    too long or a conversation too large is refused by its entry's figures, before it is decoded."""
+    if response_id is None:
+        return [], 1
+    param = "previous_response_id"
+    previous = store.get(response_id, param, owner=owner)
+    if previous.depth >= limits.max_response_chain:
+        limit = limits.max_response_chain
+        raise HttpError(
+            "too_large", f"{response_id!r} ends a chain of {previous.depth} responses, at most {limit} (limits.max_response_chain): start anew", param
+        )
+    if len(previous.history) > limits.max_response_history_bytes:
+        size, limit = len(previous.history), limits.max_response_history_bytes
+        raise HttpError("too_large", f"the conversation of {response_id!r} holds {size} bytes, more than {limit} (limits.max_response_history_bytes)", param)
+    return previous.messages(), previous.depth + 1
 
 
 def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
@@ -222,7 +245,9 @@ def _object(text: str) -> dict[str, Any]:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+    """An id no client can guess (a stored response's is all it takes to read it): 128 bits from
+    the OS's CSPRNG (uuid4 fixes 6 of its 128)."""
+    return f"{prefix}_{secrets.token_hex(16)}"
 
 
 @dataclass
@@ -267,6 +292,9 @@ class ResponsesOutput:
     stream: bool = False
     store: ResponseStore | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    # Whose it is in the store (`middleware.request_owner`), and its depth in its chain.
+    owner: str = ""
+    depth: int = 1
     items: list[_Item] = field(default_factory=list)
     # The reasoning or message item text goes to (a call's item is never open: its events are its own).
     open: _Item | None = None
@@ -307,7 +335,8 @@ class ResponsesOutput:
                     events += self._call_done(item)
                 self.final = self._response(event)
                 if self.store is not None:
-                    self.store.put(self.final.id, msgspec.json.encode(self.final), self.history + output_messages(self.final.output))
+                    history = self.history + output_messages(self.final.output)
+                    self.store.put(self.final.id, msgspec.json.encode(self.final), history, owner=self.owner, depth=self.depth)
                 if self.final.status == "incomplete":
                     events.append(ra.ResponseIncomplete(sequence_number=self._next(), response=self.final))
                 else:

@@ -16,7 +16,7 @@ import pytest
 from net.http import responses_api_types as ra
 from net.http.mapping import HttpError, chat_request
 from net.http.openai_types import ChatCompletionRequest
-from net.http.response_store import ResponseStore
+from net.http.response_store import ENTRY_OVERHEAD, ResponseStore
 from net.http.responses_api import ResponsesOutput, responses_request
 from protocols import Finished, TokenDelta
 from protocols.api import ToolCall, ToolCallDelta, Usage
@@ -468,7 +468,8 @@ def test_reasoning_text_and_calls_stream_as_ordered_items_and_errors_as_error_ev
 
 
 def test_the_store_keeps_the_most_recently_used_within_its_count_and_bytes():
-    store = ResponseStore(max_entries=3, max_bytes=1000)
+    max_bytes = 1000 + 3 * ENTRY_OVERHEAD  # (each entry also costs its objects)
+    store = ResponseStore(max_entries=3, max_bytes=max_bytes)
     history = [{"role": "user", "content": "x" * 50}]
     for name in "abc":
         assert store.put(name, b"{}", history)
@@ -477,10 +478,10 @@ def test_the_store_keeps_the_most_recently_used_within_its_count_and_bytes():
     with pytest.raises(HttpError) as info:
         store.get("b", "previous_response_id")
     assert info.value.code == "not_found" and info.value.param == "previous_response_id"
-    assert not store.put("huge", b"x" * 1001, [])  # alone over the bytes: not kept, nothing evicted
+    assert not store.put("huge", b"x" * max_bytes, [])  # alone over the bytes: not kept, nothing evicted
     assert len(store) == 3
     assert store.put("big", b"x" * 700, [])  # room made by evicting the least recently used
-    assert len(store) <= 3 and store.num_bytes <= 1000 and store.get("big").response == b"x" * 700
+    assert len(store) <= 3 and store.num_bytes <= max_bytes and store.get("big").response == b"x" * 700
     with pytest.raises(HttpError):
         store.get("c")
     assert store.delete("big") and not store.delete("big")
