@@ -14,6 +14,8 @@ import msgspec
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
+# An IPv4 or IPv6 address, or a network of them in CIDR notation.
+NETWORK_PATTERN = r"^(\d{1,3}(\.\d{1,3}){3}|[0-9A-Fa-f]{0,4}(:[0-9A-Fa-f]{0,4}){1,7}|[0-9A-Fa-f:]*:\d{1,3}(\.\d{1,3}){3})(/\d{1,3})?$"
 
 
 class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -134,6 +136,27 @@ class LimitsConfig(Section, frozen=True):
     max_images: Positive = 8
     max_image_bytes: Positive = 10 * 1024 * 1024
     max_image_pixels: Positive = 25_000_000
+    # Denoising steps per canvas (or block) a diffusion model's request may ask for
+    # (`denoising.max_steps`): each step is a forward over the whole canvas.
+    max_denoise_steps: Positive = 1024
+    # Responses in one `previous_response_id` chain (the Responses API), the new one included: each
+    # turn renders the whole conversation again, so a chain is a bound on messages rendered per turn.
+    max_response_chain: Positive = 1024
+    # JSON bytes of the stored conversation a `previous_response_id` continues, checked before it
+    # is decoded: 16 MiB is ~4M tokens of text, past any served context (1M tokens: ~4 MiB).
+    max_response_history_bytes: Positive = 16 * 1024 * 1024
+    # HTTP: choices one completion or chat request asks for (prompts x n), each a request of its own.
+    max_choices: Positive = 64
+    # HTTP: prompt tokens scored for prompt logprobs (echo with logprobs, prompt_logprobs) in one
+    # completion request, all its choices together (each scores its prompt with up to 20 alternatives).
+    max_prompt_logprobs_tokens: Positive = 8192
+    # HTTP: messages in one chat, Messages, Responses or /tokenize request (each rendered by the
+    # chat template), and their content parts (text, image, tool_result blocks) in all.
+    max_messages: Positive = 4096
+    max_content_parts: Positive = 8192
+    # HTTP: text /tokenize takes (413 beyond), and token ids /detokenize takes.
+    max_tokenize_bytes: Positive = 1024 * 1024
+    max_detokenize_tokens: Positive = 262144
 
 
 class ServerConfig(Section, frozen=True):
@@ -162,6 +185,9 @@ class ServerConfig(Section, frozen=True):
     # Bearer key the HTTP API requires (every route but /health) when set; compared in
     # constant time. Better given as MLXRT_SERVER_API_KEY than written in a file.
     api_key: str = ""
+    # More keys, each as good as `api_key` (MLXRT_SERVER_API_KEYS='["k1", "k2"]'). What one key
+    # stores (Responses API responses) the others cannot see: another key's id answers 404.
+    api_keys: list[Annotated[str, msgspec.Meta(min_length=1)]] = msgspec.field(default_factory=list)
     # Largest HTTP request body: a larger Content-Length is refused before the body is read,
     # and a chunked body is refused as soon as it passes this.
     max_body_bytes: Positive = 4 * 1024 * 1024
@@ -169,9 +195,17 @@ class ServerConfig(Section, frozen=True):
     body_timeout_s: Seconds = 10.0
     # Images given by http(s) URL in a prompt are fetched only when this is set (off: a server
     # that fetches what a prompt names lets any client reach the addresses the server can);
-    # each fetch is bounded by `limits.max_image_bytes` and this many seconds.
+    # all of a request's fetches (DNS, connect, redirects, body) are bounded by
+    # `limits.max_image_bytes` each and this many seconds together.
     allow_remote_images: bool = False
     remote_image_timeout_s: Seconds = 10.0
+    # Only public addresses are fetched (the address the name resolves to, which is the one
+    # connected to): loopback, private, link-local, multicast, reserved addresses are refused
+    # unless in these networks ("127.0.0.1", "10.0.0.0/8", "fd00::/8").
+    remote_image_allowed_networks: list[Annotated[str, msgspec.Meta(pattern=NETWORK_PATTERN)]] = msgspec.field(default_factory=list)
+    # Image fetches in flight at once, in threads of their own (a slow image host never holds
+    # the threads that render prompts); beyond this, fetches wait within their time limit.
+    remote_image_max_fetches: Positive = 16
     # Browser origins allowed to call the HTTP API (CORS); [] = CORS off, ["*"] = any.
     cors_origins: list[str] = msgspec.field(default_factory=list)
     # The model name HTTP clients send and /v1/models lists; "" = the model path's last

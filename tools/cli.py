@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxrt", description="Serve MLX language models to many concurrent clients.")
     sub = parser.add_subparsers(required=True)
-    for add in (_add_serve, _add_launch, _add_client, _add_demo, _add_generate, _add_chat, _add_bench, _add_bench_http, _add_config):
+    for add in (_add_serve, _add_launch, _add_client, _add_demo, _add_generate, _add_chat, _add_bench, _add_bench_http, _add_bench_hostile, _add_config):
         add(sub)
     return parser
 
@@ -192,6 +192,17 @@ def _add_bench_http(sub) -> None:
     bench_http.add_argument("--new-tokens", type=int, default=4)
     bench_http.add_argument("--json", dest="json_path", default=None, help="also write the results here")
     bench_http.set_defaults(func=_bench_http)
+
+
+def _add_bench_hostile(sub) -> None:
+    bench = sub.add_parser("bench-hostile", help="a stream's decode rate beside each maximum-size hostile HTTP request ([limits])")
+    _config_arg(bench, default="configs/tiny.toml")
+    bench.add_argument("--model", default=None, help="serve this model instead of the config's (a directory or builtin:<name>)")
+    bench.add_argument("--stream-tokens", type=int, default=256, help="tokens the timed stream decodes")
+    bench.add_argument("--rounds", type=int, default=2, help="alone / beside rounds per hostile")
+    bench.add_argument("--hostiles", default=None, help="comma-separated subset (default: all)")
+    bench.add_argument("--json", dest="json_path", default=None, help="also write the results here")
+    bench.set_defaults(func=_bench_hostile)
 
 
 def _add_config(sub) -> None:
@@ -649,6 +660,22 @@ def _bench_http(args) -> int:
     results = anyio.run(run_http_bench, config, options)
     print(format_http_table(results))
     dump_http(results, args.json_path)
+    return EXIT_OK
+
+
+def _bench_hostile(args) -> int:
+    from tools.bench_hostile import HOSTILES, HostileBenchOptions, dump_hostile, format_hostile_table, run_hostile_bench
+
+    config = _with_model(RuntimeConfig.load(args.config), args.model)
+    hostiles = tuple(args.hostiles.split(",")) if args.hostiles else HOSTILES
+    unknown = sorted(set(hostiles) - set(HOSTILES))
+    if unknown:
+        print(f"mlxrt bench-hostile: unknown hostiles {unknown}; known: {', '.join(HOSTILES)}", file=sys.stderr)
+        return EXIT_USAGE
+    options = HostileBenchOptions(stream_tokens=args.stream_tokens, rounds=args.rounds, hostiles=hostiles)
+    results = anyio.run(run_hostile_bench, config, options)
+    print(format_hostile_table(results))
+    dump_hostile(results, args.json_path)
     return EXIT_OK
 
 

@@ -26,8 +26,9 @@ import msgspec
 
 from net.http import anthropic_types as at
 from net.http import openai_types as oa
-from net.http.mapping import HttpError, chat_messages, ending_error
+from net.http.mapping import HttpError, chat_messages, check_messages, ending_error
 from protocols.api import Event, Finished, GenerateRequest, SamplingParams, TokenDelta, ToolCall, ToolCallDelta, new_request_id
+from protocols.config import LimitsConfig
 from protocols.errors import ERROR_KINDS
 
 # Anthropic's error types by HTTP status (others: invalid_request_error below 500, api_error above).
@@ -78,6 +79,17 @@ def count_request(body: at.CountTokensRequest) -> GenerateRequest:
     """What `messages_request` renders the prompt from (for counting its tokens)."""
     messages, tools, tool_choice = _prompt(body)
     return GenerateRequest(messages=messages, tools=tools, tool_choice=tool_choice)
+
+
+def check_sizes(body: at.CountTokensRequest, limits: LimitsConfig) -> None:
+    """Messages and content blocks (a tool result's own blocks and the system's included) within
+    `limits.max_messages` / `limits.max_content_parts`: checked before anything is mapped or rendered."""
+    parts = len(body.system) if isinstance(body.system, list) else 0
+    for message in body.messages:
+        if isinstance(message.content, list):
+            parts += len(message.content)
+            parts += sum(len(b.content) for b in message.content if isinstance(b, at.ToolResultBlock) and isinstance(b.content, list))
+    check_messages(len(body.messages), parts, limits)
 
 
 def _prompt(body: at.CountTokensRequest) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, str | dict[str, Any] | None]:

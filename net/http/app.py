@@ -7,7 +7,7 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/embedding
 `GenerateRequest` (`mapping`) and submitted; its events come back as one JSON response or
 as server-sent events ending in `[DONE]`. A client that disconnects, while queued or
 mid-stream, cancels its request. Errors use OpenAI's JSON shape, their status taken from
-`protocols.errors.ERROR_KINDS`. With `server.api_key`, every route but /health needs it.
+`protocols.errors.ERROR_KINDS`. With `server.api_key` (or `api_keys`), every route but /health needs one.
 
 Anthropic's Messages API is served beside it on the same runtime: `POST /v1/messages` and
 `POST /v1/messages/count_tokens` (`anthropic`), with Anthropic's stream events and error JSON.
@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 import structlog
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -43,7 +43,7 @@ from net.http import embeddings as emb
 from net.http import openai_types as oa
 from net.http import responses_api_types as ra
 from net.http import tokens
-from net.http.anthropic import MessagesOutput, count_request, messages_request
+from net.http.anthropic import MessagesOutput, check_sizes, count_request, messages_request
 from net.http.choices import Choices, Merged
 from net.http.mapping import (
     ChatOutput,
@@ -52,14 +52,17 @@ from net.http.mapping import (
     Output,
     ResponseIds,
     TokenTexts,
+    chat_parts,
     chat_request,
+    check_messages,
+    check_scored_prompt_tokens,
     choices,
     completion_requests,
     decode_body,
     ending_error,
     error_of,
 )
-from net.http.middleware import Authorization, BrowserGuard, RequestLimit, ResponseCounter
+from net.http.middleware import Authorization, BrowserGuard, RequestLimit, ResponseCounter, request_owner
 from net.http.response_store import ResponseStore
 from net.http.responses import JSON, error_body_for, error_response, json_response
 from net.http.responses_api import ResponsesOutput, responses_request
@@ -94,6 +97,10 @@ class Api:
         self.stored_responses = ResponseStore(config.responses_store_max, config.responses_store_bytes)
         self.registry = CollectorRegistry(auto_describe=True)
         self.responses = Counter(f"{PREFIX}http_responses", "HTTP responses by route and status.", ["model_name", "route", "status"], registry=self.registry)
+        entries = Gauge(f"{PREFIX}responses_store_entries", "Responses kept (server.responses_store_max).", ["model_name"], registry=self.registry)
+        entries.labels(model_name).set_function(self.stored_responses.__len__)
+        held = Gauge(f"{PREFIX}responses_store_bytes", "Bytes the responses kept hold (server.responses_store_bytes).", ["model_name"], registry=self.registry)
+        held.labels(model_name).set_function(lambda: self.stored_responses.num_bytes)
 
     def attach(self, runtime: Serving) -> None:
         """Serve this runtime (its model is loaded): /health turns ready."""
@@ -134,7 +141,9 @@ class Api:
         runtime = self._ready()
         body = decode_body(await self._read_body(request), oa.ChatCompletionRequest)
         model, adapter = self._check_model(body.model)
-        generates = choices([msgspec.structs.replace(chat_request(body), model=model, adapter=adapter)], body.n)
+        limits = runtime.config.limits
+        check_messages(len(body.messages), chat_parts(body.messages), limits)
+        generates = choices([msgspec.structs.replace(chat_request(body), model=model, adapter=adapter)], body.n, limits)
         ids = self._ids("chatcmpl", generates[0], body.model)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         several = len(generates) > 1
@@ -157,14 +166,23 @@ class Api:
         runtime = self._ready()
         body = decode_body(await self._read_body(request), oa.CompletionRequest)
         model, adapter = self._check_model(body.model)
-        prompts = [msgspec.structs.replace(g, model=model, adapter=adapter) for g in completion_requests(body)]
-        if body.echo:  # the prompt's tokens, as the request renders them, for its echo
+        limits = runtime.config.limits
+        prompts = [msgspec.structs.replace(g, model=model, adapter=adapter) for g in completion_requests(body, limits)]
+        # Prompt logprobs score every prompt token of every choice: bounded before any prompt is
+        # rendered (by the token-id prompts' sizes, a text's at least 1), then as rendered.
+        scored = "prompt_logprobs" if body.prompt_logprobs is not None else "logprobs" if body.echo and body.logprobs is not None else None
+        if scored is not None:
+            check_scored_prompt_tokens(body.n * sum(len(g.prompt_ids or [0]) for g in prompts), limits, scored)
+        if body.echo or scored is not None:  # the prompt's tokens, as the request renders them, for its echo
             rendered = [await runtime.prompt_token_ids(g) for g in prompts]
+            if scored is not None:
+                check_scored_prompt_tokens(body.n * sum(len(ids) for ids in rendered), limits, scored)
             prompts = [msgspec.structs.replace(g, prompt=None, prompt_ids=ids) for g, ids in zip(prompts, rendered)]
+        if body.echo:
             tokenizer = runtime.tokenizer_for(model)
             texts = [body_prompt if isinstance(body_prompt, str) else None for body_prompt in _prompt_list(body.prompt)]
             echoes = [text if text is not None else await anyio.to_thread.run_sync(tokenizer.decode, ids) for text, ids in zip(texts, rendered)]
-        generates = choices(prompts, body.n)
+        generates = choices(prompts, body.n, limits)
         ids = self._ids("cmpl", generates[0], body.model)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         several = len(generates) > 1
@@ -196,6 +214,7 @@ class Api:
         runtime = self._ready()
         body = decode_body(await self._read_body(request), at.MessagesRequest)
         model, adapter = self._check_model(body.model)
+        check_sizes(body, runtime.config.limits)
         generate = msgspec.structs.replace(messages_request(body), model=model, adapter=adapter)
         input_tokens = len(await runtime.prompt_token_ids(generate)) if body.stream else 0
         message_id = f"msg_{(generate.request_id or '').removeprefix('req-')}"
@@ -207,6 +226,7 @@ class Api:
         runtime = self._ready()
         body = decode_body(await self._read_body(request), at.CountTokensRequest)
         model, adapter = self._check_model(body.model)
+        check_sizes(body, runtime.config.limits)
         generate = msgspec.structs.replace(count_request(body), model=model, adapter=adapter)
         return json_response(at.CountTokensResponse(input_tokens=len(await runtime.prompt_token_ids(generate))))
 
@@ -216,21 +236,26 @@ class Api:
         runtime = self._ready()
         body = decode_body(await self._read_body(request), ra.ResponsesRequest)
         model, adapter = self._check_model(body.model)
-        turn = responses_request(body, self.stored_responses)
+        items = body.input if isinstance(body.input, list) else []
+        parts = sum(len(item["content"]) for item in items if isinstance(item, dict) and isinstance(item.get("content"), list))
+        check_messages(len(items), parts, runtime.config.limits, "input")
+        owner = request_owner(request.scope)
+        turn = responses_request(body, self.stored_responses, owner=owner, limits=runtime.config.limits)
         generate = msgspec.structs.replace(turn.generate, model=model, adapter=adapter)
         store = self.stored_responses if body.store else None
-        output = ResponsesOutput(body, stream=body.stream, store=store, history=turn.history)
+        output = ResponsesOutput(body, stream=body.stream, store=store, history=turn.history, owner=owner, depth=turn.depth)
         return await self._respond(request, runtime, generate, output, endpoint="responses")
 
     async def get_response(self, request: Request) -> Response:
-        """A stored response, as it was answered."""
-        stored = self.stored_responses.get(request.path_params["response_id"])
+        """A stored response, as it was answered (the caller's own: another key's is a 404)."""
+        stored = self.stored_responses.get(request.path_params["response_id"], owner=request_owner(request.scope))
         return Response(stored.response, media_type=JSON)
 
     async def delete_response(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        self.stored_responses.get(response_id)  # (a 404 for an unknown id)
-        self.stored_responses.delete(response_id)
+        owner = request_owner(request.scope)
+        self.stored_responses.get(response_id, owner=owner)  # (a 404 for an unknown id, or another key's)
+        self.stored_responses.delete(response_id, owner=owner)
         return json_response(ra.DeletedResponse(id=response_id))
 
     async def embeddings(self, request: Request) -> Response:
@@ -252,18 +277,21 @@ class Api:
 
     async def tokenize(self, request: Request) -> Response:
         body = decode_body(await self._read_body(request), tokens.TokenizeRequest)
+        limits = self._ready().config.limits
+        tokens.check_sizes(body, limits)
         tokenizer, info = self._tokenizer(body.model)
+        model = self._check_model(body.model)[0] if body.model is not None else None
         if (generate := tokens.image_request(body)) is not None:
             # Images: the prompt a chat request would run (each image expanded to its tokens).
-            model = self._check_model(body.model)[0] if body.model is not None else None
             ids = await self._ready().prompt_token_ids(msgspec.structs.replace(generate, model=model))
-            return json_response(tokens.token_response(tokenizer, ids, body, info.max_context))
-        max_bytes = self.config.max_body_bytes
-        answer = await anyio.to_thread.run_sync(lambda: tokens.tokenize(tokenizer, body, max_bytes, info.max_context))
+            return json_response(tokens.token_response(tokenizer, ids, body, info.max_context, self._texts(model)))
+        max_bytes, text = limits.max_tokenize_bytes, self._texts(model)
+        answer = await anyio.to_thread.run_sync(lambda: tokens.tokenize(tokenizer, body, max_bytes, info.max_context, text))
         return json_response(answer)
 
     async def detokenize(self, request: Request) -> Response:
         body = decode_body(await self._read_body(request), tokens.DetokenizeRequest)
+        tokens.check_sizes(body, self._ready().config.limits)
         tokenizer, info = self._tokenizer(body.model)
         return json_response(await anyio.to_thread.run_sync(lambda: tokens.detokenize(tokenizer, body, info.vocab_size)))
 
@@ -613,7 +641,7 @@ def build_app(api: Api) -> Starlette:
     # past the request limit, answer CORS preflights, then check the key.
     middleware = [
         Middleware(ResponseCounter, counter=api.responses, model_name=api.model_name),
-        Middleware(BrowserGuard, allowed_hosts=api.allowed_hosts, json_only=not config.api_key),
+        Middleware(BrowserGuard, allowed_hosts=api.allowed_hosts, json_only=not (config.api_key or config.api_keys)),
         Middleware(RequestLimit, limit=config.http_max_connections),
     ]
     if config.cors_origins:
@@ -625,6 +653,6 @@ def build_app(api: Api) -> Starlette:
                 allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"],
             )
         )
-    if config.api_key:
-        middleware.append(Middleware(Authorization, api_key=config.api_key))
+    if config.api_key or config.api_keys:
+        middleware.append(Middleware(Authorization, api_keys=[config.api_key, *config.api_keys]))
     return Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_exception})

@@ -22,6 +22,7 @@ import msgspec
 
 from net.http import openai_types as oa
 from protocols.api import Event, Finished, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, ToolCall, ToolCallDelta, new_request_id
+from protocols.config import LimitsConfig
 from protocols.errors import ERROR_KINDS, ErrorCode, MlxrtError, error_code
 
 T = TypeVar("T")
@@ -271,19 +272,21 @@ def _tool_call(call: oa.ToolCallIn, where: str) -> dict[str, Any]:
     return out
 
 
-# The most choices one request may ask for (prompts x n): each is a request of its own.
-MAX_CHOICES = 64
+# What `[limits]` allows when the caller gives no config (the defaults).
+DEFAULT_LIMITS = LimitsConfig()
 
 
-def completion_requests(body: oa.CompletionRequest) -> list[GenerateRequest]:
-    """One request per prompt (a list of texts or of token-id lists is several prompts)."""
+def completion_requests(body: oa.CompletionRequest, limits: LimitsConfig = DEFAULT_LIMITS) -> list[GenerateRequest]:
+    """One request per prompt (a list of texts or of token-id lists is several prompts); too
+    many prompts (x n) are refused before any is built."""
+    check_choices(len(prompt_list(body.prompt)), body.n, limits)
     if body.suffix:
         raise HttpError("invalid_request", "suffix is not supported", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise HttpError("invalid_request", "best_of other than n is not supported", "best_of")
     if body.max_tokens == 0 and not body.echo:
         raise HttpError("invalid_request", "max_tokens: 0 only makes sense with echo (the prompt's own logprobs)", "max_tokens")
-    prompts: list[Any] = body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str | list) else [body.prompt]
+    prompts = prompt_list(body.prompt)
     common = _common(body)
     out: list[GenerateRequest] = []
     for i, prompt in enumerate(prompts):
@@ -305,11 +308,10 @@ def completion_requests(body: oa.CompletionRequest) -> list[GenerateRequest]:
     return out
 
 
-def choices(requests: list[GenerateRequest], n: int) -> list[GenerateRequest]:
+def choices(requests: list[GenerateRequest], n: int, limits: LimitsConfig = DEFAULT_LIMITS) -> list[GenerateRequest]:
     """`n` choices of each request, each a request of its own: ids `<id>-<k>` when there are
     several; a seeded request's choices take seeds seed, seed + 1, ... (distinct, reproducible)."""
-    if len(requests) * n > MAX_CHOICES:
-        raise HttpError("invalid_request", f"at most {MAX_CHOICES} choices per request (prompts x n)", "n")
+    check_choices(len(requests), n, limits)
     if len(requests) * n == 1:
         return requests
     out: list[GenerateRequest] = []
@@ -320,6 +322,45 @@ def choices(requests: list[GenerateRequest], n: int) -> list[GenerateRequest]:
                 msgspec.structs.replace(request, request_id=f"{request.request_id}-{len(out)}", sampling=msgspec.structs.replace(request.sampling, seed=seed))
             )
     return out
+
+
+# -- what one request may ask for (`[limits]`), checked before anything is rendered --
+
+
+def prompt_list(prompt: Any) -> list[Any]:
+    """A completion body's prompts (a list of texts or of token-id lists is several)."""
+    return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
+
+
+def check_choices(num_prompts: int, n: int, limits: LimitsConfig) -> None:
+    """Prompts x n within `limits.max_choices` (each choice is a request of its own)."""
+    limit = limits.max_choices
+    if num_prompts * n > limit:
+        param = "prompt" if num_prompts > limit else "n"
+        raise HttpError("invalid_request", f"at most {limit} choices per request (prompts x n, {num_prompts} x {n}; limits.max_choices)", param)
+
+
+def check_scored_prompt_tokens(num_tokens: int, limits: LimitsConfig, param: str) -> None:
+    """Prompt tokens scored for prompt logprobs, all choices together, within `limits.max_prompt_logprobs_tokens`."""
+    limit = limits.max_prompt_logprobs_tokens
+    if num_tokens > limit:
+        message = f"prompt logprobs would score {num_tokens} prompt tokens (prompts x n); at most {limit} (limits.max_prompt_logprobs_tokens)"
+        raise HttpError("invalid_request", message, param)
+
+
+def check_messages(num_messages: int, num_parts: int, limits: LimitsConfig, field: str = "messages") -> None:
+    """Messages and their content parts within `limits.max_messages` and `limits.max_content_parts`
+    (each is rendered by the chat template: checked before it is)."""
+    if num_messages > limits.max_messages:
+        raise HttpError("invalid_request", f"{field}: {num_messages} items, at most {limits.max_messages} per request (limits.max_messages)", field)
+    if num_parts > limits.max_content_parts:
+        message = f"{field}: {num_parts} content parts in all, at most {limits.max_content_parts} per request (limits.max_content_parts)"
+        raise HttpError("invalid_request", message, field)
+
+
+def chat_parts(messages: list[oa.ChatMessage]) -> int:
+    """Content parts and tool calls of OpenAI chat messages, in all."""
+    return sum((len(m.content) if isinstance(m.content, list) else 0) + len(m.tool_calls or []) for m in messages)
 
 
 # -- responses ---------------------------------------------------------------------

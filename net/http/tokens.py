@@ -1,19 +1,21 @@
 """The tokenizer routes, in vLLM's shapes (lm-eval's `RemoteTokenizer` and load generators use them):
 `POST /tokenize` (a prompt, or messages rendered as generation renders them), `POST /detokenize`
-and `GET /tokenizer_info`. Tokenizing is CPU work: it runs in a worker thread, bounded by the
-body size limit."""
+and `GET /tokenizer_info`. Tokenizing is CPU work: it runs in a worker thread, bounded by
+`[limits]` (`check_sizes`: text bytes, messages, token ids) before it starts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
 
 from net.http import openai_types as oa
-from net.http.mapping import HttpError, chat_messages
+from net.http.mapping import HttpError, chat_messages, chat_parts, check_messages
 from policies.images import has_images
 from policies.validation import render_prompt
 from protocols.api import GenerateRequest
+from protocols.config import LimitsConfig
 from protocols.errors import MlxrtError
 
 
@@ -46,8 +48,23 @@ class DetokenizeResponse(msgspec.Struct, kw_only=True):
     prompt: str
 
 
-def tokenize(tokenizer: Any, body: TokenizeRequest, max_bytes: int, max_model_len: int) -> TokenizeResponse:
-    """Blocking: run in a worker thread."""
+def check_sizes(body: TokenizeRequest | DetokenizeRequest, limits: LimitsConfig) -> None:
+    """What the body asks of the tokenizer within `[limits]`, checked on arrival: a prompt's bytes
+    (413), messages and their parts, token ids to decode."""
+    if isinstance(body, DetokenizeRequest):
+        if len(body.tokens) > limits.max_detokenize_tokens:
+            message = f"{len(body.tokens)} token ids; at most {limits.max_detokenize_tokens} per request (limits.max_detokenize_tokens)"
+            raise HttpError("invalid_request", message, "tokens")
+        return
+    limit = limits.max_tokenize_bytes
+    if body.prompt is not None and len(body.prompt) * 4 > limit and len(body.prompt.encode()) > limit:
+        raise HttpError("body_too_large", f"the prompt has more than {limit} bytes (limits.max_tokenize_bytes)", "prompt")
+    if body.messages is not None:
+        check_messages(len(body.messages), chat_parts(body.messages), limits)
+
+
+def tokenize(tokenizer: Any, body: TokenizeRequest, max_bytes: int, max_model_len: int, token_text: Callable[[int], str] | None = None) -> TokenizeResponse:
+    """Blocking: run in a worker thread. `token_text`: each token's text (cached), else decoded here."""
     if (body.prompt is None) == (body.messages is None):
         raise HttpError("invalid_request", "give exactly one of `prompt` and `messages`", "prompt")
     if body.continue_final_message and body.add_generation_prompt:
@@ -55,17 +72,21 @@ def tokenize(tokenizer: Any, body: TokenizeRequest, max_bytes: int, max_model_le
     try:
         if body.prompt is not None:
             if len(body.prompt.encode()) > max_bytes:
-                raise HttpError("too_large", f"the prompt has more than {max_bytes} bytes", "prompt")
+                raise HttpError("body_too_large", f"the prompt has more than {max_bytes} bytes (limits.max_tokenize_bytes)", "prompt")
             tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
         else:
             tokens = _render(tokenizer, body, max_bytes)
     except MlxrtError as exc:
         raise HttpError("invalid_request", str(exc), "messages") from None
-    return token_response(tokenizer, tokens, body, max_model_len)
+    return token_response(tokenizer, tokens, body, max_model_len, token_text)
 
 
-def token_response(tokenizer: Any, tokens: list[int], body: TokenizeRequest, max_model_len: int) -> TokenizeResponse:
-    strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
+def token_response(
+    tokenizer: Any, tokens: list[int], body: TokenizeRequest, max_model_len: int, token_text: Callable[[int], str] | None = None
+) -> TokenizeResponse:
+    # Each distinct token decoded once (a long prompt repeats few of the vocabulary's tokens).
+    text = token_text or (lambda t: tokenizer.decode([t]))
+    strs = [text(t) for t in tokens] if body.return_token_strs else None
     return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens, token_strs=strs)
 
 
@@ -97,7 +118,7 @@ def _render(tokenizer: Any, body: TokenizeRequest, max_bytes: int) -> list[int]:
     except Exception as exc:  # jinja and template errors come in many types
         raise HttpError("invalid_request", f"messages could not be rendered with the chat template: {type(exc).__name__}", "messages") from None
     if len(text.encode()) > max_bytes:
-        raise HttpError("too_large", f"the rendered messages have more than {max_bytes} bytes", "messages")
+        raise HttpError("body_too_large", f"the rendered messages have more than {max_bytes} bytes (limits.max_tokenize_bytes)", "messages")
     return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
 

@@ -1,0 +1,40 @@
+"""`mlxrt bench-hostile` runs on a tiny workload and prints its table of ratios."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.config import REPO
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_bench_hostile_prints_a_ratio_per_hostile(tmp_path):
+    out = tmp_path / "hostile.json"
+    args = [
+        "bench-hostile",
+        "--config",
+        "configs/tiny.toml",
+        "--stream-tokens",
+        "16",
+        "--rounds",
+        "1",
+        "--hostiles",
+        "n,tokenize,detokenize",
+        "--json",
+        str(out),
+    ]
+    result = subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=240, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["hostile"] for row in rows] == ["n", "tokenize", "detokenize"]
+    assert all(row["ratio"] > 0 and row["alone"] and row["beside"] for row in rows)
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:2] == ["hostile", "body"] and {line.split()[0] for line in lines[2:5]} == {"n", "tokenize", "detokenize"}
+    unknown = subprocess.run([sys.executable, "-m", "tools.cli", "bench-hostile", "--hostiles", "nope"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 2 and "nope" in unknown.stderr
