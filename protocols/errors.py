@@ -154,11 +154,21 @@ class RuntimeClosedError(MlxrtError):
     code: ErrorCode = "shutting_down"
 
 
-class WorldUnavailableError(MlxrtError):
-    """A rank of the distributed world died or stalled past `distributed.step_timeout_s`: the
-    requests it was running ended, and no request runs until the world is relaunched."""
+class UnavailableError(MlxrtError):
+    """What the request needs cannot be had now, through no fault of the caller's (a lost rank,
+    a model of a pool that could not be loaded); the message says what."""
 
     code: ErrorCode = "unavailable"
+
+
+class ModelUnavailableError(UnavailableError, ModelLoadError):
+    """A pool's model could not be loaded for a request (its files, or the configuration it
+    shares with the pool's other models): a 503 naming why; the other models keep serving."""
+
+
+class WorldUnavailableError(UnavailableError):
+    """A rank of the distributed world died or stalled past `distributed.step_timeout_s`: the
+    requests it was running ended, and no request runs until the world is relaunched."""
 
 
 class InternalError(MlxrtError):
@@ -218,7 +228,7 @@ _BY_CODE: dict[str, type[MlxrtError]] = {
         AdapterNotFoundError,
         AdapterLoadError,
         ModelNotFoundError,
-        WorldUnavailableError,
+        UnavailableError,
     )
 }
 

@@ -45,6 +45,7 @@ from runtime.errors import (
     InvalidRequestError,
     ModelLoadError,
     ModelNotFoundError,
+    ModelUnavailableError,
     RuntimeClosedError,
     single_errors,
 )
@@ -427,7 +428,11 @@ class ModelPool:
                     self._check_can_fit(model)
                 wait_s = await self._make_room(model)
                 if wait_s is None:
-                    await self._load(model)
+                    try:
+                        await self._load(model)
+                    except ModelLoadError as exc:  # the other models keep serving; the caller learns why
+                        log.error("model_load_failed", model=model.name, error=str(exc))
+                        raise ModelUnavailableError(f"model {model.name!r} could not be loaded: {exc}") from None
                     continue
             with anyio.move_on_after(wait_s):
                 await self._changed.wait()

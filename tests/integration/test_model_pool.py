@@ -207,6 +207,32 @@ async def test_a_model_that_cannot_load_fails_its_requests_alone(tmp_path):
         assert {m.name: m.state for m in pool.models()}["broken"] == "unloaded"
 
 
+@pytest.mark.server
+async def test_a_model_that_cannot_load_is_a_503_naming_why_over_http(tmp_path):
+    """(Issue 46's soak) A pool whose shared `[kv]` asks for paged KV, which a vision model cannot
+    serve: its requests answered 500 "internal"; now a typed 503 naming the model and why, while
+    the default model keeps serving."""
+    import openai
+
+    from tests.support.http_serving import serving
+    from tests.support.vision import VISION_MODEL
+
+    config = msgspec.structs.replace(
+        _config(tmp_path, cap=0),
+        models=[PoolModelConfig(name="vision", path=VISION_MODEL)],
+        kv=msgspec.structs.replace(make_config("builtin:tiny").kv, block_size=16),
+    )
+    async with serving(config, pool=True) as served:
+        client = served.client()
+        messages = [{"role": "user", "content": "hi"}]
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.with_options(max_retries=0).chat.completions.create(model="vision", messages=messages, max_tokens=2)
+        assert refused.value.status_code == 503 and "'vision' could not be loaded" in refused.value.message and "kv.block_size" in refused.value.message
+        answer = await client.completions.create(model=served.model, prompt=[1, 2, 3], max_tokens=3, extra_body={"ignore_eos": True})
+        assert answer.choices[0].finish_reason == "length"
+        await client.close()
+
+
 async def test_a_models_own_options_apply_to_it_alone(tmp_path):
     from runtime.config import RuntimeConfig
     from runtime.errors import InvalidRequestError

@@ -22,7 +22,7 @@ from engine.model.world import World, shard
 from policies.layout import checkpoint_format, tensor_shapes
 from protocols.api import SamplingParams
 from protocols.config import DistributedConfig
-from protocols.errors import ERROR_KINDS, CheckpointError, ConfigError, ModelLoadError, WorldUnavailableError, error_for
+from protocols.errors import ERROR_KINDS, CheckpointError, ConfigError, ModelLoadError, UnavailableError, error_for
 from protocols.model import AdmitRequest, CheckpointData, LayerLayout, ModelInfo, ResumeState, StepOutcome, StepPlan, WorldCommand, WorldStep, WorldStop
 from runtime import env
 from runtime.config import RuntimeConfig
@@ -66,7 +66,7 @@ def test_distributed_keys_are_checked_like_any_other():
 
 def test_unavailable_is_a_typed_503_that_clients_raise_as_its_class():
     assert ERROR_KINDS["unavailable"].http_status == 503
-    assert isinstance(error_for("unavailable", "rank 1 is gone"), WorldUnavailableError)
+    assert isinstance(error_for("unavailable", "rank 1 is gone"), UnavailableError)
 
 
 def test_plans_cross_the_world_as_msgpack_without_pickle():
