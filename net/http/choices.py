@@ -33,14 +33,22 @@ class Merged:
         self._followers = list(followers)
         self._started = [anyio.Event() for _ in self.streams]
         self._send, self._receive = anyio.create_memory_object_stream[Event | Exception](4 * (len(self.streams) + len(self._followers)))
+        # `run`'s scope, and when it has ended: `aclose` stops the forwarding before it closes
+        # the streams (closing a stream another task is iterating raises in that task).
+        self._running: anyio.CancelScope | None = None
+        self._ran = anyio.Event()
 
     async def run(self) -> None:
         """Forward every stream's events until all have ended (run it beside the reader)."""
-        async with self._send, anyio.create_task_group() as tg:
-            for i, stream in enumerate(list(self.streams)):
-                tg.start_soon(self._forward, stream, self._send.clone(), self._started[i])
-            for leader, submit in self._followers:
-                tg.start_soon(self._follow, leader, submit, self._send.clone())
+        try:
+            with anyio.CancelScope() as self._running:
+                async with self._send, anyio.create_task_group() as tg:
+                    for i, stream in enumerate(list(self.streams)):
+                        tg.start_soon(self._forward, stream, self._send.clone(), self._started[i])
+                    for leader, submit in self._followers:
+                        tg.start_soon(self._follow, leader, submit, self._send.clone())
+        finally:
+            self._ran.set()
 
     async def _follow(self, leader: int, submit: Callable[[], EventStream], send: Any) -> None:
         await self._started[leader].wait()
@@ -75,8 +83,12 @@ class Merged:
             yield item
 
     async def aclose(self) -> None:
-        for stream in self.streams:
-            await stream.aclose()
+        with anyio.CancelScope(shield=True):
+            if self._running is not None:
+                self._running.cancel()
+                await self._ran.wait()
+            for stream in self.streams:
+                await stream.aclose()
         self._receive.close()
 
 

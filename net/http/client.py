@@ -55,6 +55,10 @@ class HttpConnection:
         """GET `target`; its body."""
         return b"".join([chunk async for chunk in self._exchange("GET", target, None)])
 
+    async def delete(self, target: str) -> bytes:
+        """DELETE `target`; its body."""
+        return b"".join([chunk async for chunk in self._exchange("DELETE", target, None)])
+
     def post(self, target: str, body: bytes) -> AsyncIterator[bytes]:
         """POST `body` (JSON) to `target`; yields the response body as it arrives."""
         return self._exchange("POST", target, body)

@@ -129,3 +129,34 @@ async def test_max_tokens_zero_needs_echo():
             await client.completions.create(model=served.model, prompt="x", max_tokens=0)
         await client.close()
     assert info.value.body["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("pool", [False, True])
+async def test_a_client_leaving_a_streamed_n_choice_answer_cancels_every_choice_cleanly(pool, caplog):
+    """(Issue 46's soak) Leaving a streamed `n` answer served by a pool raised "aclose():
+    asynchronous generator is already running" in the server (each choice's stream was closed
+    while its forwarding task still iterated it); now every choice ends cancelled, nothing raised."""
+    from tests.support.http_serving import wait_runtime_idle
+
+    async with serving(pool=pool) as served:
+        client = served.client()
+        stream = await client.chat.completions.create(
+            model=served.model, messages=LONG, n=3, max_tokens=200, temperature=0.8, stream=True, extra_body={"ignore_eos": True}
+        )
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                break
+        await stream.close()
+        stats = await (wait_runtime_idle(served.runtime) if not pool else _pool_idle(served.runtime))
+        await client.close()
+    assert stats.live_requests == 0
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], [r.getMessage() for r in caplog.records]
+
+
+async def _pool_idle(pool):
+    import anyio
+
+    with anyio.fail_after(10):
+        while (stats := await pool.stats()).live_requests:
+            await anyio.sleep(0.02)
+    return stats
