@@ -14,23 +14,10 @@ from protocols.errors import InvalidRequestError
 from protocols.model import ModelInfo
 from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError
+from tests.support.model_info import model_info
 
 CANVAS = 16
-DIFFUSION = ModelInfo(
-    path="m",
-    model_type="diffusion_gemma",
-    vocab_size=1024,
-    max_context=512,
-    num_layers=1,
-    kv_bytes_per_token=1,
-    dtype="float32",
-    device="cpu",
-    eos_token_ids=[2],
-    num_parameters=1,
-    load_s=0.0,
-    denoising=True,
-    canvas_length=CANVAS,
-)
+DIFFUSION = model_info(model_type="diffusion_gemma", denoising=True, canvas_length=CANVAS)
 BLOCKS = msgspec.structs.replace(DIFFUSION, model_type="llada2_moe", canvas_length=32, denoises_blocks=True)
 HUGE = [1 << 31, 1 << 63, (1 << 64) - 1]
 

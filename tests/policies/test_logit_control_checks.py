@@ -12,22 +12,10 @@ from policies.validation import MAX_LOGIT_BIAS, bad_words_ids, validate
 from protocols.api import GenerateRequest, SamplingParams
 from protocols.config import SpeculativeConfig
 from protocols.errors import InvalidRequestError
-from protocols.model import ModelInfo
 from tests.support.mlx_reference import load_reference
+from tests.support.model_info import model_info
 
-INFO = ModelInfo(
-    path="m",
-    model_type="llama",
-    vocab_size=1024,
-    max_context=512,
-    num_layers=1,
-    kv_bytes_per_token=1,
-    dtype="float32",
-    device="cpu",
-    eos_token_ids=[2],
-    num_parameters=1,
-    load_s=0.0,
-)
+INFO = model_info()
 
 
 def _request(max_tokens: int | None = 8, **sampling) -> GenerateRequest:
