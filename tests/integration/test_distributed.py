@@ -26,7 +26,7 @@ import pytest
 
 from net.client import Client
 from protocols.api import GenerateRequest, SamplingParams, TokenDelta
-from protocols.errors import ForeignCheckpointError, WorldUnavailableError
+from protocols.errors import ForeignCheckpointError, UnavailableError
 from runtime.config import RuntimeConfig
 from runtime.runtime import Runtime
 from tests.support.config import CHUNK, builtin_dir, make_config
@@ -242,7 +242,7 @@ async def test_a_stalled_rank_ends_requests_with_unavailable_within_the_timeout(
                 # Ended by the step timeout (the reason says so), not by anything else.
                 assert "distributed.step_timeout_s" in (finished.error or ""), finished
                 # The world stays down: new requests are refused with the typed error.
-                with pytest.raises(WorldUnavailableError):
+                with pytest.raises(UnavailableError):
                     await collect(client.generate(GenerateRequest(prompt_ids=[1, 2, 3], max_tokens=2)))
             finally:
                 with contextlib.suppress(ProcessLookupError):
