@@ -61,6 +61,7 @@ from net.http.mapping import (
     decode_body,
     ending_error,
     error_of,
+    prompt_list,
 )
 from net.http.middleware import Authorization, BrowserGuard, RequestLimit, ResponseCounter, request_owner
 from net.http.response_store import ResponseStore
@@ -180,7 +181,7 @@ class Api:
             prompts = [msgspec.structs.replace(g, prompt=None, prompt_ids=ids) for g, ids in zip(prompts, rendered)]
         if body.echo:
             tokenizer = runtime.tokenizer_for(model)
-            texts = [body_prompt if isinstance(body_prompt, str) else None for body_prompt in _prompt_list(body.prompt)]
+            texts = [body_prompt if isinstance(body_prompt, str) else None for body_prompt in prompt_list(body.prompt)]
             echoes = [text if text is not None else await anyio.to_thread.run_sync(tokenizer.decode, ids) for text, ids in zip(texts, rendered)]
         generates = choices(prompts, body.n, limits)
         ids = self._ids("cmpl", generates[0], body.model)
@@ -470,11 +471,6 @@ async def _continuous_usage(runtime: Serving, generates: list[GenerateRequest], 
             counts[key] = len(await runtime.prompt_token_ids(generate))
         out.append(counts[key])
     return out
-
-
-def _prompt_list(prompt: Any) -> list[Any]:
-    """A completion body's prompts (a list of texts or of token-id lists is several)."""
-    return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) else [prompt]
 
 
 async def _sse_body(stream, first: Event | None, events: AsyncIterator[Event], output: Output, endpoint: str) -> AsyncGenerator[bytes, None]:
