@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.kv.factory import make_slots
-from engine.kv.paged import BlockPool
+from engine.kv.pool import BlockPool
 from engine.kv.slots import FullSlots, ListSlots, Slots, StateSlots
 from engine.step import LEN_STEP, Step, round_up
 from policies.blocks import blocks_for

@@ -29,7 +29,8 @@ from mlx_lm.models.cache import ArraysCache, CacheList
 
 from engine import lanes
 from engine.kv.attention import DECLINED, decode_attention, stack_queries, stacked_mask
-from engine.kv.paged import flat_index, gather_blocks, heads_first, scatter_flat
+from engine.kv.paged import heads_first
+from engine.kv.pool import flat_index, gather_blocks, scatter_flat
 from policies.layout import ring_capacity
 from protocols.model import LayerLayout
 

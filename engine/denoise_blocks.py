@@ -104,7 +104,6 @@ class BlockRow:
     settings: BlockSettings
     cache: list[Any]
     key: mx.array
-    num_blocks: int
     num_prefilled: int = 0
     kv_tokens: int = 0
     num_generated: int = 0
@@ -134,7 +133,7 @@ class BlockDenoiseEngine(Denoiser):
         block = settings.block_length
         num_blocks = (len(admit.prompt_ids) + admit.max_tokens + block - 1) // block
         caches = [StaticPrefixKVCache(num_blocks * block) for _ in self._lm.layers]
-        row = BlockRow(admit=admit, settings=settings, cache=caches, key=mx.random.key(admit.seed), num_blocks=num_blocks)
+        row = BlockRow(admit=admit, settings=settings, cache=caches, key=mx.random.key(admit.seed))
         row.next_block = len(admit.prompt_ids) // block  # the prompt's whole blocks are prefilled
         return row
 

@@ -3,7 +3,7 @@
 On the CPU backend MLX runs every elementwise kernel (`exp`, the softmax, SiLU, gathers) on its
 stream's one thread, ~15-22 ns an element for `exp` here, while matrix products use every core
 through BLAS. So in a prefill of 8 prompts the SiLU and the attention's softmax run on one core
-of two, and they are most of the forward's time after the matrix products (BENCHMARKS.md).
+of two, and they are most of the forward's time after the matrix products (docs/benchmarks/log.md).
 
 While the engine steps (`parallel()`, on its MLX thread), such a piece is split into two halves
 along an axis its computation is independent over (rows, tokens, or KV heads), the second half

@@ -5,7 +5,7 @@ A checkpoint file is
     b"MLXRTCK" + format version digit | sha256 of what follows | the header (JSON) as a frame
     (`protocols.frames`: uint32 BE length, then the bytes) | KV tensors (safetensors)
 
-The header (`CheckpointHeader`) names the model and tokenizer digests, the request as
+(a signed file, `runtime.signed_files`). The header (`CheckpointHeader`) names the model and tokenizer digests, the request as
 submitted, the resolved prompt ids and seed, and the tokens generated so far. The digest
 covers the header too, so a damaged header is caught before it is parsed. Reads open
 without following links or blocking, accept only a regular file under a size cap, and
@@ -16,7 +16,6 @@ directory that no one else may write. Blocking I/O: call from a worker thread.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import stat
@@ -30,7 +29,6 @@ import safetensors.numpy
 from policies.images import without_image_bytes
 from policies.layout import tensor_shapes
 from policies.validation import check_request_id
-from protocols import frames
 from protocols.api import GenerateRequest
 from protocols.base import Record
 from protocols.errors import (
@@ -43,13 +41,12 @@ from protocols.errors import (
 )
 from protocols.model import LayerLayout
 from runtime import private_files
+from runtime.signed_files import AlteredFileError, ForeignFileError, OtherVersionError, SignedFormat, TruncatedFileError
 
 # 5: the header is a `protocols.frames` frame after the digest (4: its length before the digest).
 FORMAT_VERSION = 5
-_MAGIC_PREFIX = b"MLXRTCK"
-MAGIC = _MAGIC_PREFIX + str(FORMAT_VERSION).encode()
-_DIGEST = 32
-_PREFIX = len(MAGIC) + _DIGEST + frames.HEADER.size
+FORMAT = SignedFormat(b"MLXRTCK", FORMAT_VERSION)
+MAGIC = FORMAT.magic
 _SUFFIX = ".ckpt"
 # Header bytes beyond the token lists: the request as submitted (messages, tools, ...).
 HEADER_BYTES = 16 * 1024 * 1024
@@ -92,14 +89,11 @@ def max_file_bytes(max_context: int, layers: Sequence[LayerLayout]) -> int:
     """The largest checkpoint a model can have written: its tensors at the longest context (as
     float32), the ids, the request."""
     tensor_bytes = sum(4 * math.prod(shape) for shape in tensor_shapes(layers, max_context).values())
-    return _PREFIX + HEADER_BYTES + 32 * max_context + tensor_bytes + 1024 * 1024
+    return FORMAT.min_bytes + HEADER_BYTES + 32 * max_context + tensor_bytes + 1024 * 1024
 
 
 def encode(header: CheckpointHeader, tensors: bytes) -> bytes:
-    framed = frames.frame(msgspec.json.encode(header))
-    digest = hashlib.sha256(framed)
-    digest.update(tensors)
-    return MAGIC + digest.digest() + framed + tensors
+    return b"".join(FORMAT.encode(msgspec.json.encode(header), tensors))
 
 
 def prepare_directory(directory: Path) -> None:
@@ -149,19 +143,16 @@ def _read_regular(path: Path, max_bytes: int, request_id: str) -> bytes:
 
 
 def decode(data: bytes, *, source: str = "<checkpoint>") -> tuple[CheckpointHeader, bytes]:
-    if len(data) < _PREFIX or not data.startswith(_MAGIC_PREFIX):
-        raise CorruptCheckpointError(f"{source} is not an mlxrt checkpoint")
-    if data[: len(MAGIC)] != MAGIC:
-        version = data[len(_MAGIC_PREFIX) : len(MAGIC)].decode(errors="replace")
-        raise UnsupportedCheckpointError(f"{source} has format version {version!r}; this runtime reads {FORMAT_VERSION}")
-    expected = data[len(MAGIC) : len(MAGIC) + _DIGEST]
-    digest = hashlib.sha256(memoryview(data)[len(MAGIC) + _DIGEST :]).digest()
-    if digest != expected:
-        raise CorruptCheckpointError(f"{source} is truncated or altered (checksum mismatch)")
-    found = frames.split_frame(data, len(MAGIC) + _DIGEST)
-    if found is None:
-        raise CorruptCheckpointError(f"{source} is truncated")
-    body, end = found
+    try:
+        body, end = FORMAT.open(data)
+    except ForeignFileError:
+        raise CorruptCheckpointError(f"{source} is not an mlxrt checkpoint") from None
+    except OtherVersionError as exc:
+        raise UnsupportedCheckpointError(f"{source} has format version {exc.found!r}; this runtime reads {FORMAT_VERSION}") from None
+    except AlteredFileError:
+        raise CorruptCheckpointError(f"{source} is truncated or altered (checksum mismatch)") from None
+    except TruncatedFileError:
+        raise CorruptCheckpointError(f"{source} is truncated") from None
     try:
         header = msgspec.json.decode(body, type=CheckpointHeader)
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:

@@ -8,7 +8,7 @@ named by its key:
     b"MLXRTKV" + format version digit | sha256 of what follows | the header (JSON) as a frame
     (`protocols.frames`) | KV tensors (safetensors, as checkpoints store them)
 
-The header names the model, tokenizer and KV format, the adapter namespace, the entry's key,
+(a signed file, `runtime.signed_files`, as checkpoints are). The header names the model, tokenizer and KV format, the adapter namespace, the entry's key,
 its parent chunk, its positions and its tokens. At start the directory is locked (one server
 per subdirectory: another gets `DiskCacheLockedError`) and scanned: headers are read (not
 whole files), and a file whose header is damaged, foreign, or for another key is removed, as
@@ -48,20 +48,19 @@ import structlog
 from actors.disk_tier import DiskTier
 from policies.disk_index import DiskEntry, DiskIndex
 from policies.layout import is_trimmable, kv_format
-from protocols import frames
 from protocols.base import Record
 from protocols.config import KvConfig
 from protocols.errors import DiskCacheError, DiskCacheLockedError
 from protocols.model import ModelInfo
 from runtime import checkpoints, private_files
+from runtime.signed_files import SignedFileError, SignedFormat
 
 log = structlog.get_logger(actor="kv_store", tier="disk")
 
 FORMAT_VERSION = 1
-_MAGIC_PREFIX = b"MLXRTKV"
-MAGIC = _MAGIC_PREFIX + str(FORMAT_VERSION).encode()
-_DIGEST = 32
-_PREFIX = len(MAGIC) + _DIGEST + frames.HEADER.size
+FORMAT = SignedFormat(b"MLXRTKV", FORMAT_VERSION)
+MAGIC = FORMAT.magic
+_PREFIX = FORMAT.min_bytes
 SUFFIX = ".kv"
 # A header holds at most a whole entry's tokens: this bounds what a scan reads of a file.
 MAX_HEADER_BYTES = 64 * 1024 * 1024
@@ -109,10 +108,7 @@ class Identity:
 
 def encode(header: EntryHeader, tensors: bytes) -> list[bytes]:
     """The file's pieces, in order (written one after the other: the tensors are not copied)."""
-    framed = frames.frame(msgspec.json.encode(header))
-    digest = hashlib.sha256(framed)
-    digest.update(tensors)
-    return [MAGIC + digest.digest() + framed, tensors]
+    return FORMAT.encode(msgspec.json.encode(header), tensors)
 
 
 def tensor_views(data: memoryview, name: str) -> dict[str, np.ndarray]:
@@ -136,12 +132,15 @@ def tensor_views(data: memoryview, name: str) -> dict[str, np.ndarray]:
 
 
 def parse_header(data: bytes | memoryview, name: str) -> tuple[EntryHeader, int]:
-    if bytes(data[: len(MAGIC)]) != MAGIC:
-        raise DamagedEntryError(f"{name} is not an mlxrt KV file of format {FORMAT_VERSION}")
-    found = frames.split_frame(data, len(MAGIC) + _DIGEST)
-    if found is None:
-        raise DamagedEntryError(f"{name} is truncated")
-    body, end = found
+    """The header (its digest not checked: `DiskFiles.read` does) and the tensors' offset."""
+    try:
+        FORMAT.check_magic(data)
+    except SignedFileError:
+        raise DamagedEntryError(f"{name} is not an mlxrt KV file of format {FORMAT_VERSION}") from None
+    try:
+        body, end = FORMAT.split(data)
+    except SignedFileError:
+        raise DamagedEntryError(f"{name} is truncated") from None
     try:
         return msgspec.json.decode(body, type=EntryHeader), end
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
@@ -230,8 +229,10 @@ class DiskFiles:
             data = memoryview(private_files.read_regular_buffer(path, self.max_file_bytes))
         except private_files.UnreadableFileError as exc:
             raise DamagedEntryError(str(exc)) from None
-        if len(data) < _PREFIX or hashlib.sha256(data[len(MAGIC) + _DIGEST :]).digest() != data[len(MAGIC) : len(MAGIC) + _DIGEST]:
-            raise DamagedEntryError(f"{path.name} is truncated or altered (checksum mismatch)")
+        try:
+            FORMAT.check_digest(data)
+        except SignedFileError:
+            raise DamagedEntryError(f"{path.name} is truncated or altered (checksum mismatch)") from None
         header, end = parse_header(data, path.name)
         self._check(header, path.name)
         if header.key != entry.key or header.tokens != tokens or header.parent != entry.parent or header.namespace != entry.namespace:
@@ -304,7 +305,7 @@ class DiskFiles:
             head = os.pread(fd, _PREFIX, 0)
             if len(head) < _PREFIX:
                 raise DamagedEntryError(f"{name} is truncated")
-            length = frames.HEADER.unpack_from(head, len(MAGIC) + _DIGEST)[0]
+            length = FORMAT.header_size(head)
             if length > MAX_HEADER_BYTES or _PREFIX + length > info.st_size:
                 raise DamagedEntryError(f"{name} is truncated")
             data = head + os.pread(fd, length, _PREFIX)

@@ -21,8 +21,7 @@ import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
@@ -30,6 +29,7 @@ import structlog
 
 from actors.mlx_thread import MlxThread
 from engine.model.memory import DTYPE_BYTES, estimate_weight_bytes, release_memory
+from policies import residency
 from policies.validation import check_request_id
 from protocols.api import AdapterInfo, Event, Finished, GenerateRequest, ModelStatus, TokenDelta, new_request_id
 from protocols.config import Pooling
@@ -50,7 +50,8 @@ from runtime.errors import (
     single_errors,
 )
 from runtime.metrics import RuntimeMetrics
-from runtime.replay import Delivered, Replay, cancelled
+from runtime.pool_state import PoolEntry, PoolRequest
+from runtime.replay import Replay, cancelled
 from runtime.runtime import Runtime
 from runtime.streams import PoolStream
 
@@ -58,51 +59,6 @@ if TYPE_CHECKING:
     from runtime.serving import Serving
 
 log = structlog.get_logger(actor="pool")
-
-# A model whose requests made no progress since it was loaded (a long prefill, a paused caller)
-# may be swapped out after this long all the same, so a stuck caller cannot hold it for good.
-PROGRESS_GRACE_S = 30.0
-
-
-@dataclass(eq=False)
-class _Model:
-    name: str
-    config: RuntimeConfig
-    pinned: bool
-    weight_bytes: int
-    runtime: Runtime | None = None
-    # Kept across swaps (plain Python: token texts for HTTP responses).
-    tokenizer: Any = None
-    loading: bool = False
-    loaded_at: float = 0.0
-    last_used: float = 0.0
-    users: int = 0
-    # Its requests still repeating what their callers have after a swap: it is not swapped out
-    # again before they get past it (a request without a checkpoint would never progress).
-    replaying: int = 0
-    loads: int = 0
-    preempted: int = 0
-    # New tokens (or ends) its requests delivered since it was loaded: it is not swapped out
-    # before its users made some, so every swap buys progress (no livelock at any residence).
-    progress: int = 0
-    # Bumped at each swap-out: a request whose stream ends under an older epoch was preempted.
-    epoch: int = 0
-    stop: anyio.Event = field(default_factory=anyio.Event)
-    stopped: anyio.Event = field(default_factory=anyio.Event)
-
-
-@dataclass(eq=False)
-class _PoolRequest:
-    """A pool request across its runs (one per residence of its model)."""
-
-    rid: str
-    request: GenerateRequest
-    # What the caller already has: a later run repeats it, and `Replay` skips it.
-    delivered: Delivered = field(default_factory=Delivered)
-    runs: int = 0
-    finished: bool = False
-    # Whether its checkpoint cadence is the pool's (`model_pool.checkpoint_every`), not its own.
-    pool_cadence: bool = False
 
 
 class ModelPool:
@@ -115,9 +71,9 @@ class ModelPool:
         self._lock = anyio.Lock()
         self._changed = anyio.Event()
         self._seeds = random.Random(config.generation.seed)
-        self._models: dict[str, _Model] = {}
+        self._models: dict[str, PoolEntry] = {}
         self._cancelled: set[str] = set()
-        self._running: dict[str, _Model] = {}
+        self._running: dict[str, PoolEntry] = {}
         self._live: set[str] = set()
         self._default_info: ModelInfo | None = None
         self._default_metrics: RuntimeMetrics | None = None
@@ -137,7 +93,7 @@ class ModelPool:
                 # `[[adapters]]` are the default model's (an adapter fits one model's shapes).
                 adapters=config.adapters if name == config.model_name else [],
             )
-            self._models[name] = _Model(name, model_config, pinned, weight_bytes=0)
+            self._models[name] = PoolEntry(name, model_config, pinned, weight_bytes=0)
         self.default_model = config.model_name
         self._checkpoint_every = config.model_pool.checkpoint_every
 
@@ -285,7 +241,7 @@ class ModelPool:
     async def adapters(self) -> list[AdapterInfo]:
         return []
 
-    async def _events(self, model: _Model, request: GenerateRequest) -> AsyncIterator[Event]:
+    async def _events(self, model: PoolEntry, request: GenerateRequest) -> AsyncIterator[Event]:
         """The request's runs, one per residence of its model, until one finishes."""
         pending = await self._pending(model, request)
         try:
@@ -301,7 +257,7 @@ class ModelPool:
         finally:
             self.forget(pending.rid)
 
-    async def _pending(self, model: _Model, request: GenerateRequest) -> _PoolRequest:
+    async def _pending(self, model: PoolEntry, request: GenerateRequest) -> PoolRequest:
         """The request as the pool runs it: a fixed seed (every run generates the same stream) and
         the pool's checkpoint cadence, unless the request sets its own (checked as usual)."""
         rid = request.request_id
@@ -316,9 +272,9 @@ class ModelPool:
         request = msgspec.structs.replace(
             request, model=None, request_id=rid, sampling=msgspec.structs.replace(request.sampling, seed=seed), checkpoint_every=every
         )
-        return _PoolRequest(rid, request, pool_cadence=pending_cadence)
+        return PoolRequest(rid, request, pool_cadence=pending_cadence)
 
-    async def _run(self, model: _Model, rt: Runtime, pending: _PoolRequest) -> AsyncIterator[Event]:
+    async def _run(self, model: PoolEntry, rt: Runtime, pending: PoolRequest) -> AsyncIterator[Event]:
         """One run on the model's runtime: resumed from the request's own checkpoint (only one
         this request wrote) or generated again, its events past what the caller has, until it
         finishes (`pending.finished`) or the model is swapped out under it."""
@@ -368,7 +324,7 @@ class ModelPool:
             await model.runtime.cancel(request_id)
         self._notify()
 
-    def _progressed(self, model: _Model) -> None:
+    def _progressed(self, model: PoolEntry) -> None:
         model.progress += 1
         if model.progress == 1:
             self._notify()  # a swap waiting for this model's first progress may go ahead
@@ -395,22 +351,17 @@ class ModelPool:
 
     # -- residency ---------------------------------------------------------------------------
 
-    def _model(self, name: str | None) -> _Model:
+    def _model(self, name: str | None) -> PoolEntry:
         model = self._models.get(name or self.default_model)
         if model is None:
             raise ModelNotFoundError(f"no model named {name!r}; this pool serves {', '.join(self._models)}", field="model")
         return model
 
     def _check_fits(self) -> None:
-        cap = self.config.model_pool.memory_bytes
-        if not cap:
-            return
-        pinned = sum(m.weight_bytes for m in self._models.values() if m.pinned)
-        largest = max((m.weight_bytes for m in self._models.values() if not m.pinned), default=0)
-        if pinned + largest > cap:
-            raise ConfigError(f"model_pool.memory_bytes = {cap} cannot hold the pinned models ({pinned} bytes) and the largest other ({largest})")
+        if problem := residency.pinned_overflow(self._models.values(), self.config.model_pool.memory_bytes):
+            raise ConfigError(problem)
 
-    async def _acquire(self, model: _Model, rid: str | None = None) -> Runtime | None:
+    async def _acquire(self, model: PoolEntry, rid: str | None = None) -> Runtime | None:
         """The model's runtime, loading it (and swapping others out) if it is not resident;
         None once request `rid` is cancelled while it waits."""
         while True:
@@ -438,17 +389,17 @@ class ModelPool:
                 await self._changed.wait()
 
     @staticmethod
-    def _use(model: _Model, runtime: Runtime) -> Runtime:
+    def _use(model: PoolEntry, runtime: Runtime) -> Runtime:
         model.users += 1
         model.last_used = time.monotonic()
         return runtime
 
-    def _release(self, model: _Model) -> None:
+    def _release(self, model: PoolEntry) -> None:
         model.users -= 1
         model.last_used = time.monotonic()
         self._notify()
 
-    async def _make_room(self, model: _Model) -> float | None:
+    async def _make_room(self, model: PoolEntry) -> float | None:
         """Swap out models until `model` fits; None when it does, else how long to wait before
         trying again (the models in the way are too fresh)."""
         cap = self.config.model_pool.memory_bytes
@@ -456,21 +407,16 @@ class ModelPool:
             return None
         now, floor = time.monotonic(), self.config.model_pool.min_resident_s
         while self._resident_bytes() + model.weight_bytes > cap:
-            candidates = [m for m in self._models.values() if m.runtime is not None and not m.pinned and m is not model]
-            candidates = [m for m in candidates if not m.replaying and (m.users == 0 or m.progress > 0 or now - m.loaded_at >= PROGRESS_GRACE_S)]
-            ready = [m for m in candidates if now - m.loaded_at >= floor]
-            if not ready:
-                # Too fresh: wait out its residence; waiting for progress: woken by `_progressed`.
-                return max(0.01, min((floor - (now - m.loaded_at) for m in candidates), default=max(floor, 0.05)))
-            # Idle models first, then the least recently used.
-            victim = min(ready, key=lambda m: (m.users > 0, m.last_used))
-            await self._unload(victim)
+            swap = residency.next_swap(self._models.values(), model, now, floor)
+            if swap.victim is None:
+                return swap.wait_s  # (a wait for progress is woken by `_progressed`)
+            await self._unload(self._models[swap.victim.name])
         return None
 
     def _resident_bytes(self) -> int:
         return sum(m.weight_bytes for m in self._models.values() if m.runtime is not None or m.loading)
 
-    async def _load(self, model: _Model) -> None:
+    async def _load(self, model: PoolEntry) -> None:
         model.loading, model.stop, model.stopped = True, anyio.Event(), anyio.Event()
         try:
             model.runtime = await self._tg.start(self._host, model)
@@ -490,7 +436,7 @@ class ModelPool:
         self.peak_weight_bytes = max(self.peak_weight_bytes, self._resident_bytes())
         log.info("model_resident", model=model.name, weight_bytes=model.weight_bytes, resident_bytes=self._resident_bytes())
 
-    async def _kept_within_cap(self, model: _Model) -> bool:
+    async def _kept_within_cap(self, model: PoolEntry) -> bool:
         """The cap holds for what was loaded, not only for what was estimated (a model's files
         may have been replaced since): over it, the model goes out again (False), and comes back
         once room is made for its real size (`_acquire` loops), or is refused if it never fits."""
@@ -502,16 +448,12 @@ class ModelPool:
         self._check_can_fit(model)
         return False
 
-    def _check_can_fit(self, model: _Model) -> None:
+    def _check_can_fit(self, model: PoolEntry) -> None:
         """Refuse a model that cannot fit the cap beside the pinned ones, however many are swapped out."""
-        cap = self.config.model_pool.memory_bytes
-        pinned = sum(m.weight_bytes for m in self._models.values() if m.pinned and m is not model)
-        if cap and model.weight_bytes + pinned > cap:
-            raise ModelLoadError(
-                f"model {model.name!r} needs {model.weight_bytes} bytes of weights: with the pinned models, over model_pool.memory_bytes = {cap}"
-            )
+        if problem := residency.never_fits(self._models.values(), model, self.config.model_pool.memory_bytes):
+            raise ModelLoadError(problem)
 
-    async def _host(self, model: _Model, *, task_status) -> None:
+    async def _host(self, model: PoolEntry, *, task_status) -> None:
         try:
             async with Runtime.open(model.config, thread=self._thread) as rt:
                 task_status.started(rt)
@@ -519,7 +461,7 @@ class ModelPool:
         finally:
             model.stopped.set()
 
-    async def _unload(self, model: _Model) -> None:
+    async def _unload(self, model: PoolEntry) -> None:
         """Swap a model out: its runtime shuts down (live requests keep their checkpoints and
         wait for it), its memory goes back."""
         model.epoch += 1

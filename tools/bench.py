@@ -13,11 +13,9 @@ at the same time as mlxrt. Prints a table and writes JSON.
 
 from __future__ import annotations
 
-import json
 import random
-import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import anyio
@@ -27,6 +25,7 @@ from protocols.api import Finished, GenerateRequest, PrefillProgress, TokenDelta
 from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError
 from runtime.progress import Progress
+from tools.bench_common import Run, load_mlx_lm_model, median_summary, mlxrt_run, random_prompts
 
 
 @dataclass(frozen=True)
@@ -48,43 +47,6 @@ class BenchOptions:
     text_path: str | None = None
 
 
-@dataclass
-class Run:
-    """Token arrival times of one workload's requests (seconds since its start)."""
-
-    token_times: list[list[float]] = field(default_factory=list)
-    wall_s: float = 0.0
-
-    def summary(self) -> dict:
-        num_tokens = sum(len(t) for t in self.token_times)
-        ttfts = sorted(t[0] for t in self.token_times if t)
-        decode = [(len(t) - 1) / (t[-1] - t[0]) for t in self.token_times if len(t) > 1 and t[-1] > t[0]]
-        return {
-            "requests": len(self.token_times),
-            "tokens": num_tokens,
-            "throughput_tok_s": num_tokens / self.wall_s if self.wall_s else 0.0,
-            "decode_tok_s_per_stream": statistics.mean(decode) if decode else 0.0,
-            "ttft_p50_s": _percentile(ttfts, 50),
-            "ttft_p99_s": _percentile(ttfts, 99),
-        }
-
-
-def _median(summaries: list[dict]) -> dict:
-    return {key: statistics.median(s[key] for s in summaries) for key in summaries[0]}
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    index = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
-    return values[index]
-
-
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
-
-
 class PromptSource:
     """The workloads' prompts: random token ids, or windows of a text's tokens at random
     offsets (a text shorter than a window is repeated)."""
@@ -94,7 +56,7 @@ class PromptSource:
 
     def prompts(self, n: int, length: int, seed: int) -> list[list[int]]:
         if not self.text_ids:
-            return _prompts(n, length, self.vocab, seed)
+            return random_prompts(n, length, self.vocab, seed)
         rng = random.Random(seed)
         ids = self.text_ids * (1 + length // len(self.text_ids))
         starts = [rng.randrange(0, len(ids) - length + 1) for _ in range(n)]
@@ -102,29 +64,6 @@ class PromptSource:
 
 
 # -- mlx-lm side (runs on its own MLX thread) ----------------------------------
-
-
-def load_mlx_lm_model(path: str):
-    """mlx-lm's own model for `path` (on the calling MLX thread), float32 on the CPU backend. A
-    GGUF file, which mlx-lm cannot read, is read by our loader into mlx-lm's own class and
-    dequantized as the runtime does by default on the CPU: the same weights the runtime serves."""
-    import mlx.core as mx
-
-    from engine.model.gguf import is_gguf, load_gguf
-    from engine.model.weights import apply_cpu_policy, keeps_quantized
-    from runtime import env
-
-    if is_gguf(Path(path)):
-        model = load_gguf(Path(path), cache_root=env.home(), keeps_quantized=lambda need: keeps_quantized("auto", need)).model
-    else:
-        from mlx_lm.utils import load
-
-        model = load(path)[0]
-    if mx.default_device() == mx.cpu:
-        model.set_dtype(mx.float32)
-        if is_gguf(Path(path)):
-            apply_cpu_policy(model, "auto")
-    return model
 
 
 class Baseline:
@@ -190,26 +129,6 @@ CONSTRAINED_FORMAT = {
         "schema": {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 256}}, "required": ["values"]},
     },
 }
-
-
-async def _mlxrt_run(rt, prompts: list[list[int]], new_tokens: int, response_format: dict | None = None) -> Run:
-    run = Run(token_times=[[] for _ in prompts])
-    start = time.perf_counter()
-
-    async def one(i: int, prompt: list[int]) -> None:
-        request = GenerateRequest(
-            prompt_ids=prompt, max_tokens=new_tokens, ignore_eos=response_format is None, response_format=response_format, jump_forward=False
-        )
-        async for event in rt.generate(request):
-            if isinstance(event, TokenDelta):
-                now = time.perf_counter() - start
-                run.token_times[i].extend([now] * len(event.token_ids))
-
-    async with anyio.create_task_group() as tg:
-        for i, prompt in enumerate(prompts):
-            tg.start_soon(one, i, prompt)
-    run.wall_s = time.perf_counter() - start
-    return run
 
 
 async def _mlxrt_interference(rt, long_prompt: list[int], short_prompt: list[int]) -> dict:
@@ -292,10 +211,10 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
                 for rep in range(options.repeats):
                     prompts = source.prompts(8, options.prompt_tokens, options.seed + 500 + rep)
                     progress.step(f"constrained decoding ({rep + 1}/{options.repeats}): mlxrt, schema vs none")
-                    constrained.append((await _mlxrt_run(rt, prompts, options.new_tokens, CONSTRAINED_FORMAT)).summary())
-                    free.append((await _mlxrt_run(rt, [p[::-1] for p in prompts], options.new_tokens)).summary())
-                results["mlxrt"]["constrained_c8"] = _median(constrained)
-                results["mlxrt"]["unconstrained_c8"] = _median(free)
+                    constrained.append((await mlxrt_run(rt, prompts, options.new_tokens, CONSTRAINED_FORMAT)).summary())
+                    free.append((await mlxrt_run(rt, [p[::-1] for p in prompts], options.new_tokens)).summary())
+                results["mlxrt"]["constrained_c8"] = median_summary(constrained)
+                results["mlxrt"]["unconstrained_c8"] = median_summary(free)
             if "prefix" in options.workloads:
                 progress.step("prefix reuse: mlxrt")
                 prefix, *suffixes = source.prompts(3, options.prefix_tokens, options.seed + 7)
@@ -331,16 +250,16 @@ async def _concurrency(rt, thread: MlxThread, baseline: Baseline, options: Bench
             method = baseline.single if n == 1 else baseline.batch
             refs.append((await thread.run(method, prompts if n > 1 else prompts[0], options.new_tokens)).summary())
             progress.step(f"concurrency {n} ({rep + 1}/{options.repeats}): mlxrt")
-            ours.append((await _mlxrt_run(rt, prompts, options.new_tokens)).summary())
-        results["mlx_lm"][f"c{n}"] = _median(refs)
-        results["mlxrt"][f"c{n}"] = _median(ours)
+            ours.append((await mlxrt_run(rt, prompts, options.new_tokens)).summary())
+        results["mlx_lm"][f"c{n}"] = median_summary(refs)
+        results["mlxrt"][f"c{n}"] = median_summary(ours)
 
 
 async def _warm_up(rt, thread: MlxThread, baseline: Baseline, vocab: int) -> None:
-    prompts = _prompts(2, 32, vocab, 12345)
+    prompts = random_prompts(2, 32, vocab, 12345)
     await thread.run(baseline.batch, prompts, 4)
     await thread.run(baseline.single, prompts[0], 4)
-    await _mlxrt_run(rt, prompts, 4)
+    await mlxrt_run(rt, prompts, 4)
 
 
 def _ratios(results: dict) -> dict:
@@ -385,11 +304,3 @@ def format_table(results: dict) -> str:
                 ratio = f"{a / b:8.2f}" if b else f"{'':>8}"
                 rows.append(f"{key:<14}{metric:<26}{a:12.3f}{b:12.3f}{ratio}")
     return "\n".join(rows)
-
-
-def dump(results: dict, path: str | None) -> str:
-    text = json.dumps(results, indent=2)
-    if path:
-        with open(path, "w") as f:
-            f.write(text + "\n")
-    return text

@@ -24,7 +24,7 @@ import msgspec
 from protocols.api import GenerateRequest
 from runtime.config import LoraConfig, RuntimeConfig
 from runtime.progress import Progress
-from tools.bench_spec import _generate, _prompts
+from tools.bench_common import BENCH_VOCAB, generate_all, random_prompts
 
 # (label, rank, blocks: 0 = every block).
 SHAPES = (("mlx_lm.lora defaults: rank 8, last 16 blocks", 8, 16), ("rank 16, every block", 16, 0))
@@ -75,9 +75,9 @@ async def run_adapter_bench(base: RuntimeConfig, options: AdapterBenchOptions) -
         await thread.stop()
     config = msgspec.structs.replace(base, lora=LoraConfig(max_resident=options.distinct, max_rank=64))
     results: dict = {"options": asdict(options), "batch": {}}
-    prompts = _prompts(options.streams, options.prompt_tokens, options.seed + 5)
+    prompts = random_prompts(options.streams, options.prompt_tokens, BENCH_VOCAB, options.seed + 5)
     async with Runtime.open(config) as rt:
-        await _generate(rt, [GenerateRequest(prompt_ids=p[:32], max_tokens=4, ignore_eos=True) for p in prompts[:2]])
+        await generate_all(rt, [GenerateRequest(prompt_ids=p[:32], max_tokens=4, ignore_eos=True) for p in prompts[:2]])
         for label, rank, blocks in SHAPES:
             names = []
             for i, path in enumerate(paths[(rank, blocks)]):
@@ -99,14 +99,14 @@ async def _batch(rt, prompts: list[list[int]], names: list[str], options: Adapte
     for rep in range(options.repeats):
         for kind, requests in (("base", base_requests), ("adapters", lora_requests)):
             progress.step(f"{label}: {options.streams} streams, {kind} ({rep + 1}/{options.repeats})")
-            wall, tokens, _ = await _generate(rt, requests)
+            wall, tokens, _ = await generate_all(rt, requests)
             rates[kind].append(sum(map(len, tokens)) / wall)
             if kind == "adapters":
                 outputs = tokens
     progress.step(f"{label}: checking two adapter streams alone")
     assert outputs is not None
     for i in (0, len(lora_requests) - 1):
-        _, alone, _ = await _generate(rt, [lora_requests[i]])
+        _, alone, _ = await generate_all(rt, [lora_requests[i]])
         if alone[0] != outputs[i]:
             raise AssertionError(f"an adapter row computed differently in the batch ({label}, stream {i})")
     base, lora = statistics.median(rates["base"]), statistics.median(rates["adapters"])

@@ -22,7 +22,7 @@ import msgspec
 from protocols.api import GenerateRequest, TokenDelta
 from runtime.config import KvConfig, RuntimeConfig
 from runtime.progress import Progress
-from tools.bench import Run, _median, _prompts
+from tools.bench_common import Run, median_summary, random_prompts
 
 WORKLOADS = ("restart", "writes")
 FORMATS = {"float": 0, "int8": 8, "int4": 4}
@@ -67,7 +67,7 @@ async def _restart(config: RuntimeConfig, options: DiskBenchOptions, vocab: int,
     for name in options.formats:
         runs = []
         for rep in range(options.repeats):
-            prompt = _prompts(1, options.prompt_tokens, vocab, options.seed + 31 * rep + FORMATS[name])[0]
+            prompt = random_prompts(1, options.prompt_tokens, vocab, options.seed + 31 * rep + FORMATS[name])[0]
             with tempfile.TemporaryDirectory(prefix="mlxrt-disk-bench-") as directory:
                 cfg = _with_kv(config, bits=FORMATS[name], disk_cache_dir=directory, disk_chunk_tokens=CHUNK, disk_min_tokens=CHUNK)
                 progress.step(f"restart {name} ({rep + 1}/{options.repeats}): cold, then from RAM")
@@ -94,7 +94,7 @@ async def _restart(config: RuntimeConfig, options: DiskBenchOptions, vocab: int,
                     "same_tokens": float(disk_tokens == cold_tokens),
                 }
             )
-        out[name] = {**_median(runs), "same_tokens": float(all(r["same_tokens"] for r in runs))}
+        out[name] = {**median_summary(runs), "same_tokens": float(all(r["same_tokens"] for r in runs))}
     return out
 
 
@@ -121,7 +121,7 @@ async def _writes(config: RuntimeConfig, options: DiskBenchOptions, vocab: int, 
 
     results: dict[str, list[dict]] = {"off": [], "on": []}
     for rep in range(options.write_repeats):
-        prompts = _prompts(options.write_requests, options.write_prompt_tokens, vocab, options.seed + 1000 + rep)
+        prompts = random_prompts(options.write_requests, options.write_prompt_tokens, vocab, options.seed + 1000 + rep)
         for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
             with tempfile.TemporaryDirectory(prefix="mlxrt-disk-bench-") as directory:
                 cfg = _with_kv(config, disk_cache_dir=directory if mode == "on" else "", disk_chunk_tokens=CHUNK, disk_min_tokens=CHUNK)
@@ -137,7 +137,7 @@ async def _writes(config: RuntimeConfig, options: DiskBenchOptions, vocab: int, 
                 summary["write_s"] = disk.write_s if disk is not None else 0.0
                 summary["wall_s"] = summary["tokens"] / summary["throughput_tok_s"]
                 results[mode].append(summary)
-    off, on = _median(results["off"]), _median(results["on"])
+    off, on = median_summary(results["off"]), median_summary(results["on"])
     pairs = list(zip(results["off"], results["on"], strict=True))
     return {
         "off": off,

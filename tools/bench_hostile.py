@@ -24,7 +24,6 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -169,8 +168,3 @@ def format_hostile_table(results: dict) -> str:
         )
     rows.append(f"ratio: the worst round's beside rate over the alone rates around it ({results['stream_tokens']} streamed tokens, {results['model']})")
     return "\n".join(rows)
-
-
-def dump_hostile(results: dict, path: str | None) -> None:
-    if path:
-        Path(path).write_text(json.dumps(results, indent=2) + "\n")

@@ -15,7 +15,6 @@ again with nothing running; p50/p99 of each.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import tempfile
@@ -188,8 +187,3 @@ def format_http_table(results: dict) -> str:
             f" idle: p50 {idle['p50_ms']:.1f} ms, p99 {idle['p99_ms']:.1f} ms"
         )
     return "\n".join(rows)
-
-
-def dump_http(results: dict, path: str | None) -> None:
-    if path:
-        Path(path).write_text(json.dumps(results, indent=2) + "\n")

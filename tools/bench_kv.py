@@ -27,7 +27,7 @@ from policies.ledger import KvLedger
 from protocols.api import GenerateRequest, TokenDelta
 from runtime.config import KvConfig, RuntimeConfig, SchedulerConfig
 from runtime.progress import Progress
-from tools.bench import Run, _median, _mlxrt_run, _prompts, load_mlx_lm_model
+from tools.bench_common import BENCH_VOCAB, Run, load_mlx_lm_model, median_summary, mlxrt_run, random_prompts
 
 AGREEMENT_MODEL = "builtin:bench-spec"
 WORKLOADS = ("throughput", "fidelity", "agreement", "admission", "sharing")
@@ -200,14 +200,14 @@ async def run_kv_bench(config: RuntimeConfig, options: KvBenchOptions) -> dict:
                     runs = []
                     for rep in range(options.repeats):
                         progress.step(f"mlx-lm {_bits_name(bits)} KV, {ctx}-token prompt, one stream ({rep + 1}/{options.repeats})")
-                        prompt = _prompts(1, ctx, results["model"]["vocab_size"], 1000 * rep + 10 + ctx)[0]
+                        prompt = random_prompts(1, ctx, results["model"]["vocab_size"], 1000 * rep + 10 + ctx)[0]
                         runs.append(_summary(await thread.run(side.single, prompt, options.new_tokens, bits, options.group_size)))
-                    results["mlx_lm"][f"{_bits_name(bits)}_ctx{ctx}_c1"] = _median(runs)
+                    results["mlx_lm"][f"{_bits_name(bits)}_ctx{ctx}_c1"] = median_summary(runs)
         if "fidelity" in options.workloads:
             if not hasattr(side, "model"):
                 await thread.run(side.load, results["model"]["path"])
             progress.step(f"fidelity: {options.fidelity_prompts} prompts x {options.fidelity_tokens} forced tokens")
-            prompts = _prompts(options.fidelity_prompts, 128, results["model"]["vocab_size"], 77)
+            prompts = random_prompts(options.fidelity_prompts, 128, results["model"]["vocab_size"], 77)
             results["fidelity"] = await thread.run(side.fidelity, prompts, options.fidelity_tokens, _format_bits(options), options.group_size)
         if "agreement" in options.workloads:
             results["agreement"] = await _agreement(config, options, progress)
@@ -234,15 +234,15 @@ async def _format_throughput(config: RuntimeConfig, options: KvBenchOptions, nam
         results["mlxrt"].setdefault("admitted_1024", {})[name] = _admitted(info.layers)
         if "throughput" not in options.workloads:
             return
-        await _mlxrt_run(rt, _prompts(2, 32, info.vocab_size, 12345), 4)
+        await mlxrt_run(rt, random_prompts(2, 32, info.vocab_size, 12345), 4)
         for ctx in options.contexts:
             for n in options.concurrency:
                 runs = []
                 for rep in range(options.repeats):
                     progress.step(f"{name} KV, {ctx}-token prompts, concurrency {n} ({rep + 1}/{options.repeats})")
-                    prompts = _prompts(n, ctx, info.vocab_size, 1000 * rep + 10 * n + ctx)
-                    runs.append(_summary(await _mlxrt_run(rt, prompts, options.new_tokens)))
-                results["mlxrt"].setdefault(f"{name}_ctx{ctx}_c{n}", _median(runs))
+                    prompts = random_prompts(n, ctx, info.vocab_size, 1000 * rep + 10 * n + ctx)
+                    runs.append(_summary(await mlxrt_run(rt, prompts, options.new_tokens)))
+                results["mlxrt"].setdefault(f"{name}_ctx{ctx}_c{n}", median_summary(runs))
 
 
 async def _sharing(config: RuntimeConfig, options: KvBenchOptions, progress: Progress) -> dict:
@@ -258,18 +258,18 @@ async def _sharing(config: RuntimeConfig, options: KvBenchOptions, progress: Pro
         shared = _with_kv(config, 0, options.group_size, block_size=block_size, prefix_cache_bytes=1 << 32)
         async with Runtime.open(shared) as rt:
             vocab = rt.model_info.vocab_size
-            system = _prompts(1, 1024, vocab, 4242)[0]
+            system = random_prompts(1, 1024, vocab, 4242)[0]
             progress.step(f"sharing, {name}: 16 requests on a 1,024-token system prompt")
-            await _mlxrt_run(rt, [system + _prompts(1, 8, vocab, 1)[0]], 2)
-            tails = _prompts(16, 64, vocab, 4343)
-            run = await _mlxrt_run(rt, [system + tail for tail in tails], options.new_tokens)
+            await mlxrt_run(rt, [system + random_prompts(1, 8, vocab, 1)[0]], 2)
+            tails = random_prompts(16, 64, vocab, 4343)
+            run = await mlxrt_run(rt, [system + tail for tail in tails], options.new_tokens)
             kv = (await rt.stats()).kv
             out[f"{name}_shared_prefix"] = {"peak_kv_bytes": kv.peak_physical_bytes, "steady_decode_tok_s": steady_decode(run)}
         async with Runtime.open(_with_kv(config, 0, options.group_size, block_size=block_size)) as rt:
             progress.step(f"sharing, {name}: one 2,048-token request beside 15 of 128")
             long = min(2048, rt.model_info.max_context - options.new_tokens - 1)
-            prompts = _prompts(1, long, vocab, 5) + _prompts(15, 128, vocab, 6)
-            run = await _mlxrt_run(rt, prompts, options.new_tokens)
+            prompts = random_prompts(1, long, vocab, 5) + random_prompts(15, 128, vocab, 6)
+            run = await mlxrt_run(rt, prompts, options.new_tokens)
             kv = (await rt.stats()).kv
             out[f"{name}_long_and_short"] = {"peak_kv_bytes": kv.peak_physical_bytes, "throughput_tok_s": run.summary()["throughput_tok_s"]}
     return out
@@ -286,7 +286,7 @@ def _admitted(layers) -> int:
 async def _agreement(config: RuntimeConfig, options: KvBenchOptions, progress: Progress) -> dict:
     from runtime.runtime import Runtime
 
-    prompt = _prompts(1, 64, 32768, 5)[0]
+    prompt = random_prompts(1, 64, BENCH_VOCAB, 5)[0]
     request = GenerateRequest(prompt_ids=prompt, max_tokens=options.agreement_tokens, ignore_eos=True)
     streams = {}
     for bits in _format_bits(options):

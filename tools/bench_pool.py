@@ -21,7 +21,7 @@ import msgspec
 from protocols.api import GenerateRequest, TokenDelta
 from runtime.config import ModelPoolConfig, PoolModelConfig, RuntimeConfig
 from runtime.progress import Progress
-from tools.bench_spec import _prompts
+from tools.bench_common import BENCH_VOCAB, random_prompts
 
 OTHER = "builtin:bench-qwen2"
 
@@ -70,7 +70,7 @@ async def run_pool_bench(base: RuntimeConfig, options: PoolBenchOptions) -> dict
     from runtime.pool import ModelPool
 
     progress = Progress("bench --pool")
-    prompts = _prompts(options.streams, options.prompt_tokens, 21)
+    prompts = random_prompts(options.streams, options.prompt_tokens, BENCH_VOCAB, 21)
     requests = [
         GenerateRequest(prompt_ids=p, max_tokens=options.new_tokens, ignore_eos=True, model=("other" if i % 2 else None)) for i, p in enumerate(prompts)
     ]

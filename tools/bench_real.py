@@ -31,9 +31,9 @@ from actors.mlx_thread import MlxThread
 from protocols.api import Finished, GenerateRequest, SamplingParams
 from runtime.config import KvConfig, RuntimeConfig, SpeculativeConfig
 from runtime.progress import Progress
-from tools.bench import BenchOptions, load_mlx_lm_model, run_bench
+from tools.bench import BenchOptions, run_bench
+from tools.bench_common import generate_all, load_mlx_lm_model, spec_summary
 from tools.bench_kv import forced_logprobs_batch, forced_logprobs_mlx_lm
-from tools.bench_spec import _generate, _spec_summary
 
 MODEL = "builtin:smollm2-135m-instruct"
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "pride-and-prejudice-1-6.txt"
@@ -143,7 +143,7 @@ async def _lookup(config: RuntimeConfig, text: str, options: RealBenchOptions, p
                     outputs = {}
                     for name, rt in (("off", off), ("on", on)):
                         progress.step(f"lookup, {kind} {i + 1}/{len(selected)} at temperature {temperature}: speculation {name}")
-                        wall, tokens, finished = await _generate(rt, [request])
+                        wall, tokens, finished = await generate_all(rt, [request])
                         rates[name].append(len(tokens[0]) / wall)
                         outputs[name] = tokens[0]
                         if name == "on":
@@ -157,7 +157,7 @@ async def _lookup(config: RuntimeConfig, text: str, options: RealBenchOptions, p
                     "on_tok_s": on_rate,
                     "speedup": on_rate / off_rate,
                     "tasks_done": f"{done}/{len(selected)}",
-                } | _spec_summary(ends)
+                } | spec_summary(ends)
     return results
 
 
@@ -243,7 +243,7 @@ async def _structured(config: RuntimeConfig) -> dict:
                 max_tokens=128,
                 response_format={"type": "json_schema", "json_schema": {"name": "country", "schema": SCHEMA}},
             )
-            _, tokens, ends = await _generate(rt, [request])
+            _, tokens, ends = await generate_all(rt, [request])
             text = rt.tokenizer.decode(tokens[0])
             try:
                 jsonschema.validate(json.loads(text), SCHEMA)

@@ -16,7 +16,6 @@ Speculation never changes a stream: outputs on and off are compared and must be 
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from collections.abc import Iterator
@@ -24,14 +23,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio
 import msgspec
 
 from actors.mlx_thread import MlxThread
-from protocols.api import Finished, GenerateRequest, SamplingParams, TokenDelta
+from protocols.api import Finished, GenerateRequest, SamplingParams
 from runtime.config import RuntimeConfig, SpeculativeConfig
 from runtime.progress import Progress
-from tools.bench import load_mlx_lm_model
+from tools.bench_common import BENCH_VOCAB, generate_all, load_mlx_lm_model, random_prompts, spec_summary
 
 TARGET, DRAFT, COPY = "builtin:bench-spec", "builtin:bench-spec-draft", "builtin:bench-copy"
 WORKLOADS = ("single", "lookup", "concurrency", "verify")
@@ -46,41 +44,6 @@ class SpecBenchOptions:
     max_draft_tokens: int = 6
     workloads: tuple[str, ...] = WORKLOADS
     seed: int = 0
-
-
-def _prompts(n: int, length: int, seed: int, vocab: int = 32768) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
-
-
-async def _generate(rt, requests: list[GenerateRequest]) -> tuple[float, list[list[int]], list[Finished]]:
-    """Wall time, tokens and `Finished` of requests run concurrently."""
-    tokens: list[list[int]] = [[] for _ in requests]
-    ends: list = [None] * len(requests)
-
-    async def one(i: int) -> None:
-        async for event in rt.generate(requests[i]):
-            if isinstance(event, TokenDelta):
-                tokens[i] += event.token_ids
-            elif isinstance(event, Finished):
-                ends[i] = event
-
-    start = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        for i in range(len(requests)):
-            tg.start_soon(one, i)
-    return time.perf_counter() - start, tokens, ends
-
-
-def _spec_summary(ends: list[Finished]) -> dict:
-    specs = [e.spec for e in ends if e.spec is not None and e.spec.refused is None]
-    drafted = sum(s.drafted for s in specs)
-    forwards = sum(s.target_forwards for s in specs)
-    return {
-        "acceptance": sum(s.accepted for s in specs) / drafted if drafted else 0.0,
-        "tokens_per_forward": sum(s.generated for s in specs) / forwards if forwards else 0.0,
-        "rounds": sum(s.rounds for s in specs),
-    }
 
 
 class _Baseline:
@@ -141,15 +104,15 @@ async def run_spec_bench(base: RuntimeConfig, options: SpecBenchOptions) -> dict
     try:
         async with Runtime.open(_config(base, TARGET, None)) as off, Runtime.open(_config(base, TARGET, draft)) as on:
             runtimes = {"off": off, "on": on}
-            await _generate(off, [GenerateRequest(prompt_ids=p, max_tokens=8, ignore_eos=True) for p in _prompts(2, 32, 1)])
-            await _generate(on, [GenerateRequest(prompt_ids=p, max_tokens=8, ignore_eos=True) for p in _prompts(2, 32, 1)])
+            await generate_all(off, [GenerateRequest(prompt_ids=p, max_tokens=8, ignore_eos=True) for p in random_prompts(2, 32, BENCH_VOCAB, 1)])
+            await generate_all(on, [GenerateRequest(prompt_ids=p, max_tokens=8, ignore_eos=True) for p in random_prompts(2, 32, BENCH_VOCAB, 1)])
             if "single" in options.workloads or "verify" in options.workloads:
                 progress.step("loading the mlx-lm baseline (target and draft)")
                 await thread.run(_Baseline.load, baseline := _Baseline(), off.model_info.path, _draft_path())
             if "single" in options.workloads:
                 results["single"] = await _single(runtimes, thread, baseline, options, progress)
             if "verify" in options.workloads:
-                prompt = _prompts(1, options.prompt_tokens, options.seed + 77)[0]
+                prompt = random_prompts(1, options.prompt_tokens, BENCH_VOCAB, options.seed + 77)[0]
                 progress.step("verify cost: one k + 1-token forward against a 1-token forward")
                 results["verify"] = {f"k{k}": await thread.run(baseline.verify_cost, prompt, k) for k in (2, 4, 8)}
             if "concurrency" in options.workloads:
@@ -180,7 +143,7 @@ async def _off_then_on(runtimes: dict, requests: list[GenerateRequest], rates: d
     outputs = {}
     for name, rt in runtimes.items():
         progress.step(f"{label}: speculation {name}")
-        wall, tokens, finished = await _generate(rt, requests)
+        wall, tokens, finished = await generate_all(rt, requests)
         rates[name].append(sum(map(len, tokens)) / wall)
         outputs[name] = tokens
         if name == "on":
@@ -193,7 +156,7 @@ async def _single(runtimes: dict, thread: MlxThread, baseline: _Baseline, option
     rates: dict[str, list[float]] = {"off": [], "on": [], "mlx_lm": [], "mlx_lm_speculative": []}
     ends: list[Finished] = []
     for rep in range(options.repeats):
-        prompt = _prompts(1, options.prompt_tokens, options.seed + 10 + rep)[0]
+        prompt = random_prompts(1, options.prompt_tokens, BENCH_VOCAB, options.seed + 10 + rep)[0]
         request = GenerateRequest(prompt_ids=prompt, max_tokens=options.new_tokens, ignore_eos=True)
         await _off_then_on(runtimes, [request], rates, ends, f"single stream ({rep + 1}/{options.repeats}), mlxrt", progress)
         for name, speculative in (("mlx_lm", False), ("mlx_lm_speculative", True)):
@@ -202,7 +165,7 @@ async def _single(runtimes: dict, thread: MlxThread, baseline: _Baseline, option
     summary = {f"{name}_tok_s": statistics.median(values) for name, values in rates.items()}
     summary["speedup"] = summary["on_tok_s"] / summary["off_tok_s"]
     summary["mlx_lm_speedup"] = summary["mlx_lm_speculative_tok_s"] / summary["mlx_lm_tok_s"]
-    return summary | _spec_summary(ends)
+    return summary | spec_summary(ends)
 
 
 async def _concurrency(runtimes: dict, options: SpecBenchOptions, progress: Progress, gated: bool) -> dict:
@@ -212,11 +175,11 @@ async def _concurrency(runtimes: dict, options: SpecBenchOptions, progress: Prog
         rates: dict[str, list[float]] = {"off": [], "on": []}
         ends: list[Finished] = []
         for rep in range(options.repeats):
-            prompts = _prompts(n, options.prompt_tokens, options.seed + 1000 * rep + n)
+            prompts = random_prompts(n, options.prompt_tokens, BENCH_VOCAB, options.seed + 1000 * rep + n)
             requests = [GenerateRequest(prompt_ids=p, max_tokens=options.new_tokens, ignore_eos=True) for p in prompts]
             await _off_then_on(runtimes, requests, rates, ends, f"{n} streams, {label} ({rep + 1}/{options.repeats})", progress)
         off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
-        table[f"c{n}"] = {"off_tok_s": off, "on_tok_s": on, "ratio": on / off} | _spec_summary(ends)
+        table[f"c{n}"] = {"off_tok_s": off, "on_tok_s": on, "ratio": on / off} | spec_summary(ends)
     return table
 
 
@@ -248,7 +211,7 @@ async def _lookup(runtimes: dict, options: SpecBenchOptions, progress: Progress)
         request = copy_heavy_request(block, tokenizer.encode("\n\n"), options.seed + rep, options.new_tokens)
         await _off_then_on(runtimes, [request], rates, ends, f"copy-heavy lookup ({rep + 1}/{options.repeats})", progress)
     off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
-    return {"off_tok_s": off, "on_tok_s": on, "speedup": on / off} | _spec_summary(ends)
+    return {"off_tok_s": off, "on_tok_s": on, "speedup": on / off} | spec_summary(ends)
 
 
 def format_spec_table(results: dict) -> str:

@@ -26,7 +26,7 @@ import msgspec
 from net.client import Client
 from protocols.api import Finished, GenerateRequest, TokenDelta
 from runtime.progress import Progress
-from tools.bench import _prompts
+from tools.bench_common import median_summary, random_prompts
 
 SETUPS = ("single", "tensor", "pipeline")
 READY_S = 300.0
@@ -116,10 +116,6 @@ def _vocab_size(model: str) -> int:
     return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
 
 
-def _median(runs: list[dict]) -> dict:
-    return {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-
-
 async def _measure(setup: str, options: WorldBenchOptions, directory: Path, progress: Progress) -> dict:
     progress.step(f"{setup}: starting the server")
     server = _Server(directory, setup, options.model)
@@ -127,14 +123,14 @@ async def _measure(setup: str, options: WorldBenchOptions, directory: Path, prog
         await anyio.to_thread.run_sync(server.wait_ready)
         async with Client.connect(server.socket) as client:
             vocab = _vocab_size(options.model)
-            await _run(client, _prompts(2, 16, vocab, 1), 4)  # warm up
+            await _run(client, random_prompts(2, 16, vocab, 1), 4)  # warm up
             out: dict = {}
             for n, key in ((1, "c1"), (options.concurrency, f"c{options.concurrency}")):
                 runs = []
                 for rep in range(options.repeats):
                     progress.step(f"{setup}: {n} stream(s) of {options.new_tokens} tokens ({rep + 1}/{options.repeats})")
-                    runs.append(await _run(client, _prompts(n, options.prompt_tokens, vocab, 100 * rep + n), options.new_tokens))
-                out[key] = _median(runs)
+                    runs.append(await _run(client, random_prompts(n, options.prompt_tokens, vocab, 100 * rep + n), options.new_tokens))
+                out[key] = median_summary(runs)
             world = (await client.stats()).world
             if world is not None and world.steps:
                 out["world"] = {"steps": world.steps, "step_ms": 1000 * world.step_s / world.steps, "broadcast_ms": 1000 * world.broadcast_s / world.steps}

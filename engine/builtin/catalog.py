@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 from engine.builtin.diffusion import DiffusionSpec
 from engine.builtin.fields import config_fields
@@ -18,6 +19,29 @@ from engine.builtin.vision import VisionSpec
 
 TINY_TOKENIZER = TokenizerSpec(vocab_size=1024, corpus_chars=400_000)
 BENCH_TOKENIZER = TokenizerSpec(vocab_size=32768, corpus_chars=4_000_000)
+
+
+def tiny_spec(name: str, model_type: str, seed: int, **overrides: Any) -> BuiltinSpec:
+    """A test-size spec: hidden size 64, 2 layers, 4 heads (2 for KV), the tiny tokenizer, 2,048
+    positions, an untied head. `overrides` replaces named fields; the rest go to `extra`."""
+    named = {field.name for field in dataclasses.fields(BuiltinSpec)}
+    fields: dict[str, Any] = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": TINY_TOKENIZER.vocab_size,
+        "max_position_embeddings": 2048,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }
+    extra = {key: value for key, value in overrides.items() if key not in named}
+    fields.update({key: value for key, value in overrides.items() if key in named})
+    if extra:
+        fields["extra"] = config_fields(**extra)
+    return BuiltinSpec(name=name, model_type=model_type, seed=seed, tokenizer=TINY_TOKENIZER, **fields)
+
 
 # SmolLM-135M shape.
 _BENCH = BuiltinSpec(
@@ -40,7 +64,7 @@ _BENCH = BuiltinSpec(
 # `bench`'s shape 48 layers deep with layers 2-47 writing 1% of their output into the
 # residual stream, so its first two layers decide most of its choices; `bench-spec-draft`
 # is those two layers (the same weights) with the same head: 13% of the target's
-# parameters, agreeing with its greedy choice about 80% of the time (BENCHMARKS.md).
+# parameters, agreeing with its greedy choice about 80% of the time (docs/benchmarks/log.md).
 _SPEC_TARGET = dataclasses.replace(
     _BENCH, name="bench-spec", num_hidden_layers=48, scale=((r"model\.layers\.(?:[2-9]|[1-4]\d)\..*(?:o_proj|down_proj)\.weight", 0.01),)
 )
@@ -76,63 +100,28 @@ _TINY_COPY = dataclasses.replace(
 
 # The same idea at `tiny`'s width for tests: 4 layers, the last two damped to 10%; its draft
 # is the first two. They agree on most greedy choices, not all (rewinds are exercised).
-_TINY_SPEC = BuiltinSpec(
-    name="tiny-spec",
-    model_type="llama",
-    hidden_size=64,
-    num_hidden_layers=4,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=1024,
-    max_position_embeddings=2048,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-    seed=9,
-    tokenizer=TINY_TOKENIZER,
-    scale=((r"model\.layers\.[23]\..*(?:o_proj|down_proj)\.weight", 0.1),),
+_TINY_SPEC = tiny_spec(
+    "tiny-spec", "llama", 9, num_hidden_layers=4, tie_word_embeddings=True, scale=((r"model\.layers\.[23]\..*(?:o_proj|down_proj)\.weight", 0.1),)
 )
 
-_TINY = BuiltinSpec(
-    name="tiny",
-    model_type="llama",
-    hidden_size=64,
-    num_hidden_layers=2,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=1024,
-    max_position_embeddings=2048,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-    seed=0,
-    tokenizer=TINY_TOKENIZER,
-)
+_TINY = tiny_spec("tiny", "llama", 0, tie_word_embeddings=True)
 
 # Sliding-window attention (window 16) on layers 0, 1 and 3, global on layer 2;
 # the head is tied to the embeddings as in Gemma 3 checkpoints.
-_TINY_GEMMA3 = BuiltinSpec(
-    name="tiny-gemma3",
-    model_type="gemma3_text",
-    hidden_size=64,
+_TINY_GEMMA3 = tiny_spec(
+    "tiny-gemma3",
+    "gemma3_text",
+    4,
     num_hidden_layers=4,
-    intermediate_size=128,
-    num_attention_heads=4,
     num_key_value_heads=1,
-    vocab_size=1024,
-    max_position_embeddings=2048,
     rope_theta=1000000.0,
     tie_word_embeddings=True,
-    seed=4,
-    tokenizer=TINY_TOKENIZER,
-    extra=config_fields(
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        sliding_window=16,
-        sliding_window_pattern=3,
-        rope_local_base_freq=10000.0,
-        hidden_activation="gelu_pytorch_tanh",
-    ),
+    head_dim=16,
+    query_pre_attn_scalar=16,
+    sliding_window=16,
+    sliding_window_pattern=3,
+    rope_local_base_freq=10000.0,
+    hidden_activation="gelu_pytorch_tanh",
     omit_weights=("lm_head",),
 )
 
@@ -148,84 +137,51 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
     for spec in (
         _TINY,
         _TINY_KV,
-        BuiltinSpec(
-            name="tiny-qwen2",
-            model_type="qwen2",
-            hidden_size=64,
-            num_hidden_layers=2,
-            intermediate_size=160,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=1024,
-            max_position_embeddings=2048,
-            rope_theta=1000000.0,
-            tie_word_embeddings=False,
-            seed=1,
-            tokenizer=TINY_TOKENIZER,
-        ),
+        tiny_spec("tiny-qwen2", "qwen2", 1, intermediate_size=160, rope_theta=1000000.0),
         _TINY_GEMMA3,
         _TINY_GEMMA3_KV,
         # Three gated-delta (linear attention) layers, then one full attention layer;
         # every MLP a mixture of 4 experts (2 active) plus a shared expert.
-        BuiltinSpec(
-            name="tiny-qwen3next",
-            model_type="qwen3_next",
-            hidden_size=64,
+        tiny_spec(
+            "tiny-qwen3next",
+            "qwen3_next",
+            5,
             num_hidden_layers=4,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=1024,
-            max_position_embeddings=2048,
             rope_theta=10000000.0,
-            tie_word_embeddings=False,
-            seed=5,
-            tokenizer=TINY_TOKENIZER,
-            extra=config_fields(
-                head_dim=16,
-                partial_rotary_factor=0.25,
-                full_attention_interval=4,
-                linear_num_value_heads=4,
-                linear_num_key_heads=2,
-                linear_key_head_dim=16,
-                linear_value_head_dim=16,
-                linear_conv_kernel_dim=4,
-                num_experts=4,
-                num_experts_per_tok=2,
-                decoder_sparse_step=1,
-                mlp_only_layers=[],
-                moe_intermediate_size=32,
-                shared_expert_intermediate_size=64,
-                norm_topk_prob=True,
-            ),
+            head_dim=16,
+            partial_rotary_factor=0.25,
+            full_attention_interval=4,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=True,
         ),
         # Short-convolution layers with one attention layer (index 2), as in LFM2.
-        BuiltinSpec(
-            name="tiny-lfm2",
-            model_type="lfm2",
-            hidden_size=64,
+        tiny_spec(
+            "tiny-lfm2",
+            "lfm2",
+            6,
             num_hidden_layers=4,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=1024,
-            max_position_embeddings=2048,
             rope_theta=1000000.0,
             tie_word_embeddings=True,
-            seed=6,
-            tokenizer=TINY_TOKENIZER,
-            extra=config_fields(
-                norm_eps=1e-5,
-                conv_bias=False,
-                conv_L_cache=3,
-                block_dim=64,
-                block_ff_dim=128,
-                block_multiple_of=16,
-                block_ffn_dim_multiplier=1.0,
-                block_auto_adjust_ff_dim=True,
-                layer_types=["conv", "conv", "full_attention", "conv"],
-                full_attn_idxs=[2],
-            ),
+            norm_eps=1e-5,
+            conv_bias=False,
+            conv_L_cache=3,
+            block_dim=64,
+            block_ff_dim=128,
+            block_multiple_of=16,
+            block_ffn_dim_multiplier=1.0,
+            block_auto_adjust_ff_dim=True,
+            layer_types=["conv", "conv", "full_attention", "conv"],
+            full_attn_idxs=[2],
         ),
         _BENCH,
         BuiltinSpec(

@@ -15,7 +15,7 @@ What the engine's caches do with it:
   query head sharing it. The same operations per element; only the matrix product's kernel
   differs, so float32 results agree to rounding (within 3e-7 here; half precision bit for bit)
   and the tokens stay mlx-lm's (tests/engine/test_attention.py, the parity suite). 1.6-1.8x
-  faster attention at 2,048-8,192 positions with three query heads per KV head (BENCHMARKS.md);
+  faster attention at 2,048-8,192 positions with three query heads per KV head (docs/benchmarks/log.md);
 - paged KV's decode steps read each row's blocks in place (`engine.kv.paged`).
 While the engine steps, both (and the prefill's attention, through `engine.lanes.attention`) are
 split over two CPU lanes by rows or KV heads (`engine.lanes`), bit for bit the unsplit result.

@@ -17,9 +17,10 @@ from mlx_lm.models.cache import KVCache
 
 from engine.errors import EngineInvariantError
 from engine.kv import caches
-from engine.kv.paged import BlockPool, PagedKV, PagedRef, map_paged
+from engine.kv.paged import PagedKV, PagedRef, map_paged
+from engine.kv.pool import BlockPool
 from engine.kv.quantized import packed_nbytes
-from engine.sequence import Sequence
+from engine.kv.request import KvRequest
 from policies.adapters import prefix_namespace
 from policies.blocks import blocks_for
 from protocols.model import LayerLayout, SavedPrefix
@@ -51,7 +52,7 @@ class PrefixEntries:
         """(positions, blocks) of every entry, for the pool's fragmentation figure."""
         return [(entry.length, len(entry.blocks)) for entry in self._entries.values()]
 
-    def save(self, seq: Sequence, kept: list, length: int) -> None:
+    def save(self, seq: KvRequest, kept: list, length: int) -> None:
         """Keep a request's first `length` positions: `kept` (copies the entry now owns, or
         paged layers' `PagedKV`/`PagedRef`, whose blocks in the request's table it holds)."""
         blocks: list[int] = []
@@ -77,7 +78,7 @@ class PrefixEntries:
         tokens = seq.tokens_with_kv(length)
         self._saved.append(SavedPrefix(entry_id=entry_id, tokens=tokens, num_bytes=own, adapter=adapter, parent=parent, shared_bytes=shared))
 
-    def _parent(self, seq: Sequence, num_blocks: int) -> tuple[str | None, int]:
+    def _parent(self, seq: KvRequest, num_blocks: int) -> tuple[str | None, int]:
         """The entry whose first blocks a new entry of `seq` shares, and how many: an earlier
         entry of the same request (its table's blocks, the partial last one too) while it is
         kept, else the entry `seq` was seeded from (its full blocks)."""
@@ -87,7 +88,7 @@ class PrefixEntries:
             return seq.admit.prefix_entry, min(seq.num_shared, num_blocks)
         return None, 0
 
-    def seed(self, entry_id: str, num_tokens: int, seq: Sequence) -> list:
+    def seed(self, entry_id: str, num_tokens: int, seq: KvRequest) -> list:
         """Caches starting `seq` from an entry's first `num_tokens` positions. Paged layers:
         the entry's full blocks among them become the first of `seq.table`, held for it; the
         rest is copied into a block of its own."""

@@ -15,7 +15,7 @@ choose it for a cache with `bits`, as for `QuantizedKVCache`), the rows' masks i
 with a float head, each row's positions are read as one float array (the head, then the rest
 dequantized: `mx.dequantize` is bitwise the same for a slice as for the whole) through the
 model's own attention. Measured on the CPU backend, quantized matmul is the faster of the two
-(BENCHMARKS.md).
+(docs/benchmarks/log.md).
 
 - `QuantizedKV`: a request's cache outside the batch (prefill, prefix entries, parked rows,
   checkpoints), answering mlx-lm's layers as a `KVCache` does.
@@ -28,9 +28,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache, _BaseCache, create_attention_mask, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, CacheList, KVCache, make_prompt_cache
 
 from engine.kv.layout import DTYPES
+from engine.kv.offsets import OffsetCache
 from engine.kv.slots import FullSlots, grow, scatter, write_index
 from engine.step import Step, round_up
 from policies.layout import leaves, packed_dim
@@ -58,7 +59,7 @@ def read(packed: Packed, head: mx.array | None, layer: LayerLayout, width: int) 
 def attend_quantized(cache: Any, layer: LayerLayout) -> None:
     """Without a float head, attention runs on the packed arrays: mlx-lm's quantized SDPA
     (`quantized_matmul`), which its layers pick for a cache with `bits` and `group_size` and
-    which is faster than dequantizing first (BENCHMARKS.md, KV memory). With a float head,
+    which is faster than dequantizing first (docs/benchmarks/log.md, KV memory). With a float head,
     the two parts are read as one float array (`read`) through the model's float attention."""
     if not layer.kv_start:
         cache.bits, cache.group_size = layer.kv_bits, layer.kv_group_size
@@ -75,7 +76,7 @@ def _zeros(layer: LayerLayout, rows: int, capacity: int, dim: int) -> Packed:
     return [mx.zeros((*shape, packed_dim(dim, layer.kv_bits)), mx.uint32), mx.zeros((*shape, groups), dtype), mx.zeros((*shape, groups), dtype)]
 
 
-class QuantizedKV(_BaseCache):
+class QuantizedKV(OffsetCache):
     """One request's quantized layer outside the batch, as mlx-lm's layers use a `KVCache`:
     `update_and_fetch` stores the new positions and returns every position in full precision."""
 
@@ -121,9 +122,6 @@ class QuantizedKV(_BaseCache):
             return tuple(a[:, :, :width] for a in self.keys), tuple(a[:, :, :width] for a in self.values)  # type: ignore[return-value]
         return read(self.keys, self.head_keys, self.layer, width), read(self.values, self.head_values, self.layer, width)
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
-
     @property
     def state(self) -> list[mx.array]:
         arrays = (self.keys or []) + (self.values or [])
@@ -140,14 +138,6 @@ class QuantizedKV(_BaseCache):
     @property
     def packed_nbytes(self) -> int:
         return sum(a.nbytes for a in (self.keys or []) + (self.values or []))
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        n = min(self.offset, n)
-        self.offset -= n
-        return n
 
     def empty(self) -> bool:
         return self.keys is None

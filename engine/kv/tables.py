@@ -1,6 +1,6 @@
 """Paged KV on the request side (MLX thread): each request's block table, admission to release.
 
-`RequestBlocks` is what the engine asks of the pool (`engine.kv.paged.BlockPool`): the blocks a
+`RequestBlocks` is what the engine asks of the pool (`engine.kv.pool.BlockPool`): the blocks a
 step's prompt chunks need, and caches that write into them, before any forward; a request's
 contiguous caches moved into its blocks (a restored checkpoint, a batched first chunk); its
 blocks given back when it ends; the pool's figures over every holder. Without a pool (no
@@ -13,9 +13,10 @@ from collections.abc import Iterable
 
 import mlx.core as mx
 
-from engine.kv.paged import BlockPool, PagedKV, map_paged
+from engine.kv.paged import PagedKV, map_paged
+from engine.kv.pool import BlockPool
 from engine.kv.quantized import new_caches
-from engine.sequence import Sequence
+from engine.kv.request import KvRequest
 from protocols.model import KvPool, LayerLayout
 
 SHRINK_POOL_EVERY = 64  # steps
@@ -32,7 +33,7 @@ class RequestBlocks:
     def used_bytes(self) -> int:
         return self.pool.used_bytes if self.pool is not None else 0
 
-    def ready(self, chunks: Iterable[tuple[Sequence, int]], in_flight: list[mx.array]) -> None:
+    def ready(self, chunks: Iterable[tuple[KvRequest, int]], in_flight: list[mx.array]) -> None:
         """Blocks for each `(request, tokens)` chunk about to be prefilled, and caches writing
         into them for requests that have none yet (a pool grown mid-forward is evaluated there).
         A decode step `in_flight` reads the pool, and a write meanwhile would copy the whole
@@ -47,7 +48,7 @@ class RequestBlocks:
             if seq.cache is None:
                 seq.cache = self.into_pool(seq, new_caches(self._model, self._layout), 0)
 
-    def into_pool(self, seq: Sequence, caches: list, length: int) -> list:
+    def into_pool(self, seq: KvRequest, caches: list, length: int) -> list:
         """The caches with each paged layer's first `length` positions in `seq`'s blocks (a
         `PagedKV`; a contiguous `KVCache` is copied in)."""
         pool = self.pool
@@ -73,11 +74,11 @@ class RequestBlocks:
             self.pool.shrink()
             self._steps_since_shrink = 0
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq: KvRequest) -> None:
         if self.pool is not None:
             self.pool.release(seq.table)
 
-    def stats(self, positions: dict[str, int], seqs: Iterable[Sequence], entries: list[tuple[int, int]]) -> KvPool | None:
+    def stats(self, positions: dict[str, int], seqs: Iterable[KvRequest], entries: list[tuple[int, int]]) -> KvPool | None:
         """The pool's figures; `positions`: each request's KV positions, `entries`: (positions,
         blocks) of each prefix entry."""
         if self.pool is None:
@@ -86,6 +87,6 @@ class RequestBlocks:
         return self.pool.stats(requests + entries)
 
 
-def _expected(seq: Sequence) -> int:
+def _expected(seq: KvRequest) -> int:
     """The most positions a request's KV can take: its prompt and its whole generation."""
     return seq.prompt_len + seq.admit.max_tokens

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import stat
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ class LoadedModel:
 def block_size(loaded: LoadedModel, kv: KvConfig, *, sharded: bool = False) -> int:
     """`kv.block_size`, with "auto" resolved: `AUTO_BLOCK_SIZE` for a text model on one device
     (not `sharded`) where mlxrt's CPU kernels are loaded (paged decode steps at least as fast
-    as rows there: BENCHMARKS.md), else 0 (rows)."""
+    as rows there: docs/benchmarks/log.md), else 0 (rows)."""
     if kv.block_size != "auto":
         return kv.block_size
     text = not loaded.info.denoising and not isinstance(loaded.model, VisionLanguageModel)
@@ -105,13 +106,43 @@ def resolve_model_path(path: str, builtin_root: Path, progress: Callable[[str], 
         except (ValueError, PackagedModelMissingError) as exc:
             raise ModelLoadError(str(exc)) from exc
     source = Path(path).expanduser()
+    kind = path_kind(source)  # (stat only: a FIFO is never opened here)
     if is_gguf(source):
-        if not source.is_file():
+        if kind == "nothing":
             raise ModelLoadError(f"{path}: no such GGUF file; models are never downloaded")
+        if kind != "a regular file":
+            raise ModelLoadError(f"{path}: is {kind}, not a GGUF file")
         return source
+    if kind not in ("a directory", "nothing"):
+        raise ModelLoadError(f"{path}: is {kind}, not an mlx-lm model directory nor a .gguf file")
     if not (source / "config.json").is_file():
-        raise ModelLoadError(f"{path}: not an mlx-lm model directory (no config.json) nor a .gguf file; models are never downloaded")
+        found = "no such directory" if kind == "nothing" else "no config.json"
+        raise ModelLoadError(f"{path}: not an mlx-lm model directory ({found}) nor a .gguf file; models are never downloaded")
     return source
+
+
+def path_kind(path: Path) -> str:
+    """What is at `path`, following links, in words ("nothing" where nothing is, or a link's
+    target is missing); from `stat`, which never blocks on a FIFO."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "a broken symbolic link" if path.is_symlink() else "nothing"
+    except NotADirectoryError:
+        return "nothing"
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+    return next((name for test, name in _PATH_KINDS if test(mode)), "not a file or directory")
+
+
+_PATH_KINDS: tuple[tuple[Callable[[int], bool], str], ...] = (
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def load_model(config: ModelConfig, builtin_root: Path, progress: Callable[[str], None] | None = None, world: World | None = None) -> LoadedModel:

@@ -1,28 +1,35 @@
-"""`engine/`'s own import graph, read from the source with `ast` (nothing is imported).
+"""The project's own import graph, read from the source with `ast` (nothing is imported).
 
-Every import of an engine module by another counts, wherever it is written: at the top, inside
-a function (a lazy import still ties the two modules together) or under `TYPE_CHECKING`. The
-graph has no cycles, and no module takes another's `_private` names.
+Every import of a project module by another counts, wherever it is written: at the top, inside
+a function (a lazy import still ties the two modules together) or under `TYPE_CHECKING`. Over
+every package the graph has no cycles, and no module takes another's `_private` names: a name
+shared across modules is public (import-linter checks the layers between packages, `make lint`).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = "engine"
+PACKAGES = ("actors", "engine", "net", "policies", "protocols", "runtime", "tools")
+
+# Private names still taken across modules, as "importer: module.name", in files other
+# engineers were editing when the check went in (issue 49). Each entry must still occur (a fixed
+# one fails the test until it is removed here); the list is to be emptied, not grown.
+ALLOWED_PRIVATE: frozenset[str] = frozenset()
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def engine_modules() -> dict[str, Path]:
-    return {module_name(path): path for path in sorted((ROOT / PACKAGE).rglob("*.py"))}
+def project_modules(root: Path = ROOT) -> dict[str, Path]:
+    return {module_name(path, root): path for package in PACKAGES for path in sorted((root / package).rglob("*.py"))}
 
 
 def _absolute(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -34,11 +41,26 @@ def _absolute(importer: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join([*base, *([node.module] if node.module else [])])
 
 
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _dotted(node: ast.expr) -> str | None:
+    """`a.b.c` for a chain of attributes on a name, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else None
+
+
 def imports_of(name: str, path: Path, modules: dict[str, Path]) -> tuple[set[str], list[str]]:
-    """The engine modules `name` imports, and its imports of another module's private names."""
+    """The project modules `name` imports, and its uses of another module's private names
+    (each as "name:line: what")."""
     edges: set[str] = set()
     private: list[str] = []
-    # Names bound to an engine module here (`from engine import caches`, `import engine.x as y`).
+    # Names bound to a project module here (`from engine import caches`, `import engine.x as y`,
+    # `import engine.x` binding `engine`).
     bound: dict[str, str] = {}
     tree = ast.parse(path.read_text(), str(path))
     for node in ast.walk(tree):
@@ -46,11 +68,11 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> tuple[set[str
             for alias in node.names:
                 if alias.name in modules:
                     edges.add(alias.name)
-                    if alias.asname:
-                        bound[alias.asname] = alias.name
+                    head = alias.name.split(".")[0]
+                    bound[alias.asname or head] = alias.name if alias.asname else head
         elif isinstance(node, ast.ImportFrom):
             source = _absolute(name, path.name == "__init__.py", node)
-            if source != PACKAGE and not source.startswith(PACKAGE + "."):
+            if source.split(".")[0] not in PACKAGES:
                 continue
             for alias in node.names:
                 target = f"{source}.{alias.name}"
@@ -60,24 +82,42 @@ def imports_of(name: str, path: Path, modules: dict[str, Path]) -> tuple[set[str
                     continue
                 if source in modules:
                     edges.add(source)
-                if alias.name.startswith("_"):
+                if _is_private(alias.name) and source != name:
                     private.append(f"{name}:{node.lineno}: from {source} import {alias.name}")
-    for node in ast.walk(tree):  # `caches._evaluate` through a module bound above
-        named = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
-        if named and node.attr.startswith("_") and not node.attr.startswith("__"):
-            private.append(f"{name}:{node.lineno}: {bound[node.value.id]}.{node.attr}")
+    for node in ast.walk(tree):  # `caches._evaluate`, `engine.kv.slots._grow` through a name bound above
+        if not isinstance(node, ast.Attribute) or not _is_private(node.attr):
+            continue
+        dotted = _dotted(node.value)
+        if dotted is None or dotted.split(".")[0] not in bound:
+            continue
+        head, _, rest = dotted.partition(".")
+        owner = ".".join(filter(None, (bound[head], rest)))
+        if owner in modules and owner != name:
+            private.append(f"{name}:{node.lineno}: {owner}.{node.attr}")
     edges.discard(name)
     return edges, private
 
 
-def import_graph() -> tuple[dict[str, set[str]], list[str]]:
-    modules = engine_modules()
+@functools.cache  # one walk for the tests below (they only read it)
+def import_graph(root: Path = ROOT) -> tuple[dict[str, set[str]], list[str]]:
+    modules = project_modules(root)
     graph: dict[str, set[str]] = {}
     private: list[str] = []
     for name, path in modules.items():
         graph[name], found = imports_of(name, path, modules)
         private += found
     return graph, private
+
+
+def allowance_key(violation: str) -> str:
+    """ "importer: module.name" of "importer:line: from module import name" or
+    "importer:line: module.name" (line numbers move; the allow-list names no line)."""
+    importer, _, what = violation.partition(":")
+    what = what.split(": ", 1)[1]
+    if what.startswith("from "):
+        source, _, taken = what.removeprefix("from ").partition(" import ")
+        what = f"{source}.{taken}"
+    return f"{importer}: {what}"
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -121,29 +161,44 @@ def cycle_paths(graph: dict[str, set[str]], component: list[str]) -> list[str]:
     return [f"{a} -> {b}" for a in component for b in sorted(graph[a] & members)]
 
 
-def test_the_graph_sees_every_module() -> None:
+def test_the_graph_sees_every_package() -> None:
     graph, _ = import_graph()
     assert graph.get("engine.engine"), "the walk found no engine imports"
+    importing = {name.split(".")[0] for name, edges in graph.items() if edges}
+    assert importing == set(PACKAGES), f"no imports seen in {set(PACKAGES) - importing}"
 
 
-def test_engine_modules_import_no_cycles() -> None:
+def test_modules_import_no_cycles() -> None:
     graph, _ = import_graph()
     found = cycles(graph)
-    assert not found, "import cycles inside engine/:\n" + "\n".join(f"{c}: {', '.join(cycle_paths(graph, c))}" for c in found)
+    assert not found, "import cycles:\n" + "\n".join(f"{c}: {', '.join(cycle_paths(graph, c))}" for c in found)
 
 
-def test_engine_modules_import_no_private_names() -> None:
+def test_modules_import_no_private_names() -> None:
     _, private = import_graph()
-    assert not private, "private names imported from another engine module:\n" + "\n".join(private)
+    unexpected = [p for p in private if allowance_key(p) not in ALLOWED_PRIVATE]
+    assert not unexpected, "private names taken from another module (make the name public, or move it):\n" + "\n".join(unexpected)
+
+
+def test_every_allowed_private_import_still_occurs() -> None:
+    _, private = import_graph()
+    stale = ALLOWED_PRIVATE - {allowance_key(p) for p in private}
+    assert not stale, f"fixed: remove from ALLOWED_PRIVATE: {sorted(stale)}"
 
 
 def test_the_checks_find_a_cycle_and_a_private_import(tmp_path) -> None:
     """The checks above can fail: a two-module cycle is found, and so is a private name taken
-    by `from ... import` and through a module bound by an import."""
+    by `from ... import`, through a module bound by an import and through a dotted import, in
+    any package."""
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     source = tmp_path / "user.py"
-    source.write_text("from engine.kv.slots import _grow\nfrom engine.kv import slots\nslots._scatter()\n")
-    modules = {"engine.kv.slots": source, "engine.kv": source}
-    edges, private = imports_of("engine.user", source, modules)
-    assert edges == {"engine.kv.slots"}
-    assert [p.split(": ", 1)[1] for p in private] == ["from engine.kv.slots import _grow", "engine.kv.slots._scatter"]
+    source.write_text("from engine.kv.slots import _grow\nfrom engine.kv import slots\nslots._scatter()\nimport tools.bench\ntools.bench._median()\n")
+    modules = {"engine.kv.slots": source, "engine.kv": source, "tools.bench": source, "tools": source}
+    edges, private = imports_of("net.user", source, modules)
+    assert edges == {"engine.kv.slots", "tools.bench"}
+    found = [p.split(": ", 1)[1] for p in private]
+    assert found == ["from engine.kv.slots import _grow", "engine.kv.slots._scatter", "tools.bench._median"]
+    assert [allowance_key(p) for p in private][:2] == ["net.user: engine.kv.slots._grow", "net.user: engine.kv.slots._scatter"]
+    # A module's own private names, and dunders, are its own business.
+    source.write_text("from net.user import _helper\nfrom engine.kv import __version__\n")
+    assert imports_of("net.user", source, {"net.user": source, "engine.kv": source})[1] == []
