@@ -19,7 +19,7 @@ import structlog
 
 from actors.mailbox import EventChannel, Mailbox, SessionMailbox
 from policies.detokenize import Detokenizer
-from policies.output_parser import OutputParser, Parsed
+from policies.output_parser import Parsed, StreamParser
 from policies.stops import StopMatcher
 from protocols.api import DenoiseProgress, FillStats, Finished, PrefillProgress, SpecStats, Timings, TokenDelta, TokenLogprob, ToolCall, ToolCallDelta, Usage
 from protocols.scheduler import CancelRequest, FinishRequest, SetPaused
@@ -53,7 +53,7 @@ class SessionActor:
         stop: list[str],
         scheduler: Mailbox,
         events: EventChannel,
-        parser: OutputParser | None = None,
+        parser: StreamParser | None = None,
         fill: FillStats | None = None,
         max_pause_s: float = 300.0,
         spec: SpecStats | None = None,

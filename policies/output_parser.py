@@ -19,7 +19,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 # The head of a call body in the common JSON shape, up to where its arguments' value begins.
 _JSON_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
@@ -33,6 +33,15 @@ class Parsed:
     # The call being generated, as it arrives: {"name": ...} once its name is known, then
     # {"arguments": fragment}s; `calls` has it whole once it closes.
     deltas: list[dict] = field(default_factory=list)
+
+
+class StreamParser(Protocol):
+    """What splits one request's streamed output: `OutputParser`, or a model family's parser
+    (`policies.tool_formats.make_parser`). `flush` at the end of the output."""
+
+    def feed(self, text: str) -> Parsed: ...
+
+    def flush(self) -> Parsed: ...
 
 
 @dataclass
@@ -51,18 +60,24 @@ class OutputParser:
         think: tuple[str, str] | None = None,
         tool_markers: tuple[str, str] | None = None,
         parse_call: Callable[[str], dict] | None = None,
+        in_think: bool = False,
     ):
         self._think = think
         self._tools = tool_markers
         self._parse_call = parse_call
         self._buffer = ""
-        # "start" (might open a think block), "think", "content", or "call".
-        self._state = "start" if think else "content"
+        # "start" (might open a think block), "think", "content", or "call". `in_think`: the
+        # prompt opened the block (its template ends with the start marker).
+        self._state = ("think" if in_think else "start") if think else "content"
         self._open = _OpenCall()
+        # The session numbers a `Parsed`'s deltas by the first call it finishes: a call that opens
+        # in the feed that finished another streams from the next feed on.
+        self._finished_in_feed = False
 
     def feed(self, text: str) -> Parsed:
         self._buffer += text
         out = Parsed()
+        self._finished_in_feed = False
         while self._step(out):
             pass
         return out
@@ -71,6 +86,7 @@ class OutputParser:
         """End of output: whatever is held is content, or reasoning; a call cut off is a call
         with the arguments generated so far (its markup never becomes content)."""
         out = Parsed()
+        self._finished_in_feed = False
         if self._state == "call":
             self._stream_call(out)
             call, tools = self._open, self._tools
@@ -123,6 +139,7 @@ class OutputParser:
                 out.deltas += [{"arguments": rest}] if rest else []  # the fragments add up to the call's arguments
             out.calls.extend(calls)
             self._buffer, self._state, self._open = buffer[index + len(tools[1]) :], "content", _OpenCall()
+            self._finished_in_feed = True
             return True
         return self._until(tools[0], out, "content", next_state="call")
 
@@ -130,6 +147,8 @@ class OutputParser:
         """Report the open call's name once its body shows it, then its argument text as it
         grows (all but what may still be the body's closing brace)."""
         call, body = self._open, self._buffer
+        if self._finished_in_feed:
+            return
         if call.name is None:
             head = _JSON_CALL_HEAD.match(body)
             if head is None:

@@ -26,6 +26,7 @@ import structlog
 import xgrammar as xgr
 
 from actors.mlx_thread import loop_caller
+from policies.tool_formats import ToolFormat, forced_call_affixes, tokenizer_format
 from policies.tools import tool_function
 from protocols.api import GenerateRequest
 from protocols.config import LimitsConfig
@@ -39,14 +40,30 @@ TOOL_CHOICES = ("auto", "none", "required")
 _SOURCE_PREFIX = re.compile(r"\[\d{2}:\d{2}:\d{2}\]\s*\S+:\d+:\s*")
 
 
-def grammar_spec(request: GenerateRequest, tool_markers: tuple[str, str] | None) -> GrammarSpec | None:
-    """The grammar a request asks for, or None. `tool_markers`: the model's tool-call start and end."""
+def model_tool_markers(tokenizer: Any) -> tuple[str, str] | ToolFormat | None:
+    """How a model's calls are marked, for `grammar_spec`: its family's format where a forced
+    call is written in it, else mlx-lm's tool-call start and end, else None (no tool calls)."""
+    fmt = tokenizer_format(tokenizer)
+    if fmt is not None and forced_call_affixes(fmt, "f") is not None:
+        return fmt
+    if getattr(tokenizer, "has_tool_calling", False):
+        return (tokenizer.tool_call_start, tokenizer.tool_call_end)
+    return ("<tool_call>", "</tool_call>") if fmt is not None else None
+
+
+def grammar_spec(request: GenerateRequest, tool_markers: tuple[str, str] | ToolFormat | None) -> GrammarSpec | None:
+    """The grammar a request asks for, or None. `tool_markers`: the model's tool-call start and
+    end, or its family's format (`model_tool_markers`)."""
     forced = _forced_tools(request)
     if forced is not None:
         if request.response_format is not None:
             raise InvalidRequestError("response_format and a forcing tool_choice cannot be combined", field="response_format")
         if tool_markers is None:
             raise InvalidRequestError("this model's chat template has no tool-call format", field="tools")
+        if isinstance(tool_markers, ToolFormat):
+            # The call in the family's own markup, around its JSON arguments.
+            affixes = [forced_call_affixes(tool_markers, tool["name"]) for tool in forced]
+            return GrammarSpec(kind="tool_call", source=json.dumps({"tools": forced, "affixes": affixes}, sort_keys=True))
         source = json.dumps({"tools": forced, "markers": list(tool_markers)}, sort_keys=True)
         return GrammarSpec(kind="tool_call", source=source)
     if request.tools and request.tool_choice in (None, "auto") and tool_markers is None:
@@ -338,7 +355,10 @@ def _wake(call_soon, callback) -> None:
 
 
 def _tool_call_grammar(source: dict) -> xgr.Grammar:
-    """<start>{"name": <one tool>, "arguments": <its parameters>}<end>, in the model's own markup."""
+    """<start>{"name": <one tool>, "arguments": <its parameters>}<end>, in the model's own markup
+    (or, for a family's format, <prefix of one tool><its parameters><suffix>)."""
+    if "affixes" in source:
+        return _affixed_call_grammar(source)
     calls = [
         {
             "type": "object",
@@ -355,3 +375,16 @@ def _tool_call_grammar(source: dict) -> xgr.Grammar:
         xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
         xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + end)}"),
     )
+
+
+def _affixed_call_grammar(source: dict) -> xgr.Grammar:
+    """One call of one of the tools: its family's prefix, JSON arguments per its schema, suffix."""
+
+    def literal(text: str) -> xgr.Grammar:
+        return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+
+    calls = []
+    for tool, (prefix, suffix) in zip(source["tools"], source["affixes"]):
+        parts = [literal(prefix), xgr.Grammar.from_json_schema(json.dumps(tool["parameters"]), any_whitespace=False)]
+        calls.append(xgr.Grammar.concat(*parts, *([literal(suffix)] if suffix else [])))
+    return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
