@@ -17,7 +17,7 @@ from typing import Any, TypeGuard
 
 from protocols.api import DenoisingOptions, GenerateRequest, SamplingParams
 from protocols.config import LimitsConfig
-from protocols.errors import InvalidRequestError, RequestTooLargeError
+from protocols.errors import ContextLengthError, InvalidRequestError, RequestTooLargeError
 from protocols.model import ModelInfo
 
 MAX_TOP_LOGPROBS = 20
@@ -290,7 +290,8 @@ def effective_max_tokens(request: GenerateRequest, num_prompt: int, info: ModelI
     """max_tokens, capped so prompt + generation fits the context."""
     room = info.max_context - num_prompt
     if room < 1:
-        raise RequestTooLargeError(f"prompt of {num_prompt} tokens leaves no room in the model's context of {info.max_context}", field="prompt")
+        message = f"prompt of {num_prompt} tokens leaves no room in the model's context of {info.max_context}"
+        raise ContextLengthError(message, num_tokens=num_prompt, max_context=info.max_context)
     return min(request.max_tokens or default, room)
 
 

@@ -26,7 +26,7 @@ import msgspec
 
 from net.http import anthropic_types as at
 from net.http import openai_types as oa
-from net.http.mapping import HttpError, chat_messages, check_messages, ending_error
+from net.http.mapping import ContextLengthExceeded, HttpError, chat_messages, check_messages, ending_error
 from protocols.api import Event, Finished, GenerateRequest, SamplingParams, TokenDelta, ToolCall, ToolCallDelta, new_request_id
 from protocols.config import LimitsConfig
 from protocols.errors import ERROR_KINDS
@@ -52,7 +52,9 @@ def anthropic_error(error: HttpError) -> tuple[at.ErrorResponse, int]:
     status = OVERLOADED if error.code == "busy" else ERROR_KINDS[error.code].http_status
     kind = ERROR_TYPES.get(status) or ("api_error" if status >= 500 else "invalid_request_error")
     message = str(error)
-    if error.param and error.param not in message:
+    if isinstance(error, ContextLengthExceeded):  # (Anthropic's words, which Claude Code reads the figures from)
+        message = f"prompt is too long: {error.num_tokens} tokens > {error.max_context} maximum"
+    elif error.param and error.param not in message:
         message = f"{error.param}: {message}"
     return at.ErrorResponse(error=at.ErrorDetail(type=kind, message=message)), status
 
@@ -98,6 +100,8 @@ def _prompt(body: at.CountTokensRequest) -> tuple[list[dict[str, Any]], list[dic
     if last.role == "assistant":
         where = f"messages[{len(body.messages) - 1}].role"
         raise HttpError("invalid_request", "continuing a final assistant message (prefill) is not supported; end with a user message", where)
+    if body.messages[0].role == "system":  # (a system message comes later in a conversation: the opening one is `system`)
+        raise HttpError("invalid_request", "the first message is the user's; give instructions before it in `system`", "messages[0].role")
     chat: list[oa.ChatMessage] = []
     system = body.system if isinstance(body.system, str) else "".join(block.text for block in body.system or [])
     if system:
@@ -112,7 +116,19 @@ def _chat(message: at.MessageParam, where: str) -> list[oa.ChatMessage]:
         return [oa.ChatMessage(role=message.role, content=message.content)]
     if message.role == "assistant":
         return [_assistant(message.content, where)]
+    if message.role == "system":
+        return [_system(message.content, where)]
     return _user(message.content, where)
+
+
+def _system(blocks: list[at.ContentBlock], where: str) -> oa.ChatMessage:
+    """A system message in the conversation: its text blocks joined."""
+    texts = []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, at.TextBlock):
+            raise _refused(block, f"{where}.content[{j}]", "system")
+        texts.append(block.text)
+    return oa.ChatMessage(role="system", content="".join(texts))
 
 
 def _user(blocks: list[at.ContentBlock], where: str) -> list[oa.ChatMessage]:

@@ -68,7 +68,9 @@ ContentBlock = TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResul
 
 
 class MessageParam(msgspec.Struct, kw_only=True):
-    role: Literal["user", "assistant"]
+    # "system": an instruction at its place in the conversation (Claude Code sends its
+    # environment so, after the first user turn); text blocks only.
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 

@@ -21,15 +21,33 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 # -- requests ----------------------------------------------------------------------
 
 
-class FunctionTool(msgspec.Struct, kw_only=True, omit_defaults=True):
+class FunctionTool(msgspec.Struct, tag="function", tag_field="type", kw_only=True, omit_defaults=True):
     """A function tool, flat (not nested under `function` as chat's are). Other tool types
-    (`web_search`, `file_search`, ...) are refused by their `type`."""
+    (`file_search`, `code_interpreter`, ...) are refused by their `type`."""
 
-    type: Literal["function"]
     name: Annotated[str, msgspec.Meta(min_length=1)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+
+class NamespaceTool(msgspec.Struct, tag="namespace", tag_field="type", kw_only=True, omit_defaults=True):
+    """Function tools grouped under a name (the Codex CLI sends its sub-agent tools so): the
+    model is offered its functions, by their own names."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    description: str | None = None
+    tools: list[FunctionTool] = msgspec.field(default_factory=list)
+
+
+class WebSearchTool(msgspec.Struct, tag="web_search", tag_field="type", kw_only=True, omit_defaults=True):
+    """OpenAI's hosted search (the Codex CLI sends it by default): accepted, never offered to
+    the model (nothing here searches the web), so it is never called."""
+
+    external_web_access: bool | None = None
+
+
+Tool = FunctionTool | NamespaceTool | WebSearchTool
 
 
 class ToolChoiceFunction(msgspec.Struct, kw_only=True):
@@ -72,7 +90,7 @@ class ResponsesRequest(NativeExtras, kw_only=True):
     input: str | list[Any] = msgspec.field(default_factory=list)
     # A system message before the conversation (not carried over by `previous_response_id`).
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     tool_choice: ToolChoice = "auto"
     text: TextConfig | None = None
     max_output_tokens: PositiveInt | None = None
@@ -222,7 +240,7 @@ class Response(msgspec.Struct, kw_only=True):
     temperature: float
     text: TextConfig
     tool_choice: ToolChoice
-    tools: list[FunctionTool]
+    tools: list[Tool]
     top_p: float
     truncation: str = "disabled"
     usage: ResponseUsage | None = None

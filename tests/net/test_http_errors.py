@@ -55,7 +55,7 @@ async def test_invalid_requests_are_400s_naming_the_field():
         too_long = await _status_error(chat(model=served.model, messages=[{"role": "user", "content": "x " * 5000}], max_tokens=4))
         status, _, body = await raw_request(served.url, _post("/v1/chat/completions", b"{not json"), b"{not json")
         await client.close()
-    assert too_long.status_code == 400 and too_long.body["code"] == "too_large"
+    assert too_long.status_code == 400 and too_long.body["code"] == "context_length_exceeded"
     assert status == 400 and b"invalid_request_error" in body
 
 

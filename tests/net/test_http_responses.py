@@ -253,7 +253,7 @@ async def test_refusals_are_openai_400s_naming_the_field():
             "input[0].arguments": await refused({"input": [{"type": "function_call", "call_id": "c", "name": "get_time", "arguments": "{oops"}]}),
             "input[0]": await refused({"input": [{"type": "function_call_output", "output": "x"}]}),
             "input": await refused({"input": []}),
-            "tools[0].type": await refused({"input": "x", "tools": [{"type": "web_search"}]}),
+            "tools[0].type": await refused({"input": "x", "tools": [{"type": "file_search"}]}),
             "tool_choice": await refused({"input": "x", "tool_choice": "required"}),
             "text.format": await refused({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}),
             "max_output_tokens": await refused({"input": "x", "max_output_tokens": 0}),
