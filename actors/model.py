@@ -27,11 +27,12 @@ refuses requests, until the world is relaunched.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, assert_never
+from typing import Any, TypeVar, assert_never
 
 import anyio
 import anyio.to_thread
@@ -71,6 +72,8 @@ from protocols.model import (
 WORLD_STOP_S = 5.0
 # Embedding calls served at once; more are refused busy (the runtime lets fewer through).
 MAX_EMBEDS = 4
+
+T = TypeVar("T")
 
 log = structlog.get_logger(actor="model")
 
@@ -122,9 +125,13 @@ class ModelActor:
         distributed: DistributedConfig | None = None,
         world_secret: str = "",
         denoise_share: float = 1.0,
+        bulk_share: float = 1.0,
     ):
         self._config = config
         self._denoise_share = denoise_share
+        self._bulk_share = bulk_share
+        # When a step for an interactive request last ended (embedding forwards yield to those).
+        self._interactive_at = -math.inf
         self._kv = kv or KvConfig()
         self._speculative = speculative or SpeculativeConfig()
         self._lora = lora or LoraConfig()
@@ -280,11 +287,12 @@ class ModelActor:
         result: list[list[float]] | Exception = RuntimeClosedError("the runtime closed during the embedding call")
         try:
             job = await self._thread.run(embedder.job, call.inputs, call.pooling, call.normalize, call.batch_tokens)
-            while (vectors := await self._thread.run(job.step)) is None:
+            while (vectors := await self._thread.run(self._timed, job.step))[0] is None:
                 if abandoned(call.reply):
                     await self._thread.run(job.close)
                     return
-            result = vectors
+                await self._yield_to_interactive(vectors[1])
+            result = vectors[0]
         except MlxrtError as exc:
             result = exc
         except Exception:
@@ -293,6 +301,18 @@ class ModelActor:
         finally:
             self._embeds -= 1
             answer(call.reply, result)
+
+    @staticmethod
+    def _timed(fn: Callable[[], T]) -> tuple[T, float]:
+        """(MLX thread) `fn()` and the seconds it took."""
+        started = time.perf_counter()
+        return fn(), time.perf_counter() - started
+
+    async def _yield_to_interactive(self, forward_s: float) -> None:
+        """After an embedding forward of `forward_s`, while steps for interactive requests run,
+        leave the thread to them for the rest of `bulk_share` (bulk work, like the scheduler's)."""
+        if self._bulk_share < 1 and time.monotonic() - self._interactive_at <= max(1.0, 4 * forward_s):
+            await anyio.sleep(forward_s * (1 - self._bulk_share) / self._bulk_share)
 
     def _embed_refusal(self, embedder: Embedder | None) -> MlxrtError:
         if self.world is not None:
@@ -342,6 +362,8 @@ class ModelActor:
             engine.reset()
             return StepFailed(error=f"{type(exc).__name__}: {exc}")
         self._thread.note(id(self))
+        if not plan.bulk_only:
+            self._interactive_at = time.monotonic()
         return outcome
 
     async def _read_for_step(self, bank: AdapterBank, plan: StepPlan) -> dict[str, AdapterFiles | AdapterLoadError]:

@@ -25,7 +25,8 @@ import structlog
 
 from actors.mailbox import Mailbox, answer, ask
 from policies.adapters import prefix_namespace
-from policies.scheduling import Ended, SchedulePolicy, Tracked
+from policies.scheduling import SchedulePolicy
+from policies.tracked import Ended, Tracked
 from protocols.api import SpecTotals
 from protocols.kv import PrefixesSaved, ReleaseKv, ReportKvUsage, ReserveKv, SaveCheckpoint, UnpinPrefix
 from protocols.model import RunStep, StepFailed, StepOutcome, StepPlan
@@ -141,6 +142,7 @@ class SchedulerActor:
             session=message.session,
             priority=message.priority,
             report_progress=message.report_progress,
+            bulk=message.bulk,
             request=message.request,
             checkpoint_every=message.checkpoint_every,
         )

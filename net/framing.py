@@ -3,7 +3,7 @@ asynchronously; the frame codec itself is `protocols.frames`."""
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 import msgspec
@@ -18,7 +18,7 @@ _ENCODER = msgspec.msgpack.Encoder()
 __all__ = ["HEADER", "FrameReader", "FrameTooLarge", "encode_frame"]
 
 
-def encode_frame(message: msgspec.Struct) -> bytes:
+def encode_frame(message: msgspec.Struct | dict[str, Any]) -> bytes:
     return frame(_ENCODER.encode(message))
 
 

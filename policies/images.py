@@ -10,7 +10,8 @@ prompt names is an SSRF hole) unless `server.allow_remote_images` is set (`runti
 fetches them first, bounded in bytes, time, redirects and hosts). Limits, each a typed error naming
 the field: images per request, bytes per image, formats and pixels per image (both read from the
 file's structure by `image_formats` before PIL sees it, so a bomb or a truncated file is refused
-before it is decoded); an animation's first frame only is decoded.
+before it is decoded), and pixels of all the request's images together, from the same headers
+before any is decoded; an animation's first frame only is decoded.
 
 The prefix cache keys an image prompt by its token ids with every image position replaced by an
 id past the vocabulary derived from the digests of the request's images (`key_ids`): the same
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from policies.image_formats import read_header
+from policies.image_formats import ImageHeader, read_header
 from protocols.config import LimitsConfig
 from protocols.errors import InvalidRequestError, RequestTooLargeError
 
@@ -88,13 +89,27 @@ def remote_urls(messages: list[dict[str, Any]], limits: LimitsConfig) -> list[st
     return [s for s in sources if isinstance(s, str) and s.startswith(("http://", "https://"))]
 
 
-def decode_image(data: bytes, limits: LimitsConfig) -> Any:
+def read_headers(images: list[bytes], limits: LimitsConfig) -> list[ImageHeader]:
+    """The images' headers (`image_formats.read_header`, each within `limits.max_image_pixels`),
+    their pixels together within `limits.max_request_pixels`: all checked before any is decoded."""
+    headers = [read_header(data, limits.max_image_pixels) for data in images]
+    total = sum(header.num_pixels for header in headers)
+    if total > limits.max_request_pixels:
+        raise RequestTooLargeError(
+            f"the request's {len(headers)} images have {total} pixels in all, more than {limits.max_request_pixels} (limits.max_request_pixels)",
+            field="messages",
+        )
+    return headers
+
+
+def decode_image(data: bytes, limits: LimitsConfig, header: ImageHeader | None = None) -> Any:
     """A PIL image in RGB (an animation's first frame), checked from its structure before PIL
     sees it (`image_formats.read_header`: an accepted format, whole, at most
-    `limits.max_image_pixels` pixels), then opened by that format's plugin alone."""
+    `limits.max_image_pixels` pixels; `header` where already read), then opened by that format's
+    plugin alone."""
     from PIL import Image
 
-    header = read_header(data, limits.max_image_pixels)
+    header = header or read_header(data, limits.max_image_pixels)
     try:
         image = Image.open(io.BytesIO(data), formats=(header.format,))
         width, height = image.size
@@ -114,7 +129,8 @@ def decode_image(data: bytes, limits: LimitsConfig) -> Any:
 def render_images(text: str, images: list[bytes], processor: Any, image_token_id: int, vocab_size: int, limits: LimitsConfig) -> RenderedImages:
     """The processor's ids and arrays for a rendered prompt `text` (one image placeholder per
     image) and its images' bytes."""
-    pictures = [decode_image(data, limits) for data in images]
+    headers = read_headers(images, limits)
+    pictures = [decode_image(data, limits, header) for data, header in zip(images, headers, strict=True)]
     try:
         out = processor(text=[text], images=[pictures], return_tensors="np")
     except Exception as exc:  # the processor's own checks (placeholders against images, sizes)

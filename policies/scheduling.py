@@ -10,201 +10,44 @@ prompt's vision tower runs first, a unit per step costed as a chunk (the engine
 sizes each unit to about a chunk's compute), so it too delays others by one chunk.
 A request's chunk boundaries depend only on its own prompt, never on what
 else is running, so its tokens do not depend on the load.
+
+Bulk requests (several choices or prompts of one call, prompt scoring, batch jobs) yield to
+interactive ones: while any interactive request is live, bulk ones hold at most
+`bulk_share / (1 - bulk_share)` of the interactive requests' batch slots (at least one; the
+rest wait, or leave the batch keeping their KV, "held"), and after a step that prefilled for
+them their prefill waits until the others have had `1 - bulk_share` of the time. Alone, bulk
+work runs at full speed.
 """
 
 from __future__ import annotations
 
-import enum
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
-
-import msgspec
 
 from policies.adapters import AdapterSlots
-from protocols.api import CheckpointReport, FillStats
-from protocols.model import AdmitRequest, DiskPrefix, PrefillWork, StepOutcome, StepPlan
-from protocols.session import RequestTimeline, TraceSpan
-
-# Spans kept per request for tracing (prefill chunks, fast-forwards, checkpoint writes);
-# later ones are counted as dropped.
-MAX_SPANS = 256
-
-
-class Phase(enum.Enum):
-    WAITING = "waiting"
-    PREFILLING = "prefilling"
-    DECODING = "decoding"
-    # A diffusion model's request whose prompt is prefilled: a denoising step a plan.
-    DENOISING = "denoising"
-    RELEASING = "releasing"
-
-
-@dataclass
-class Tracked:
-    """The scheduler's view of one request."""
-
-    admit: AdmitRequest
-    submitted: float
-    session: Any
-    priority: int = 0
-    report_progress: bool = False
-    phase: Phase = Phase.WAITING
-    num_prefilled: int = 0
-    num_skips: int = 0
-    release_reason: str | None = None
-    cached_tokens: int = 0
-    # The engine's latest fast-forwarding figures for it (reported in Finished).
-    fill: Any = None
-    spec: Any = None
-    timeline: dict[str, float] = field(default_factory=dict)
-    # The request as submitted (for checkpoints), and its checkpoint cadence.
-    request: Any = None
-    checkpoint_every: int = 0
-    keep_checkpoint: bool = False
-    num_generated: int = 0
-    next_checkpoint: int = 0
-    # The caller is not reading: decoding stops (KV kept) until it catches up. A parked
-    # row holds no batch slot; once its caller reads again it rejoins when a slot is free.
-    paused: bool = False
-    parked: bool = False
-    # Whether a plan has carried its admission to the engine.
-    planned: bool = False
-    # Steps completed since it was parked: after one, no token of it is in flight.
-    parked_steps: int = 0
-    # Checkpoint writes the KV store confirmed or reported failed.
-    checkpoints_written: int = 0
-    checkpoints_failed: int = 0
-    checkpoint_error: str | None = None
-    # Traced pieces of its work, the prefill chunk in flight (start, tokens, offset), and the
-    # start times of checkpoint writes not yet confirmed.
-    spans: list[TraceSpan] = field(default_factory=list)
-    spans_dropped: int = 0
-    open_chunk: tuple[float, int, int] | None = None
-    # An image prompt whose vision tower has units left (they come before its chunks), and
-    # the start of the unit in flight.
-    encoding: bool = False
-    open_encode: float | None = None
-    # A denoising request's denoising steps planned so far.
-    num_denoise_steps: int = 0
-    checkpoint_writes: deque[float] = field(default_factory=deque)
-
-    @property
-    def is_idle(self) -> bool:
-        """Parked with nothing left in flight: no step can do anything for it."""
-        return self.paused and self.parked and self.parked_steps >= 1 and self.phase is not Phase.RELEASING
-
-    def __post_init__(self) -> None:
-        resume = self.admit.resume
-        if resume is not None:
-            self.num_generated = len(resume.generated)
-            self.num_prefilled = resume.num_kv_tokens
-            # What the prompt did not need prefilling for (the seeds' min: generated tokens' KV
-            # came with the checkpoint but they are not prompt tokens).
-            self.cached_tokens = min(resume.num_kv_tokens, len(self.admit.prompt_ids))
-        if self.checkpoint_every:
-            self.next_checkpoint = (self.num_generated // self.checkpoint_every + 1) * self.checkpoint_every
-
-    @property
-    def request_id(self) -> str:
-        return self.admit.request_id
-
-    @property
-    def generating(self) -> Phase:
-        """The phase after its prompt: decoding, or denoising (a diffusion model's request)."""
-        return Phase.DENOISING if self.admit.denoise is not None else Phase.DECODING
-
-    @property
-    def prefill_left(self) -> int:
-        # (Decoding feeds the last token; a denoising request's canvas attends to all of them.)
-        return len(self.admit.context_ids) - (self.admit.denoise is None) - self.num_prefilled
-
-    @property
-    def kv_tokens_needed(self) -> int:
-        return len(self.admit.prompt_ids) + self.admit.max_tokens
-
-    def start_from_prefix(self, entry_id: str, num_tokens: int) -> None:
-        """Seed the request with `num_tokens` of a saved prefix: they need no prefill."""
-        self.admit = msgspec.structs.replace(self.admit, prefix_entry=entry_id, prefix_tokens=num_tokens)
-        self.num_prefilled = self.cached_tokens = num_tokens
-
-    def start_from_disk(self, prefix: DiskPrefix) -> None:
-        """Seed the request with KV read from the disk tier: those tokens need no prefill."""
-        self.admit = msgspec.structs.replace(self.admit, disk_prefix=prefix)
-        self.num_prefilled = self.cached_tokens = prefix.num_tokens
-        self.add_span("disk_read", prefix.started, prefix.ended, tokens=prefix.num_tokens, files=prefix.num_files, bytes=prefix.num_bytes)
-
-    def record_checkpoint(self, ok: bool, error: str | None, now: float | None = None) -> None:
-        if ok:
-            self.checkpoints_written += 1
-        else:
-            self.checkpoints_failed += 1
-            self.checkpoint_error = error
-        if self.checkpoint_writes and now is not None:
-            self.add_span("checkpoint_write", self.checkpoint_writes.popleft(), now, ok=ok)
-
-    def add_span(self, name: str, start: float, end: float, **attributes: int | float | str | bool) -> None:
-        if len(self.spans) >= MAX_SPANS:
-            self.spans_dropped += 1
-        else:
-            self.spans.append(TraceSpan(name=name, start=start, end=end, attributes=attributes))
-
-    def close_chunk(self, now: float) -> None:
-        """The step that forwarded its prefill chunk has ended."""
-        if self.open_chunk is not None:
-            start, tokens, offset = self.open_chunk
-            self.open_chunk = None
-            self.add_span("prefill_chunk", start, now, tokens=tokens, offset=offset)
-        if self.open_encode is not None:
-            self.add_span("vision_encode", self.open_encode, now)
-            self.open_encode = None
-
-    def record_fill(self, fill: FillStats, start: float, now: float) -> None:
-        """The engine's latest fast-forwarding figures; a step that forwarded or verified a span
-        (`start`..`now`) is traced with what it injected and what verification kept."""
-        before = self.fill if isinstance(self.fill, FillStats) else FillStats(mode=fill.mode)
-        if fill.events > before.events or fill.verify_events > before.verify_events:
-            self.add_span(
-                "fast_forward",
-                start,
-                now,
-                injected=fill.injected - before.injected,
-                accepted=fill.verify_accepted - before.verify_accepted,
-                rejected=fill.verify_rejected - before.verify_rejected,
-            )
-        self.fill = fill
-
-    def checkpoint_report(self) -> CheckpointReport | None:
-        if not (self.checkpoint_every or self.checkpoints_written or self.checkpoints_failed):
-            return None
-        return CheckpointReport(written=self.checkpoints_written, failed=self.checkpoints_failed, error=self.checkpoint_error)
-
-    def stamp(self, name: str, now: float) -> None:
-        self.timeline.setdefault(name, now)
-
-    def make_timeline(self) -> RequestTimeline:
-        return RequestTimeline(submitted=self.submitted, spans=list(self.spans), spans_dropped=self.spans_dropped, **self.timeline)
-
-
-@dataclass(frozen=True)
-class Ended:
-    """A request the policy is done with, and how it ended."""
-
-    tracked: Tracked
-    reason: str
-    stop_token_id: int | None = None
-    # Why it failed, when the engine ended it with an error.
-    error: str | None = None
-    error_code: str | None = None
+from policies.tracked import Ended, Phase, Tracked
+from protocols.model import PrefillWork, StepOutcome, StepPlan
 
 
 class SchedulePolicy:
     """Admission, batching and prefill/decode interleaving for one engine."""
 
     def __init__(
-        self, *, max_batch_size: int, max_queued: int, chunk_size: int, token_budget: int, max_skips: int = 4, adapter_slots: AdapterSlots | None = None
+        self,
+        *,
+        max_batch_size: int,
+        max_queued: int,
+        chunk_size: int,
+        token_budget: int,
+        max_skips: int = 4,
+        adapter_slots: AdapterSlots | None = None,
+        bulk_share: float = 1.0,
     ):
         self.max_batch_size = max_batch_size
+        self.bulk_share = bulk_share
+        # Bulk prefill waits until then (monotonic seconds) while interactive requests are live;
+        # whether the plan being run prefilled for bulk requests.
+        self._bulk_ready_at = 0.0
+        self._bulk_prefilled = False
         # Distinct LoRA adapters live requests may hold at once (`lora.max_resident`).
         self.adapter_slots = adapter_slots or AdapterSlots(8)
         self.max_queued = max_queued
@@ -235,20 +78,41 @@ class SchedulePolicy:
     def admission_candidate(self) -> Tracked | None:
         """The next waiting request, if the batch has room for it (parked rows that want to
         rejoin come first)."""
-        rejoining = sum(t.parked and not t.paused for t in self._active.values())
+        rejoining = sum(t.parked and not t.paused and not t.held for t in self._active.values())
         if not self._waiting or self._num_slots_used() + rejoining >= self.max_batch_size:
             return None
-        head = self._waiting[0]
+        cap = self.bulk_cap()
+        bulk_full = cap is not None and sum(t.bulk and t.phase is not Phase.RELEASING for t in (*self._active.values(), *self._to_admit)) >= cap
+        # Bulk requests beyond their slots wait; interactive ones behind them go first.
+        head = next((t for t in self._waiting if not (t.bulk and bulk_full)), None)
+        if head is None:
+            return None
         live = [t.admit.adapter for t in (*self._active.values(), *self._to_admit)]
         return head if self.adapter_slots.allows(head.admit.adapter, live) else None
+
+    def bulk_cap(self) -> int | None:
+        """The batch slots bulk requests may hold now; None while no interactive request is
+        live (or `bulk_share` is 1): then they may hold any."""
+        interactive = self.num_interactive()
+        if self.bulk_share >= 1 or not interactive:
+            return None
+        return max(1, int(interactive * self.bulk_share / (1 - self.bulk_share)))
+
+    def num_interactive(self) -> int:
+        """Interactive requests admitted or running (not those ending), and those waiting while the
+        batch has no slot for them. (One waiting for KV room with slots free does not count: holding
+        bulk rows for it would only slow the ones whose ends make that room.)"""
+        admitted = sum(not t.bulk and t.phase is not Phase.RELEASING for t in (*self._to_admit, *self._active.values()))
+        rejoining = sum(t.parked and not t.paused and not t.held for t in self._active.values())
+        full = self._num_slots_used() + rejoining >= self.max_batch_size
+        return admitted + (sum(not t.bulk for t in self._waiting) if full else 0)
 
     def _num_slots_used(self) -> int:
         """Batch slots: every admitted request but the parked ones (they keep only their KV)."""
         return sum(not t.parked for t in self._active.values()) + len(self._to_admit)
 
     def admit(self, tracked: Tracked, now: float) -> None:
-        assert self._waiting and self._waiting[0] is tracked
-        self._waiting.popleft()
+        self._waiting.remove(tracked)
         tracked.stamp("admitted", now)
         self._to_admit.append(tracked)
 
@@ -285,7 +149,16 @@ class SchedulePolicy:
                 tracked.paused = paused
 
     def has_work(self) -> bool:
-        return bool(self._to_admit) or any(not t.is_idle for t in self._active.values())
+        return bool(self._to_admit) or any(not t.is_idle for t in self._active.values()) or bool(self._held_rejoining())
+
+    def _held_rejoining(self) -> list[Tracked]:
+        """Held bulk rows that may rejoin the batch now, within the slots bulk may hold."""
+        held = [t for t in self._active.values() if t.held and not t.paused and t.phase is not Phase.RELEASING]
+        cap = self.bulk_cap()
+        if cap is None or not held:
+            return held
+        running = sum(t.bulk and not t.parked for t in self._active.values())
+        return held[: max(0, cap - running)]
 
     def plan(self, now: float) -> StepPlan:
         """The next step. Call only when `has_work()`."""
@@ -300,7 +173,7 @@ class SchedulePolicy:
             admit.append(tracked.admit)
         self._to_admit.clear()
         park, unpark = self._plan_parking()
-        decoding = [t for t in self._active.values() if t.phase is Phase.DECODING]
+        decoding = [t for t in self._active.values() if t.phase is Phase.DECODING and not t.held]
         denoise = self._plan_denoise(self.token_budget - len(decoding))
         budget = self.token_budget - len(decoding) - sum(self._canvas_cost(self._active[rid]) for rid in denoise)
         prefill = self._plan_prefill(budget, now)
@@ -319,6 +192,7 @@ class SchedulePolicy:
             unpark=unpark,
             forget_checkpoints=forget,
             denoise=denoise,
+            bulk_only=not self.num_interactive() and any(t.bulk for t in self._active.values()),
         )
 
     def plans_ahead(self, plan: StepPlan) -> bool:
@@ -332,25 +206,35 @@ class SchedulePolicy:
         if plan.forget_checkpoints or self._to_admit or self._forgotten or self.admission_candidate() is not None:
             return False
         active = self._active.values()
-        return bool(active) and all(t.phase is Phase.DECODING and not (t.paused or t.parked or t.checkpoint_every) for t in active)
+        # (Held bulk rows stay out until a plan after an outcome lets them back.)
+        return bool(active) and all(t.phase is Phase.DECODING and not (t.paused or (t.parked and not t.held) or t.checkpoint_every) for t in active)
 
     def forget_checkpoint(self, request_id: str) -> None:
         """The request's checkpoint is deleted: the next plan says so (to follower ranks)."""
         self._forgotten.append(request_id)
 
     def _plan_parking(self) -> tuple[list[str], list[str]]:
-        """Rows whose callers fell behind leave the batch; caught-up ones rejoin while there is room."""
+        """Rows whose callers fell behind leave the batch, and decoding bulk rows beyond the slots
+        bulk may hold (the latest admitted first); caught-up ones rejoin while there is room."""
         park = []
         for tracked in self._active.values():
             if tracked.paused and not tracked.parked and tracked.phase is not Phase.RELEASING:
                 tracked.parked, tracked.parked_steps = True, 0
                 park.append(tracked.request_id)
+        cap = self.bulk_cap()
+        if cap is not None:
+            running = [t for t in self._active.values() if t.bulk and not t.parked and t.phase is not Phase.RELEASING]
+            for tracked in running[cap:]:
+                if tracked.phase is Phase.DECODING:
+                    tracked.parked, tracked.held, tracked.parked_steps = True, True, 0
+                    park.append(tracked.request_id)
+        rejoining = {id(t) for t in self._held_rejoining()}
         unpark, slots = [], self._num_slots_used()
         for tracked in self._active.values():
             if slots >= self.max_batch_size:
                 break
-            if tracked.parked and not tracked.paused:
-                tracked.parked, tracked.parked_steps = False, 0
+            if tracked.parked and not tracked.paused and (not tracked.held or id(tracked) in rejoining):
+                tracked.parked, tracked.held, tracked.parked_steps = False, False, 0
                 unpark.append(tracked.request_id)
                 slots += 1
         return park, unpark
@@ -366,17 +250,25 @@ class SchedulePolicy:
         return due
 
     def _plan_prefill(self, budget: int, now: float) -> list[PrefillWork]:
-        prefilling = [t for t in self._active.values() if t.phase is Phase.PREFILLING]
+        # Bulk prefill waits its turn while interactive requests are live (it does not age), and
+        # then takes one chunk a step.
+        bulk_waits = now < self._bulk_ready_at and self.bulk_cap() is not None
+        prefilling = [t for t in self._active.values() if t.phase is Phase.PREFILLING and not (t.bulk and bulk_waits)]
         # Requests skipped max_skips times go first, the longest-starved first.
         prefilling.sort(key=self._prefill_order)
         work: list[PrefillWork] = []
+        self._bulk_prefilled = False
+        bulk_yields = self.bulk_cap() is not None
         for tracked in prefilling:
+            if tracked.bulk and bulk_yields and self._bulk_prefilled:
+                continue  # beside interactive requests, one bulk chunk a step (a short stall)
             if tracked.encoding:  # a unit of its vision tower, costed as a chunk
                 if self.chunk_size > budget and work:
                     tracked.num_skips += 1
                     continue
                 budget -= self.chunk_size
                 tracked.num_skips = 0
+                self._bulk_prefilled |= tracked.bulk
                 tracked.open_encode = now
                 tracked.stamp("prefill_started", now)
                 work.append(PrefillWork(request_id=tracked.request_id, num_tokens=self.chunk_size, encode=True))
@@ -390,6 +282,7 @@ class SchedulePolicy:
                 continue
             budget -= chunk
             tracked.num_skips = 0
+            self._bulk_prefilled |= tracked.bulk
             tracked.open_chunk = (now, chunk, tracked.num_prefilled)
             tracked.num_prefilled += chunk
             tracked.stamp("prefill_started", now)
@@ -426,6 +319,11 @@ class SchedulePolicy:
     def apply(self, outcome: StepOutcome, now: float) -> list[Ended]:
         """Record what a step did; returns the requests that ended in it."""
         ended = []
+        if self._bulk_prefilled and self.bulk_cap() is not None:
+            # The step prefilled for bulk work beside interactive requests: bulk prefill waits
+            # until the others have had (1 - share) of the time (the whole step charged to it).
+            self._bulk_ready_at = now + outcome.step_s * (1 - self.bulk_share) / self.bulk_share
+        self._bulk_prefilled = False
         for tracked in self._active.values():
             tracked.parked_steps += tracked.parked
             tracked.close_chunk(now)
@@ -460,7 +358,8 @@ class SchedulePolicy:
             "waiting": len(self._waiting) + len(self._to_admit),
             "prefilling": phases.count(Phase.PREFILLING),
             "decoding": phases.count(Phase.DECODING) + phases.count(Phase.DENOISING) + phases.count(Phase.RELEASING),
-            "paused": sum(t.parked for t in self._active.values()),
+            "paused": sum(t.parked and not t.held for t in self._active.values()),
+            "held": sum(t.held for t in self._active.values()),
         }
 
     def fail_all(self, error: str, code: str = "internal") -> list[Ended]:

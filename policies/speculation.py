@@ -12,7 +12,7 @@ row keeps a prefix and gets one more token from the target. This module decides:
   for its drafts and for its check) and keeps each token with probability alpha; 0 pauses
   drafting for a while, after which the row probes again;
 - `SpeculationGate`: whether a batch of n rows speculates at all (a big batch's verify forward
-  costs more than it saves on this machine: the crossover is measured, see BENCHMARKS.md);
+  costs more than it saves on this machine: the crossover is measured, see docs/benchmarks/log.md);
 - `LookupSource`: prompt-lookup drafts (the continuation of the nearest earlier occurrence of
   the context's last n tokens).
 """
@@ -39,7 +39,7 @@ DECAY = 0.8
 PRIOR_KEPT, PRIOR_REJECTED = 1.2, 0.8
 # The batch size above which speculation costs more than it saves on this machine's CPU
 # backend: with the gate lifted, bench-spec gave 1.47x at 2 streams, 1.36x at 4, 1.23x at 8,
-# 0.97x at 16 (`mlxrt bench --speculative`, BENCHMARKS.md); `speculative.max_batch` overrides it.
+# 0.97x at 16 (`mlxrt bench --speculative`, docs/benchmarks/log.md); `speculative.max_batch` overrides it.
 MEASURED_MAX_BATCH = 8
 # Lookup proposals: candidates kept per anchor.
 LOOKUP_CANDIDATES = 8

@@ -100,6 +100,11 @@ class GenerateRequest(Record, frozen=True):
     prompt_logprobs: int | None = None
     request_id: str | None = None
     priority: int = 0
+    # Background work (several choices or prompts of one call, scoring, batch jobs): while an
+    # interactive request is live, bulk ones hold few batch slots and their prefill gets at most
+    # `scheduler.bulk_share` of the engine's time, so interactive streams keep their pace.
+    # A request scoring its prompt (`prompt_logprobs`) is bulk whatever this says.
+    bulk: bool = False
     # Emit `PrefillProgress` events while the prompt is being processed (and, for a diffusion
     # model, a `DenoiseProgress` event per denoising step).
     report_progress: bool = False

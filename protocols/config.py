@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from protocols.redaction import redact_key
+
 Positive = Annotated[int, msgspec.Meta(ge=1)]
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
@@ -52,6 +54,16 @@ class SchedulerConfig(Section, frozen=True):
     # another model on it (a model pool's) is working: after a step, its scheduler waits so
     # that the other model's decode keeps its pace. 1: no limit. Alone on the thread, none.
     denoise_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.25
+    # Bulk requests (`GenerateRequest.bulk`: the choices of an `n` > 1 call, a list of prompts,
+    # prompt scoring) and embedding forwards take at most this share of the engine while an
+    # interactive request is live: they hold at most share / (1 - share) of the interactive
+    # decode rows' slots (at least one), and their prefill chunks wait after each one until
+    # the others have had the rest. Alone, they run at full speed. 1: no distinction.
+    bulk_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.2
+    # Rendering, tokenizing or decoding more than this (bytes of text, 4 per token id) for one
+    # request runs in a worker process at low CPU priority (`runtime.offload`), so that it takes
+    # only the cores the engine leaves idle; smaller jobs run in a thread. 0: always a thread.
+    bulk_tokenize_bytes: NonNegative = 65536
     # While only decode rows run and steps take less than this, the scheduler queues the next
     # decode step before it handles the last one's tokens, so the device never waits on the
     # event loop between steps (the round trip is a share of a short step); a request arriving
@@ -136,6 +148,9 @@ class LimitsConfig(Section, frozen=True):
     max_images: Positive = 8
     max_image_bytes: Positive = 10 * 1024 * 1024
     max_image_pixels: Positive = 25_000_000
+    # Decoded pixels of all of one request's images together (from their headers, before any is
+    # decoded): 50M RGB pixels are ~150 MB decoded, at most one request's at once per render.
+    max_request_pixels: Positive = 50_000_000
     # Denoising steps per canvas (or block) a diffusion model's request may ask for
     # (`denoising.max_steps`): each step is a forward over the whole canvas.
     max_denoise_steps: Positive = 1024
@@ -145,6 +160,9 @@ class LimitsConfig(Section, frozen=True):
     # JSON bytes of the stored conversation a `previous_response_id` continues, checked before it
     # is decoded: 16 MiB is ~4M tokens of text, past any served context (1M tokens: ~4 MiB).
     max_response_history_bytes: Positive = 16 * 1024 * 1024
+    # With several API keys: the share of the Responses store (`server.responses_store_max` and
+    # `_bytes`) one key's responses may hold; past it a key's own oldest go first, not others'.
+    max_response_store_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
     # HTTP: choices one completion or chat request asks for (prompts x n), each a request of its own.
     max_choices: Positive = 64
     # HTTP: prompt tokens scored for prompt logprobs (echo with logprobs, prompt_logprobs) in one
@@ -236,6 +254,12 @@ class ServerConfig(Section, frozen=True):
     responses_store_max: NonNegative = 256
     responses_store_bytes: NonNegative = 64 * 1024 * 1024
 
+    def __repr__(self) -> str:
+        # A config printed (a log line, a traceback) never shows its API keys.
+        fields = {name: getattr(self, name) for name in self.__struct_fields__}
+        fields |= {"api_key": redact_key(self.api_key), "api_keys": [redact_key(key) for key in self.api_keys]}
+        return f"ServerConfig({', '.join(f'{name}={value!r}' for name, value in fields.items())})"
+
 
 class TracingConfig(Section, frozen=True):
     # Append one JSON line per span (queue, prefill chunk, decode, fast-forward, checkpoint
@@ -264,7 +288,7 @@ class SpeculativeConfig(Section, frozen=True):
     # further than a draft model's; each request adapts below it).
     lookup_max_draft_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 8
     # Batches of more rows than this do not speculate (a verify forward then costs more than
-    # it saves); 0 = the crossover measured on this machine (see BENCHMARKS.md).
+    # it saves); 0 = the crossover measured on this machine (see docs/benchmarks/log.md).
     max_batch: NonNegative = 0
 
 

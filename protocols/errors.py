@@ -76,10 +76,27 @@ ERROR_KINDS: dict[str, ErrorKind] = {
 }
 
 
+def rebuild_error(cls: type[Exception], args: tuple, attributes: dict) -> Exception:
+    """An error as `reduce_error` took it apart (its class's own `__init__` not called again)."""
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(attributes)
+    return error
+
+
+def reduce_error(error: Exception) -> tuple:
+    """How an error with keyword or extra `__init__` arguments pickles (across to or from a
+    worker process): its class, message and attributes as they are."""
+    return rebuild_error, (type(error), error.args, dict(error.__dict__))
+
+
 class MlxrtError(Exception):
     """Base of every error the runtime raises on purpose."""
 
     code: ErrorCode = "internal"
+
+    def __reduce__(self) -> tuple:
+        return reduce_error(self)
 
 
 class ConfigError(MlxrtError, ValueError):
@@ -108,6 +125,16 @@ class RequestTooLargeError(InvalidRequestError):
     """The request can never fit (context length, prompt size or KV budget)."""
 
     code: ErrorCode = "too_large"
+
+
+class ContextLengthError(RequestTooLargeError):
+    """The prompt leaves no room in the model's context: its tokens and the context, for the
+    HTTP APIs' own messages ("prompt is too long: N tokens > M maximum", context_length_exceeded)."""
+
+    def __init__(self, message: str, *, num_tokens: int, max_context: int, field: str | None = "prompt"):
+        super().__init__(message, field=field)
+        self.num_tokens = num_tokens
+        self.max_context = max_context
 
 
 class DuplicateRequestError(InvalidRequestError):

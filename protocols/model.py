@@ -232,6 +232,10 @@ class StepPlan(Record, frozen=True):
     forget_checkpoints: list[str] = msgspec.field(default_factory=list)
     # Denoising requests (diffusion models) that run one denoising step each.
     denoise: list[str] = msgspec.field(default_factory=list)
+    # Every live request is bulk work (`GenerateRequest.bulk`): embedding forwards need not yield
+    # to this step's (after any other step they keep to `scheduler.bulk_share` of the thread for
+    # a while). The engine ignores this.
+    bulk_only: bool = False
 
 
 class RowOutput(Record, frozen=True):

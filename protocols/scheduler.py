@@ -20,6 +20,8 @@ class AddRequest(Message, frozen=True):
     request: GenerateRequest
     priority: int = 0
     report_progress: bool = False
+    # Background work (`GenerateRequest.bulk`, or scoring): see `SchedulePolicy`.
+    bulk: bool = False
     # Tokens between checkpoints; 0 = none.
     checkpoint_every: int = 0
 
@@ -67,6 +69,8 @@ class SchedulerStats(Record, frozen=True):
     num_finished: int
     # Admitted requests whose callers are not reading (decoding stopped, KV kept).
     paused: int = 0
+    # Bulk requests out of the batch (KV kept) while interactive ones are live (`scheduler.bulk_share`).
+    held: int = 0
     # Speculative decoding of the requests that speculated and ended.
     spec: SpecTotals = msgspec.field(default_factory=SpecTotals)
 

@@ -7,7 +7,7 @@ events are the embedding API's own types (`protocols.api`). See README.md here.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -19,13 +19,15 @@ from protocols.metrics import MetricsSnapshot
 from protocols.model import WorldStats
 from protocols.scheduler import SchedulerStats
 from protocols.stats import Stats
+from protocols.wire_v1 import v1_shape
 
 # The versions this server speaks, oldest first: a connection's `Hello` picks one, and every
 # server message on it takes that version's shape (`for_version`). README.md "Versions".
 # `Hello` and `Error` keep one shape in every version, and the client messages are the same in both
 # (`AdapterCommand` came in version 1).
 # 1: the first version.
-# 2: `Stats` is the runtime's own struct (`protocols.stats`), with `adapters`.
+# 2: `Stats` is the runtime's own struct (`protocols.stats`), with `adapters`. Fields added
+# since are optional and sent to version 2 (clients ignore fields they do not know), never to 1.
 SUPPORTED_PROTOCOL_VERSIONS: tuple[int, ...] = (1, 2)
 # The newest, which `net.client` speaks.
 PROTOCOL_VERSION = SUPPORTED_PROTOCOL_VERSIONS[-1]
@@ -138,10 +140,13 @@ class StatsV1(Message, frozen=True, tag="Stats"):
     world: WorldStats | None = None
 
 
-def for_version(message: msgspec.Struct, version: int) -> msgspec.Struct:
-    """`message` in the shape a client of protocol `version` decodes (the newest: unchanged)."""
-    if version < 2 and isinstance(message, Stats):
-        return StatsV1(
+def for_version(message: msgspec.Struct, version: int) -> msgspec.Struct | dict[str, Any]:
+    """`message` in the shape a client of protocol `version` decodes (the newest: unchanged;
+    version 1: its own `Stats`, and only the fields each struct had then, `wire_v1`)."""
+    if version >= 2:
+        return message
+    if isinstance(message, Stats):
+        message = StatsV1(
             scheduler=message.scheduler,
             kv=message.kv,
             live_requests=message.live_requests,
@@ -150,4 +155,4 @@ def for_version(message: msgspec.Struct, version: int) -> msgspec.Struct:
             models=message.models,
             world=message.world,
         )
-    return message
+    return v1_shape(message)

@@ -26,15 +26,15 @@ import anyio.to_thread
 import msgspec
 import structlog
 
+from policies import features
 from policies import fill_plan as fill
 from policies import images as image_prompts
 from policies import validation as requests
 from policies.adapters import AdapterRegistry
 from policies.layout import checkpoint_format
-from policies.speculation import plan_speculation
-from protocols.api import DenoisingOptions, FillStats, GenerateRequest, SpecStats
+from protocols.api import FillStats, GenerateRequest, SpecStats
 from protocols.model import AdmitRequest, GrammarSpec, ModelInfo, ResumeState, VisionPrompt
-from runtime import checkpoints, remote_images
+from runtime import checkpoints, offload, remote_images
 from runtime.config import RuntimeConfig
 from runtime.errors import (
     AdapterNotFoundError,
@@ -46,7 +46,13 @@ from runtime.errors import (
     ModelNotFoundError,
     ServerBusyError,
 )
-from runtime.grammar import GrammarCache, grammar_spec
+from runtime.grammar import GrammarCache, grammar_spec, model_tool_markers
+
+
+def render_prompt(tokenizer: Any, request: GenerateRequest, max_bytes: int) -> list[int]:
+    """(A worker thread or process: `runtime.offload`) the prompt's ids."""
+    return requests.render_prompt(request, tokenizer, max_bytes)
+
 
 log = structlog.get_logger(actor="admission")
 
@@ -86,7 +92,7 @@ class Admission:
         self._checkpoints_unavailable = checkpoints_unavailable
         self._seeds = random.Random(config.generation.seed)
         self._eos_ids = list(info.eos_token_ids)
-        self._tool_markers = (tokenizer.tool_call_start, tokenizer.tool_call_end) if getattr(tokenizer, "has_tool_calling", False) else None
+        self._tool_markers = model_tool_markers(tokenizer)
         self._max_prompt_bytes = requests.max_prompt_bytes(info, config.limits)
         self._max_checkpoint_bytes = checkpoints.max_file_bytes(info.max_context, info.layers)
         # Requests being prepared at once (tokenizing, compiling): beyond this, busy.
@@ -138,8 +144,9 @@ class Admission:
         """The prompt's ids (rendered and tokenized in a worker thread); an image prompt's also
         through the model's processor, with what the vision tower reads."""
         if not image_prompts.has_images(request.messages):
-            render = functools.partial(requests.render_prompt, request, self._tokenizer, self._max_prompt_bytes)
-            return await anyio.to_thread.run_sync(render), None
+            size = offload.text_size(request.prompt, request.messages, request.tools)
+            min_size = self._config.scheduler.bulk_tokenize_bytes
+            return await offload.run(self._tokenizer, render_prompt, request, self._max_prompt_bytes, size=size, min_size=min_size), None
         if request.truncate_prompt_tokens:
             raise InvalidRequestError("truncate_prompt_tokens cannot cut an image prompt", field="truncate_prompt_tokens")
         assert request.messages is not None
@@ -194,35 +201,17 @@ class Admission:
             adapter=request.adapter,
             adapter_digest=self._adapter_digest(request.adapter),
             vision=vision,
-            denoise=self._denoising(request),
+            denoise=features.denoising_options(request, info),
         )
         return await self._with_features(Prepared(admit=admit, request=request, checkpoint_every=checkpoint_every), grammar, fill_mode)
-
-    def _denoising(self, request: GenerateRequest) -> DenoisingOptions | None:
-        """A diffusion model's request: its options, the canvas bounded by the model's."""
-        canvas = self._info.canvas_length
-        if not self._info.denoising:
-            return None
-        options = request.denoising or DenoisingOptions()
-        if self._info.denoises_blocks and options.min_canvas_length:
-            raise InvalidRequestError(
-                f"a block-diffusion model ({self._info.model_type}) unmasks blocks at fixed positions: min_canvas_length does not apply",
-                field="denoising.min_canvas_length",
-            )
-        return msgspec.structs.replace(options, canvas_length=min(options.canvas_length or canvas, canvas))
 
     async def _with_features(self, prepared: Prepared, grammar: GrammarSpec | None, fill_mode: str) -> Prepared:
         """Add the grammar (compiled and pinned: bad grammars are refused before any compute),
         jump-forward, the fast-forwarding plan and the bad words' token ids; the grammar is
         released if this fails."""
-        request, admit = prepared.request, prepared.admit
-        spec_plan, spec_stats = plan_speculation(request, self._config.speculative, has_draft=bool(self._config.speculative.draft))
-        if admit.denoise is not None:
-            spec_plan, spec_stats = None, None  # (nothing to speculate: a canvas is denoised whole)
-            if grammar is not None:
-                raise InvalidRequestError("structured output does not apply to a diffusion language model's denoising", field="tools")
-        if spec_plan is not None and spec_stats is not None and self._config.distributed.backend:
-            spec_plan, spec_stats = None, msgspec.structs.replace(spec_stats, refused="a distributed world does not speculate")
+        request, admit, config = prepared.request, prepared.admit, self._config
+        distributed = bool(config.distributed.backend)
+        spec_plan, spec_stats = features.speculation(request, config.speculative, denoising=admit.denoise is not None, grammar=grammar, distributed=distributed)
         if grammar is not None:
             await self._grammars.acquire(grammar)
         words = request.sampling.bad_words
@@ -234,16 +223,9 @@ class Admission:
             if grammar is not None:
                 self._grammars.release(grammar)
             raise
-        jump_forward = self._jump_forward(request, grammar, fill_plan)
+        jump_forward = features.jump_forward(request, grammar, fill_plan, config.generation.jump_forward)
         admit = msgspec.structs.replace(admit, grammar=grammar, jump_forward=jump_forward, fill=fill_plan, spec=spec_plan, bad_words_ids=bad_words_ids)
         return Prepared(admit=admit, request=request, checkpoint_every=prepared.checkpoint_every, fill_stats=fill_stats, spec_stats=spec_stats, grammar=grammar)
-
-    def _jump_forward(self, request: GenerateRequest, grammar: GrammarSpec | None, fill_plan) -> bool:
-        # Strict fast-forward rows, where a forced tool call has some, take jump-forward's place.
-        # Forced tokens are not sampled: no jump-forward under logprobs or logits controls.
-        if grammar is None or (fill_plan and fill_plan.rows) or request.logprobs or request.top_logprobs or request.sampling.has_logit_controls:
-            return False
-        return request.jump_forward if request.jump_forward is not None else self._config.generation.jump_forward
 
     async def _fill_plan(self, request: GenerateRequest, mode: str, grammar: GrammarSpec | None, prompt_ids: list[int], stop_ids: list[int]):
         """The request's fast-forwarding plan and initial stats; (None, None) when it is off."""

@@ -9,7 +9,7 @@ OpenBLAS's worker threads spin after every call for 2^28 cycles (~0.1 s) before 
 on the cores MLX's own stream threads need between matrix products (the engine's second CPU
 lane, `engine.lanes`, found its core taken). Unless the environment says otherwise, they spin
 2^`THREAD_TIMEOUT` cycles: measured on `builtin:bench`, 16 rows' decode steps on two lanes
-1.11x faster, paged 1.57x, a lone row's unchanged (BENCHMARKS.md).
+1.11x faster, paged 1.57x, a lone row's unchanged (docs/benchmarks/log.md).
 """
 
 from __future__ import annotations

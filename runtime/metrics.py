@@ -184,6 +184,7 @@ class _StatsCollector:
         yield gauge("num_requests_running", "Requests prefilling or decoding.", scheduler.prefilling + scheduler.decoding)
         yield gauge("num_requests_waiting", "Requests waiting for admission.", scheduler.waiting)
         yield gauge("num_requests_paused", "Admitted requests whose callers are not reading (KV kept, no batch slot).", scheduler.paused)
+        yield gauge("num_requests_held", "Bulk requests out of the batch (KV kept) while interactive ones are live.", scheduler.held)
         if kv.budget_bytes:
             usage = (kv.reserved_bytes + kv.prefix_bytes) / kv.budget_bytes
             yield gauge("kv_cache_usage_perc", "Fraction of kv.budget_bytes reserved by requests and prefix entries.", usage)

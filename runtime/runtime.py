@@ -9,9 +9,11 @@ actor, and streams that session's events; leaving the stream early cancels it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import anyio
 import structlog
@@ -27,16 +29,17 @@ from policies.detokenize import make_detokenizer
 from policies.embeddings import embedding_ids, embedding_options
 from policies.layout import checkpoint_format
 from policies.ledger import KvLedger
-from policies.output_parser import OutputParser
+from policies.output_parser import OutputParser, StreamParser
 from policies.scheduling import SchedulePolicy
+from policies.tool_formats import make_parser, prompt_opens_reasoning, tokenizer_format
 from policies.validation import check_request_id
 from protocols.api import AdapterInfo, Event, GenerateRequest, new_request_id
-from protocols.config import Pooling
+from protocols.config import EmbeddingsConfig, LimitsConfig, Pooling
 from protocols.kv import DrainFiles, GetKvStats
 from protocols.model import AdapterCall, Embed, ModelInbox, ModelInfo
 from protocols.scheduler import GetSchedulerStats
 from protocols.stats import Stats
-from runtime import blas, env, kv_files
+from runtime import blas, env, kv_files, offload
 from runtime.admission import Admission, Prepared, checkpoint_directory_problem
 from runtime.checkpoints import CheckpointStore
 from runtime.config import RuntimeConfig
@@ -65,6 +68,11 @@ SHUTDOWN_GRACE_S = 2.0
 EMBED_CALLS = 2
 
 
+def tokenize_inputs(tokenizer: Any, inputs: Any, info: ModelInfo, settings: EmbeddingsConfig, limits: LimitsConfig) -> list[list[int]]:
+    """(A worker thread or process: `runtime.offload`) each embedding input's token ids."""
+    return embedding_ids(inputs, tokenizer, info, settings, limits)
+
+
 class Runtime:
     """A model served to many concurrent callers. Create with `Runtime.open`."""
 
@@ -89,6 +97,8 @@ class Runtime:
         self._tokenizer = ready.tokenizer
         tokenizer = ready.tokenizer
         self._tool_markers = (tokenizer.tool_call_start, tokenizer.tool_call_end) if getattr(tokenizer, "has_tool_calling", False) else None
+        # The family whose tool-call and reasoning markup the chat template names (None: mlx-lm's parser).
+        self._tool_format = tokenizer_format(tokenizer)
         self._admission = admission
         self._scheduler = scheduler
         self._kv = kv
@@ -222,7 +232,10 @@ class Runtime:
             raise ServerBusyError("too many embedding calls are waiting; retry later")
         self._embed_waiting += 1
         try:
-            ids = await anyio.to_thread.run_sync(embedding_ids, inputs, self._tokenizer, self.model_info, settings, self.config.limits)
+            listed = inputs if isinstance(inputs, list) else []
+            size = offload.text_size(*(i for i in listed if isinstance(i, str))) + 4 * sum(len(i) for i in listed if isinstance(i, list))
+            work = (inputs, self.model_info, settings, self.config.limits)
+            ids = await offload.run(self._tokenizer, tokenize_inputs, *work, size=size, min_size=self.config.scheduler.bulk_tokenize_bytes)
             async with self._embed_calls:
                 self._check_open()
                 fields = {"inputs": ids, "pooling": options[0], "normalize": options[1], "batch_tokens": settings.batch_tokens}
@@ -341,7 +354,8 @@ class Runtime:
             stop=list(request.stop),
             scheduler=self._scheduler.inbox,
             events=events,
-            parser=self._output_parser(request),
+            # A grammar writes the output from its first token, never inside a reasoning block the prompt opened.
+            parser=self._output_parser(request, admit.prompt_ids if admit.grammar is None else ()),
             fill=prepared.fill_stats,
             spec=prepared.spec_stats,
             max_pause_s=self.config.scheduler.max_pause_s,
@@ -350,15 +364,28 @@ class Runtime:
             report_progress=request.report_progress,
         )
 
-    def _output_parser(self, request: GenerateRequest) -> OutputParser | None:
-        """Reasoning split when the model has think markers; tool calls when the request has tools."""
-        tokenizer = self._tokenizer
+    def _output_parser(self, request: GenerateRequest, prompt_ids: Sequence[int] = ()) -> StreamParser | None:
+        """Reasoning split when the model has think markers; tool calls when the request has tools;
+        both in the model family's own format when its template names one (policies/tool_formats.py)."""
+        tokenizer, fmt = self._tokenizer, self._tool_format
         think = (tokenizer.think_start, tokenizer.think_end) if getattr(tokenizer, "has_thinking", False) else None
-        tools = self._tool_markers if request.tools and request.tool_choice != "none" else None
+        calls = bool(request.tools) and request.tool_choice != "none"
+        if fmt is not None and (fmt.family != "hermes" or self._tool_markers is None):
+            fmt = fmt if fmt.think or think is None else replace(fmt, think=think)
+            return make_parser(fmt, tools=request.tools if calls else None, in_reasoning=self._prompt_opens(prompt_ids, fmt.think))
+        opens = self._prompt_opens(prompt_ids, think)
+        tools = self._tool_markers if calls else None
         if think is None and tools is None:
             return None
         parser = tokenizer.tool_parser if tools is not None else None
-        return OutputParser(think=think, tool_markers=tools, parse_call=(lambda body: parser(body, request.tools)) if parser else None)
+        return OutputParser(think=think, tool_markers=tools, parse_call=(lambda body: parser(body, request.tools)) if parser else None, in_think=opens)
+
+    def _prompt_opens(self, prompt_ids: Sequence[int], think: tuple[str, str] | None) -> bool:
+        """Whether the prompt leaves a reasoning block open (a template that ends its generation
+        prompt with the think marker), so the output starts inside it."""
+        if think is None or not prompt_ids:
+            return False
+        return prompt_opens_reasoning(self._tokenizer.decode(list(prompt_ids[-16:])), think)
 
     async def shutdown(self) -> None:
         """Refuse new requests, cancel live ones and give their callers a moment to hear it.
@@ -404,6 +431,7 @@ async def _start_model(config: RuntimeConfig, thread: MlxThread, tg) -> tuple[Mo
         distributed=config.distributed,
         world_secret=env.world_secret(),
         denoise_share=config.scheduler.denoise_share,
+        bulk_share=config.scheduler.bulk_share,
     )
     try:
         ready: ModelReady = await tg.start(model.run)
@@ -443,6 +471,7 @@ async def _start_scheduler(config: RuntimeConfig, model: ModelActor, kv: Mailbox
         chunk_size=s.prefill_chunk_size,
         token_budget=config.step_token_budget,
         adapter_slots=AdapterSlots(config.lora.max_resident, adapters),
+        bulk_share=s.bulk_share,
     )
     capacity = s.max_queued_requests + 2 * s.max_batch_size + 16
     scheduler = SchedulerActor(policy, model=model.inbox, kv=kv, capacity=capacity, start_step=model.start_step, run_ahead_below_s=s.run_ahead_below_s)

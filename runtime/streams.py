@@ -20,6 +20,7 @@ import structlog
 
 from actors.mailbox import EventChannel, Mailbox
 from actors.session import SessionActor
+from policies import features
 from protocols.api import Event, Finished
 from protocols.errors import DuplicateRequestError, RuntimeClosedError, ServerBusyError, error_for
 from protocols.scheduler import AddRequest, CancelRequest
@@ -84,6 +85,7 @@ class Requests:
             request=request,
             priority=request.priority,
             report_progress=request.report_progress,
+            bulk=features.is_bulk(request),
             checkpoint_every=prepared.checkpoint_every,
         )
         try:

@@ -45,6 +45,7 @@ from net.http import responses_api_types as ra
 from net.http import tokens
 from net.http.anthropic import MessagesOutput, check_sizes, count_request, messages_request
 from net.http.choices import Choices, Merged
+from net.http.forced_tools import with_header_tool_choice
 from net.http.mapping import (
     ChatOutput,
     CompletionOutput,
@@ -64,13 +65,14 @@ from net.http.mapping import (
     prompt_list,
 )
 from net.http.middleware import Authorization, BrowserGuard, RequestLimit, ResponseCounter, request_owner
-from net.http.response_store import ResponseStore
+from net.http.response_store import server_store
 from net.http.responses import JSON, error_body_for, error_response, json_response
 from net.http.responses_api import ResponsesOutput, responses_request
 from protocols.api import Event, GenerateRequest, SamplingParams
-from protocols.config import ServerConfig
+from protocols.config import LimitsConfig, ServerConfig
 from protocols.errors import InternalError, MlxrtError
 from protocols.model import ModelInfo
+from runtime import offload
 from runtime.metrics import CONTENT_TYPE, PREFIX
 from runtime.serving import Serving
 
@@ -79,12 +81,14 @@ log = structlog.get_logger(actor="http")
 T = TypeVar("T")
 # nginx's "client closed request": logged and counted, never received.
 CLIENT_LEFT = 499
+# A key's share of the Responses store unless the server's limits say otherwise.
+DEFAULT_STORE_SHARE = LimitsConfig().max_response_store_share
 
 
 class Api:
     """The endpoints, and what they serve: the runtime once attached, the server's settings."""
 
-    def __init__(self, config: ServerConfig, model_name: str, allowed_hosts: frozenset[str] | None = None):
+    def __init__(self, config: ServerConfig, model_name: str, allowed_hosts: frozenset[str] | None = None, store_share: float = DEFAULT_STORE_SHARE):
         self.config = config
         self.model_name = model_name
         # Host names requests may address (None: any; see `middleware.BrowserGuard`).
@@ -95,7 +99,7 @@ class Api:
         self._fingerprint = ""
         self._created = 0
         # Responses kept for `previous_response_id` and GET/DELETE /v1/responses/{id}.
-        self.stored_responses = ResponseStore(config.responses_store_max, config.responses_store_bytes)
+        self.stored_responses = server_store(config, store_share)
         self.registry = CollectorRegistry(auto_describe=True)
         self.responses = Counter(f"{PREFIX}http_responses", "HTTP responses by route and status.", ["model_name", "route", "status"], registry=self.registry)
         entries = Gauge(f"{PREFIX}responses_store_entries", "Responses kept (server.responses_store_max).", ["model_name"], registry=self.registry)
@@ -216,7 +220,7 @@ class Api:
         body = decode_body(await self._read_body(request), at.MessagesRequest)
         model, adapter = self._check_model(body.model)
         check_sizes(body, runtime.config.limits)
-        generate = msgspec.structs.replace(messages_request(body), model=model, adapter=adapter)
+        generate = with_header_tool_choice(msgspec.structs.replace(messages_request(body), model=model, adapter=adapter), request.headers)
         input_tokens = len(await runtime.prompt_token_ids(generate)) if body.stream else 0
         message_id = f"msg_{(generate.request_id or '').removeprefix('req-')}"
         output = MessagesOutput(message_id, body.model, stream=body.stream, input_tokens=input_tokens)
@@ -242,7 +246,7 @@ class Api:
         check_messages(len(items), parts, runtime.config.limits, "input")
         owner = request_owner(request.scope)
         turn = responses_request(body, self.stored_responses, owner=owner, limits=runtime.config.limits)
-        generate = msgspec.structs.replace(turn.generate, model=model, adapter=adapter)
+        generate = with_header_tool_choice(msgspec.structs.replace(turn.generate, model=model, adapter=adapter), request.headers)
         store = self.stored_responses if body.store else None
         output = ResponsesOutput(body, stream=body.stream, store=store, history=turn.history, owner=owner, depth=turn.depth)
         return await self._respond(request, runtime, generate, output, endpoint="responses")
@@ -286,15 +290,18 @@ class Api:
             # Images: the prompt a chat request would run (each image expanded to its tokens).
             ids = await self._ready().prompt_token_ids(msgspec.structs.replace(generate, model=model))
             return json_response(tokens.token_response(tokenizer, ids, body, info.max_context, self._texts(model)))
-        max_bytes, text = limits.max_tokenize_bytes, self._texts(model)
-        answer = await anyio.to_thread.run_sync(lambda: tokens.tokenize(tokenizer, body, max_bytes, info.max_context, text))
+        size, min_size = offload.text_size(body.prompt, body.messages, body.tools), self._ready().config.scheduler.bulk_tokenize_bytes
+        # (A worker process decodes the token texts itself; the cache of them is this process's.)
+        text = self._texts(model) if not min_size or size < min_size else None
+        answer = await offload.run(tokenizer, tokens.tokenize, body, limits.max_tokenize_bytes, info.max_context, text, size=size, min_size=min_size)
         return json_response(answer)
 
     async def detokenize(self, request: Request) -> Response:
         body = decode_body(await self._read_body(request), tokens.DetokenizeRequest)
         tokens.check_sizes(body, self._ready().config.limits)
         tokenizer, info = self._tokenizer(body.model)
-        return json_response(await anyio.to_thread.run_sync(lambda: tokens.detokenize(tokenizer, body, info.vocab_size)))
+        min_size = self._ready().config.scheduler.bulk_tokenize_bytes
+        return json_response(await offload.run(tokenizer, tokens.detokenize, body, info.vocab_size, size=4 * len(body.tokens), min_size=min_size))
 
     async def tokenizer_info(self, request: Request) -> Response:
         tokenizer, info = self._tokenizer(request.query_params.get("model"))

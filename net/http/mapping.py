@@ -23,7 +23,7 @@ import msgspec
 from net.http import openai_types as oa
 from protocols.api import Event, Finished, GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, ToolCall, ToolCallDelta, new_request_id
 from protocols.config import LimitsConfig
-from protocols.errors import ERROR_KINDS, ErrorCode, MlxrtError, error_code
+from protocols.errors import ERROR_KINDS, ContextLengthError, ErrorCode, MlxrtError, error_code, reduce_error
 
 T = TypeVar("T")
 
@@ -36,6 +36,19 @@ class HttpError(Exception):
         self.code: ErrorCode = code
         self.param = param
 
+    def __reduce__(self) -> tuple:
+        return reduce_error(self)
+
+
+class ContextLengthExceeded(HttpError):
+    """A prompt with no room in the model's context, with its figures: each API words it its
+    own way (OpenAI's code `context_length_exceeded`, Anthropic's "prompt is too long")."""
+
+    def __init__(self, message: str, param: str | None, *, num_tokens: int, max_context: int):
+        super().__init__("too_large", message, param)
+        self.num_tokens = num_tokens
+        self.max_context = max_context
+
 
 def error_of(exc: BaseException, *, endpoint: str = "chat") -> HttpError:
     """The HTTP answer for a runtime error: its code, message and the OpenAI param at fault."""
@@ -43,6 +56,8 @@ def error_of(exc: BaseException, *, endpoint: str = "chat") -> HttpError:
         return exc
     field = getattr(exc, "field", None) if isinstance(exc, MlxrtError) else None
     message = str(exc) if isinstance(exc, MlxrtError) else "internal error; the server log has the details"
+    if isinstance(exc, ContextLengthError):
+        return ContextLengthExceeded(message, param_of(field, endpoint), num_tokens=exc.num_tokens, max_context=exc.max_context)
     return HttpError(error_code(exc), message, param_of(field, endpoint))
 
 
@@ -67,6 +82,9 @@ def param_of(field: str | None, endpoint: str) -> str | None:
 def openai_error(error: HttpError) -> tuple[oa.ErrorResponse, int]:
     """OpenAI's error JSON for an error, and its HTTP status (`ERROR_KINDS`)."""
     kind = ERROR_KINDS[error.code]
+    if isinstance(error, ContextLengthExceeded):  # (OpenAI's words and code, which clients such as the Codex CLI act on)
+        message = f"This model's maximum context length is {error.max_context} tokens. However, your input resulted in {error.num_tokens} tokens. Please reduce the length of the input."
+        return oa.ErrorResponse(oa.ErrorBody(message=message, type=kind.openai_type, param=error.param, code="context_length_exceeded")), kind.http_status
     return oa.ErrorResponse(oa.ErrorBody(message=str(error), type=kind.openai_type, param=error.param, code=error.code)), kind.http_status
 
 
@@ -310,7 +328,8 @@ def completion_requests(body: oa.CompletionRequest, limits: LimitsConfig = DEFAU
 
 def choices(requests: list[GenerateRequest], n: int, limits: LimitsConfig = DEFAULT_LIMITS) -> list[GenerateRequest]:
     """`n` choices of each request, each a request of its own: ids `<id>-<k>` when there are
-    several; a seeded request's choices take seeds seed, seed + 1, ... (distinct, reproducible)."""
+    several; a seeded request's choices take seeds seed, seed + 1, ... (distinct, reproducible).
+    Several are bulk work (`GenerateRequest.bulk`): they yield to other clients' streams."""
     check_choices(len(requests), n, limits)
     if len(requests) * n == 1:
         return requests
@@ -318,9 +337,8 @@ def choices(requests: list[GenerateRequest], n: int, limits: LimitsConfig = DEFA
     for request in requests:
         for k in range(n):
             seed = request.sampling.seed + k if request.sampling.seed is not None else None
-            out.append(
-                msgspec.structs.replace(request, request_id=f"{request.request_id}-{len(out)}", sampling=msgspec.structs.replace(request.sampling, seed=seed))
-            )
+            sampling = msgspec.structs.replace(request.sampling, seed=seed)
+            out.append(msgspec.structs.replace(request, request_id=f"{request.request_id}-{len(out)}", sampling=sampling, bulk=True))
     return out
 
 

@@ -39,6 +39,14 @@ from protocols.config import LimitsConfig
 
 T = TypeVar("T")
 
+# OpenAI's documented bounds on `metadata` (kept with a stored response and echoed in it).
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+# `user` has no documented length (its successor `safety_identifier` has 128); it is echoed and
+# stored, so it is bounded too.
+MAX_USER_CHARS = 256
+
 _AT = re.compile(r"^(?P<text>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 
 
@@ -72,6 +80,9 @@ def responses_request(body: ra.ResponsesRequest, store: ResponseStore, *, owner:
     """The request the body makes, continuing `owner`'s stored response it names, if any."""
     if body.background:
         raise HttpError("invalid_request", "background responses are not supported: leave `background` false", "background")
+    check_metadata(body.metadata)
+    if body.user is not None and len(body.user) > MAX_USER_CHARS:
+        raise HttpError("invalid_request", f"`user` has {len(body.user)} characters, at most {MAX_USER_CHARS}", "user")
     history, depth = previous_turns(body.previous_response_id, store, owner, limits)
     history += input_messages(body.input)
     system = chat_messages([oa.ChatMessage(role="system", content=body.instructions)]) if body.instructions else []
@@ -104,6 +115,20 @@ def responses_request(body: ra.ResponsesRequest, store: ResponseStore, *, owner:
         acceptance=body.acceptance,
     )
     return Turn(generate, history, depth)
+
+
+def check_metadata(metadata: dict[str, str] | None, param: str = "metadata") -> None:
+    """OpenAI's bounds on `metadata`: at most 16 pairs, keys of at most 64 characters, values of at
+    most 512; a 400 naming `param` otherwise."""
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise HttpError("invalid_request", f"`{param}` has {len(metadata)} pairs, at most {MAX_METADATA_PAIRS}", param)
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise HttpError("invalid_request", f"a `{param}` key of {len(key)} characters ({key[:16]!r}...), at most {MAX_METADATA_KEY_CHARS}", param)
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise HttpError("invalid_request", f"`{param}` value of {key!r} has {len(value)} characters, at most {MAX_METADATA_VALUE_CHARS}", param)
 
 
 def previous_turns(response_id: str | None, store: ResponseStore, owner: str, limits: LimitsConfig) -> tuple[list[dict[str, Any]], int]:
@@ -185,12 +210,16 @@ def _arguments(text: str, where: str) -> dict[str, Any]:
     return value
 
 
-def chat_tools(tools: list[ra.FunctionTool] | None) -> list[dict[str, Any]] | None:
-    """Flat function tools as chat's nested ones (what chat templates take)."""
+def chat_tools(tools: list[ra.Tool] | None) -> list[dict[str, Any]] | None:
+    """Flat function tools as chat's nested ones (what chat templates take): a namespace's
+    functions among them, hosted web search left out (it is not offered to the model)."""
     if tools is None:
         return None
+    functions = [t for tool in tools for t in (tool.tools if isinstance(tool, ra.NamespaceTool) else [tool]) if isinstance(t, ra.FunctionTool)]
+    if tools and not functions:
+        return None  # (only hosted tools: the template is given none)
     out = []
-    for tool in tools:
+    for tool in functions:
         function: dict[str, Any] = {"name": tool.name}
         if tool.description is not None:
             function["description"] = tool.description
@@ -471,8 +500,9 @@ class ResponsesOutput:
 
     def sse_error(self, error: HttpError) -> bytes:
         """The error event, then `response.failed` with the response as it stood."""
-        event = ra.ErrorEvent(sequence_number=self._next(), code=error.code, message=str(error), param=error.param)
-        failed = self._snapshot("failed", error=ra.ResponseError(code=error.code, message=str(error)))
+        body = openai_error(error)[0].error  # (OpenAI's words and code: `context_length_exceeded` for a prompt too long)
+        event = ra.ErrorEvent(sequence_number=self._next(), code=body.code, message=body.message, param=error.param)
+        failed = self._snapshot("failed", error=ra.ResponseError(code=body.code or error.code, message=body.message))
         return self.sse(event) + self.sse(ra.ResponseFailed(sequence_number=self._next(), response=failed))
 
     def error_body(self, error: HttpError) -> tuple[Any, int]:

@@ -63,7 +63,8 @@ class HttpServer:
     def __init__(self, config: RuntimeConfig):
         self.host, self.port = parse_address(config.server.http)
         server = config.server
-        self.api = Api(config.server, config.model_name, allowed_hosts=allowed_hosts(server.http_allowed_hosts, self.host))
+        hosts = allowed_hosts(server.http_allowed_hosts, self.host)
+        self.api = Api(config.server, config.model_name, allowed_hosts=hosts, store_share=config.limits.max_response_store_share)
         self.app = build_app(self.api)
         # Connections are guarded here (deadlines, a cap with idle eviction); requests by the
         # app (`RequestLimit`): uvicorn's own limit counted idle sockets and answered 503 to all.

@@ -1,7 +1,8 @@
 """The tokenizer routes, in vLLM's shapes (lm-eval's `RemoteTokenizer` and load generators use them):
 `POST /tokenize` (a prompt, or messages rendered as generation renders them), `POST /detokenize`
-and `GET /tokenizer_info`. Tokenizing is CPU work: it runs in a worker thread, bounded by
-`[limits]` (`check_sizes`: text bytes, messages, token ids) before it starts."""
+and `GET /tokenizer_info`. Tokenizing is CPU work, bounded by `[limits]` (`check_sizes`: text
+bytes, messages, token ids) before it starts; it runs in a worker thread, or past
+`scheduler.bulk_tokenize_bytes` in a low-priority worker process (`runtime.offload`)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def check_sizes(body: TokenizeRequest | DetokenizeRequest, limits: LimitsConfig)
 
 
 def tokenize(tokenizer: Any, body: TokenizeRequest, max_bytes: int, max_model_len: int, token_text: Callable[[int], str] | None = None) -> TokenizeResponse:
-    """Blocking: run in a worker thread. `token_text`: each token's text (cached), else decoded here."""
+    """Blocking: run in a worker thread or process (`runtime.offload`). `token_text`: each token's
+    text (cached), else decoded here."""
     if (body.prompt is None) == (body.messages is None):
         raise HttpError("invalid_request", "give exactly one of `prompt` and `messages`", "prompt")
     if body.continue_final_message and body.add_generation_prompt:
@@ -85,7 +87,8 @@ def token_response(
     tokenizer: Any, tokens: list[int], body: TokenizeRequest, max_model_len: int, token_text: Callable[[int], str] | None = None
 ) -> TokenizeResponse:
     # Each distinct token decoded once (a long prompt repeats few of the vocabulary's tokens).
-    text = token_text or (lambda t: tokenizer.decode([t]))
+    decoded: dict[int, str] = {}
+    text = token_text or (lambda t: decoded[t] if t in decoded else decoded.setdefault(t, tokenizer.decode([t])))
     strs = [text(t) for t in tokens] if body.return_token_strs else None
     return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens, token_strs=strs)
 
@@ -123,7 +126,7 @@ def _render(tokenizer: Any, body: TokenizeRequest, max_bytes: int) -> list[int]:
 
 
 def detokenize(tokenizer: Any, body: DetokenizeRequest, vocab_size: int) -> DetokenizeResponse:
-    """Blocking: run in a worker thread."""
+    """Blocking: run in a worker thread or process (`runtime.offload`)."""
     for i, token in enumerate(body.tokens):
         if not 0 <= token < vocab_size:
             raise HttpError("invalid_request", f"token id {token} is outside the vocabulary (0..{vocab_size - 1})", f"tokens[{i}]")

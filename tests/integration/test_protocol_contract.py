@@ -174,3 +174,32 @@ def test_a_version_the_server_does_not_speak_is_refused_naming_the_ones_it_does(
             assert all(str(v) in error["message"] for v in readme.versions) and str(version) in error["message"]
             assert client.read() is None  # then the server closes the connection
     assert server.alive
+
+
+def test_a_version_1_connection_gets_only_the_fields_version_1_had(server, readme):
+    """A version-1 client that refuses unknown fields: no field added since (`Finished.denoising_steps`,
+    `TokenLogprob.rank`, `KvStats.disk`, ...) reaches it, at any depth; version 2 gets them."""
+    from protocols.wire_v1 import V1_FIELDS
+
+    def unknown(message: dict, name: str) -> set[str]:
+        return set(message) - set(V1_FIELDS[name]) - {"type"}
+
+    with ReadmeClient(server.socket, readme) as old, ReadmeClient(server.socket, readme) as new:
+        old.hello(1), new.hello(readme.version)
+        seen: dict[int, tuple[list[dict], dict, dict]] = {}
+        for version, client in ((1, old), (readme.version, new)):
+            request = {"request_id": f"fields-v{version}", "prompt_ids": [1, 2, 3], "max_tokens": 2, "ignore_eos": True, "logprobs": True, "top_logprobs": 1}
+            client.send("Generate", request=request)
+            events, finished = client.read_request(request["request_id"])
+            client.send("GetStats")
+            stats = client.read()
+            assert stats is not None and stats["type"] == "Stats"
+            seen[version] = events, finished, stats
+    events, finished, stats = seen[1]
+    assert unknown(finished, "Finished") == set() and unknown(finished["usage"], "Usage") == set()
+    deltas = [e for e in events if e["type"] == "TokenDelta"]
+    assert deltas and all(unknown(d, "TokenDelta") == set() and all(unknown(lp, "TokenLogprob") == set() for lp in d["logprobs"]) for d in deltas)
+    assert unknown(stats, "StatsV1") == set() and unknown(stats["kv"], "KvStats") == set()
+    events, finished, stats = seen[readme.version]
+    assert "denoising_steps" in finished and "disk" in stats["kv"] and "adapters" in stats
+    assert "rank" in next(e for e in events if e["type"] == "TokenDelta")["logprobs"][0]

@@ -19,7 +19,7 @@ from net.http.mapping import (
     ending_error,
     param_of,
 )
-from protocols.api import Finished, TokenDelta, ToolCall, Usage
+from protocols.api import Finished, GenerateRequest, TokenDelta, ToolCall, Usage
 
 IDS = ResponseIds(id="chatcmpl-r", created=1, model="m", fingerprint="fp")
 
@@ -133,3 +133,10 @@ def test_a_whole_completion_joins_its_text_and_requests_that_did_not_complete_ar
     assert ending_error(_finished("length")) is None
     assert ending_error(_finished("cancelled")).code == "shutting_down"  # type: ignore[union-attr]
     assert ending_error(_finished("error")).code == "internal"  # type: ignore[union-attr]
+
+
+def test_several_choices_are_bulk_work_and_one_is_not():
+    request = GenerateRequest(prompt="hi", request_id="r")
+    assert [c.bulk for c in choices([request], 1)] == [False]
+    many = choices([request, msgspec.structs.replace(request, prompt="ho")], 2)
+    assert [c.request_id for c in many] == ["r-0", "r-1", "r-2", "r-3"] and all(c.bulk for c in many)

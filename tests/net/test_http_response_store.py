@@ -6,6 +6,7 @@ is refused typed before anything is rendered."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 from collections import Counter
@@ -19,7 +20,7 @@ from net.http import responses_api_types as ra
 from net.http.app import Api, build_app
 from net.http.mapping import HttpError
 from net.http.middleware import owner_fingerprint
-from net.http.response_store import ResponseStore
+from net.http.response_store import ResponseStore, StoredResponse, server_store
 from net.http.responses_api import ResponsesOutput, new_id, responses_request
 from protocols import Finished, TokenDelta
 from protocols.api import ToolCall, Usage
@@ -180,12 +181,13 @@ def test_a_flood_keeps_the_stores_bytes_and_count_under_their_caps_counting_all_
 
 @pytest.mark.server
 async def test_a_flood_of_stored_responses_stays_under_a_small_cap_shown_on_metrics():
-    cap = 12_000
+    cap = 6_000
     async with serving(responses_store_max=5, responses_store_bytes=cap) as served:
         client = served.client()
         # Metadata is kept in the response, not rendered: large entries (and one alone over the cap).
-        for size in [0] * 8 + [4000, 4000, 20_000, 0]:
-            await client.responses.create(model=served.model, input="hi", metadata={"m": "x" * size}, max_output_tokens=2, temperature=0)
+        for pairs in [0] * 8 + [6, 6, 16, 0]:
+            metadata = {f"m{k}": "x" * 512 for k in range(pairs)}
+            await client.responses.create(model=served.model, input="hi", metadata=metadata, max_output_tokens=2, temperature=0)
             store = served.http.api.stored_responses
             assert len(store) <= 5 and store.num_bytes <= cap
         entries, num_bytes = len(store), store.num_bytes
@@ -244,3 +246,106 @@ async def test_the_server_refuses_a_chain_one_turn_past_the_limit_as_a_typed_400
     body = info.value.body
     assert stored.depth == 2 and isinstance(body, dict)
     assert body["param"] == "previous_response_id" and body["code"] == "too_large" and "limits.max_response_chain" in body["message"]
+
+
+# -- owners' shares ----------------------------------------------------------------
+
+
+def _check_accounting(store: ResponseStore) -> None:
+    entries = list(store._entries.values())
+    assert store.num_bytes == sum(e.size for e in entries) <= store.max_bytes and len(entries) <= store.max_entries
+    for owner in {e.owner for e in entries}:
+        mine = [e.size for e in entries if e.owner == owner]
+        assert store.owner_bytes(owner) == sum(mine) <= store.max_owner_bytes and len(mine) <= store.max_owner_entries
+
+
+def test_one_key_flooding_the_store_evicts_only_its_own_responses():
+    store = ResponseStore(max_entries=16, max_bytes=20_000, owner_share=0.5)
+    alice, bob = owner_fingerprint(b"key-a"), owner_fingerprint(b"key-b")
+    for i in range(3):
+        assert store.put(f"resp_b{i}", b"b" * 1000, [], owner=bob)
+    for i in range(500):
+        assert store.put(f"resp_a{i}", b"a" * (i * 53 % 2000), [{"role": "user", "content": "x"}], owner=alice)
+        _check_accounting(store)
+    assert all(store.get(f"resp_b{i}", owner=bob) for i in range(3))
+    assert store.owner_bytes(alice) <= 10_000 and store.get("resp_a499", owner=alice)
+    # By count as well: many tiny entries of one key leave the others' alone.
+    for i in range(500):
+        store.put(f"resp_t{i}", b"", [], owner=alice)
+    assert sum(e.owner == alice for e in store._entries.values()) == 8 and len(store) == 11
+    assert all(store.get(f"resp_b{i}", owner=bob) for i in range(3))
+
+
+def test_past_the_owners_shares_the_least_recently_used_of_any_owner_goes_first():
+    store = ResponseStore(max_entries=100, max_bytes=10_000, owner_share=0.5)
+    owners = [owner_fingerprint(b"k%d" % k) for k in range(3)]
+    size = StoredResponse("resp_a0", b"x" * 1000, b"[]", owners[0]).size
+    for name, owner in zip("abc", owners):
+        for i in range(4):
+            assert store.put(f"resp_{name}{i}", b"x" * 1000, [], owner=owner)
+            _check_accounting(store)
+    # Each owner keeps 3 (its share, 5,000 bytes), its own oldest going first; 9 do not fit
+    # 10,000 bytes: then the store's oldest went, whoever held them (a1, a2).
+    assert (size * 3 <= 5000 < size * 4, 10_000 // size) == (True, 7)
+    assert list(store._entries) == ["resp_a3", "resp_b1", "resp_b2", "resp_b3", "resp_c1", "resp_c2", "resp_c3"]
+    # A response larger than its owner's share is not kept (it would take the others' room).
+    assert not store.put("resp_big", b"x" * 6000, [], owner=owners[0]) and "resp_big" not in store._entries
+    # Each owner's order follows use: a read makes an entry the newest of its owner too.
+    store.get("resp_c1", owner=owners[2])
+    assert store.put("resp_c9", b"x" * 3000, [], owner=owners[2])
+    assert [i for i in store._entries if i.startswith("resp_c")] == ["resp_c1", "resp_c9"]
+    _check_accounting(store)
+
+
+def test_a_random_mix_of_owners_puts_gets_and_deletes_keeps_every_count_exact():
+    import random
+
+    rng = random.Random(7)
+    store = ResponseStore(max_entries=12, max_bytes=12_000, owner_share=0.4)
+    owners = ["", owner_fingerprint(b"a"), owner_fingerprint(b"b"), owner_fingerprint(b"c")]
+    for _ in range(3000):
+        owner, response_id = rng.choice(owners), f"resp_{rng.randrange(40)}"
+        action = rng.random()
+        if action < 0.6:
+            store.put(response_id, b"r" * rng.randrange(3000), [], owner=owner)
+        elif action < 0.8:
+            with contextlib.suppress(HttpError):
+                store.get(response_id, owner=owner)
+        else:
+            store.delete(response_id, owner=owner)
+        _check_accounting(store)
+    for response_id in list(store._entries):
+        store.delete(response_id, owner=store._entries[response_id].owner)
+    assert (len(store), store.num_bytes, store._owned, store._owner_bytes) == (0, 0, {}, {})
+
+
+def test_the_share_applies_only_where_several_api_keys_store():
+    assert (LimitsConfig().max_response_store_share, msgspec.convert({"max_response_store_share": 1.0}, LimitsConfig).max_response_store_share) == (0.5, 1.0)
+    for bad in (0, 0.0, 1.5, -0.5, "half"):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert({"max_response_store_share": bad}, LimitsConfig)
+    with pytest.raises(ValueError):
+        ResponseStore(4, 1000, owner_share=0)
+    cases = {(): 1000, ("k0",): 1000, ("k0", "k0"): 1000, ("k0", "k1"): 250}
+    for keys, owner_bytes in cases.items():
+        server = msgspec.convert({"api_key": keys[0] if keys else "", "api_keys": list(keys[1:]), "responses_store_bytes": 1000}, ServerConfig)
+        assert server_store(server, 0.25).max_owner_bytes == owner_bytes, keys
+        assert Api(server, "m", store_share=0.25).stored_responses.max_owner_bytes == owner_bytes
+    assert Api(msgspec.convert({"api_keys": ["a", "b"], "responses_store_bytes": 1000}, ServerConfig), "m").stored_responses.max_owner_bytes == 500
+
+
+@pytest.mark.server
+async def test_over_http_a_key_flooding_store_true_leaves_another_keys_responses():
+    config = msgspec.structs.replace(make_config(), limits=LimitsConfig(max_response_store_share=0.5))
+    async with serving(config, api_keys=["key-a", "key-b"], responses_store_max=6) as served:
+        alice, bob = served.client("key-a"), served.client("key-b")
+        kept = [await bob.responses.create(model=served.model, input="hello", max_output_tokens=2, temperature=0) for _ in range(2)]
+        for _ in range(8):
+            await alice.responses.create(model=served.model, input="flood", max_output_tokens=2, temperature=0)
+        retrieved = [(await bob.responses.retrieve(r.id)).id for r in kept]
+        store = served.http.api.stored_responses
+        counts = Counter(entry.owner for entry in store._entries.values())
+        for client in (alice, bob):
+            await client.close()
+    assert retrieved == [r.id for r in kept]
+    assert counts[owner_fingerprint(b"key-a")] == 3 and counts[owner_fingerprint(b"key-b")] == 2

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from policies.scheduling import SchedulePolicy, Tracked
+from policies.scheduling import SchedulePolicy
+from policies.tracked import Tracked
 from protocols.api import SamplingParams
 from protocols.model import AdmitRequest, StepOutcome
 
