@@ -7,23 +7,28 @@ bigger than `scheduler.bulk_tokenize_bytes` runs instead in one worker process p
 started on the first such job and niced (+10): it gets the cores the engine leaves idle. It
 holds a copy of the runtime's tokenizer (pickled: the same object, special tokens, chat template
 and tool parser included), so its answers are the ones the thread would give. Smaller jobs stay
-in a worker thread (a process round trip would cost them more than it saves).
+in a worker thread (a process round trip would cost them more than it saves), and so do all jobs
+of a tokenizer that does not pickle.
 
-Jobs are top-level functions `fn(tokenizer, *args)`; their errors come back as raised (the
-project's errors pickle whole, `protocols.errors.reduce_error`). A caller that is cancelled
-abandons its job; the process is ended with its tokenizer (or the interpreter).
+The worker is `python -m runtime.offload` on pipes (never `multiprocessing`, whose spawn would
+run the embedding application's own `__main__` again); it ends when its stdin closes, so with
+the server's process, however that ends. Jobs are top-level functions `fn(tokenizer, *args)`,
+one at a time; their errors come back as raised (the project's errors pickle whole,
+`protocols.errors.reduce_error`). A cancelled caller abandons its job (the worker finishes it).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import multiprocessing
 import os
 import pickle
+import struct
+import subprocess
+import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import IO, Any, TypeVar
 
 import anyio.to_thread
 import structlog
@@ -34,75 +39,122 @@ log = structlog.get_logger(actor="offload")
 
 # The worker's niceness: it runs when the engine's threads leave a core idle.
 NICE = 10
+_LENGTH = struct.Struct(">Q")
 
-# (In a worker process) the tokenizer its jobs run with.
-_tokenizer: Any = None
+
+class WorkerDiedError(RuntimeError):
+    """The worker process ended mid-job (killed, out of memory); the next job starts another."""
+
+
+def _send(stream: IO[bytes], obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(_LENGTH.pack(len(data)) + data)
+    stream.flush()
+
+
+def _read_frame(stream: IO[bytes]) -> bytes:
+    head = stream.read(_LENGTH.size)
+    if len(head) < _LENGTH.size:
+        raise EOFError
+    size = _LENGTH.unpack(head)[0]
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError
+    return data
+
+
+def _receive(stream: IO[bytes]) -> Any:
+    return pickle.loads(_read_frame(stream))
+
+
+class _Worker:
+    """One worker process holding a tokenizer; one job at a time."""
+
+    def __init__(self, pickled_tokenizer: bytes):
+        # The server's import path (as multiprocessing's spawn passes it), so jobs' modules import there too.
+        path = [str(Path(__file__).resolve().parents[1]), *(p for p in sys.path if p and os.path.isdir(p))]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+        self._process = subprocess.Popen([sys.executable, "-m", "runtime.offload"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        self._lock = threading.Lock()
+        assert self._process.stdin is not None
+        self._process.stdin.write(_LENGTH.pack(len(pickled_tokenizer)) + pickled_tokenizer)
+        self._process.stdin.flush()
+
+    def call(self, fn: Callable[..., T], args: tuple) -> T:
+        """(A worker thread) run one job; raises what it raised."""
+        with self._lock:
+            stdin, stdout = self._process.stdin, self._process.stdout
+            assert stdin is not None and stdout is not None
+            try:
+                _send(stdin, (fn, args))
+                ok, value = _receive(stdout)
+            except (EOFError, BrokenPipeError, OSError) as exc:
+                raise WorkerDiedError(f"the tokenizer worker ended ({type(exc).__name__})") from None
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            try:
+                self._process.stdin.close()
+            except OSError:
+                pass
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.wait()
+        if self._process.stdout is not None:
+            self._process.stdout.close()
+
 
 _lock = threading.Lock()
 # A tokenizer that does not pickle (a remote-code class, a patched one) maps to None: threads only.
-_workers: weakref.WeakKeyDictionary[Any, concurrent.futures.ProcessPoolExecutor | None] = weakref.WeakKeyDictionary()
+_workers: weakref.WeakKeyDictionary[Any, _Worker | None] = weakref.WeakKeyDictionary()
 
 
-def _start(tokenizer_bytes: bytes) -> None:
-    global _tokenizer
-    try:
-        os.nice(NICE)
-    except OSError:  # (not permitted: it runs at the server's priority)
-        pass
-    _tokenizer = pickle.loads(tokenizer_bytes)
-
-
-def _job(fn: Callable[..., T], args: tuple) -> T:
-    return fn(_tokenizer, *args)
-
-
-def _executor(tokenizer: Any) -> concurrent.futures.ProcessPoolExecutor | None:
+def _worker(tokenizer: Any) -> _Worker | None:
     with _lock:
         if tokenizer in _workers:
             return _workers[tokenizer]
         try:
-            pickled = pickle.dumps(tokenizer)
+            pickled = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # (whatever its class raises): its jobs stay in threads
             log.warning("tokenizer_not_offloaded", reason=f"{type(exc).__name__}: {exc}"[:300])
             _workers[tokenizer] = None
             return None
-        # spawn: the server's process has threads (MLX's among them) that fork would copy mid-state.
-        context = multiprocessing.get_context("spawn")
-        executor = concurrent.futures.ProcessPoolExecutor(1, mp_context=context, initializer=_start, initargs=(pickled,))
-        _workers[tokenizer] = executor
-        weakref.finalize(tokenizer, executor.shutdown, wait=False, cancel_futures=True)
-        return executor
+        worker = _Worker(pickled)
+        _workers[tokenizer] = worker
+        weakref.finalize(tokenizer, worker.close)
+        return worker
 
 
 async def run(tokenizer: Any, fn: Callable[..., T], *args: Any, size: int, min_size: int) -> T:
     """`fn(tokenizer, *args)` off the event loop: in the tokenizer's low-priority worker process
     when `size` (bytes of text, or 4 per token id) is at least `min_size` (0: never), else in
     a worker thread."""
-    executor = _executor(tokenizer) if min_size and size >= min_size else None
-    if executor is None:
+    worker = _worker(tokenizer) if min_size and size >= min_size else None
+    if worker is None:
         return await anyio.to_thread.run_sync(fn, tokenizer, *args)
-    future = executor.submit(_job, fn, args)
     try:
-        return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
-    except concurrent.futures.process.BrokenProcessPool:
-        # The worker died (killed, out of memory): the next job starts another.
+        return await anyio.to_thread.run_sync(worker.call, fn, args, abandon_on_cancel=True)
+    except WorkerDiedError:
         with _lock:
-            _workers.pop(tokenizer, None)
+            if _workers.get(tokenizer) is worker:
+                del _workers[tokenizer]
+        worker.close()
         raise
-    finally:
-        future.cancel()
 
 
 def shutdown(tokenizer: Any) -> None:
     """End the tokenizer's worker process, if it has one (it is also ended with the tokenizer)."""
     with _lock:
-        executor = _workers.pop(tokenizer, None)
-    if executor is not None:
-        executor.shutdown(wait=False, cancel_futures=True)
+        worker = _workers.pop(tokenizer, None)
+    if worker is not None:
+        worker.close()
 
 
 def text_size(*texts: Any) -> int:
-    """The bytes a job's texts come to, roughly (a message list by its JSON; no encoding)."""
+    """The bytes a job's texts come to, roughly (a message list by its repr; no encoding)."""
     total = 0
     for text in texts:
         if isinstance(text, str):
@@ -110,3 +162,32 @@ def text_size(*texts: Any) -> int:
         elif isinstance(text, list | dict):
             total += len(repr(text))
     return total
+
+
+def _serve() -> None:
+    """(The worker process) read the tokenizer, then answer jobs until stdin closes."""
+    try:
+        os.nice(NICE)
+    except OSError:  # (not permitted: it runs at the server's priority)
+        pass
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # (a job's prints must not corrupt the replies)
+    try:
+        tokenizer = _receive(stdin)
+        while True:
+            job = _read_frame(stdin)
+            try:
+                fn, args = pickle.loads(job)  # (a job naming what this process cannot import fails alone)
+                reply: tuple[bool, Any] = (True, fn(tokenizer, *args))
+            except Exception as exc:
+                reply = (False, exc)
+            try:
+                _send(stdout, reply)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                _send(stdout, (False, RuntimeError(f"the job's answer does not pickle: {type(exc).__name__}: {exc}")))
+    except (EOFError, BrokenPipeError):
+        return
+
+
+if __name__ == "__main__":
+    _serve()

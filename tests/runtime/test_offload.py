@@ -4,7 +4,10 @@ errors come back whole, and a cancelled caller abandons its job."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import anyio
 import pytest
@@ -95,3 +98,54 @@ async def test_a_tokenizer_that_does_not_pickle_keeps_its_jobs_in_threads():
 
     tokenizer = Local()
     assert await offload.run(tokenizer, niceness, size=100, min_size=100) == (os.getpid(), os.nice(0))
+
+
+def test_a_worker_ends_when_the_server_process_is_killed(tmp_path):
+    # A server process whose tokenizer worker started, then SIGKILLed: the worker must not outlive it.
+    script = tmp_path / "server.py"
+    script.write_text(
+        "import anyio, os, sys\n"
+        "from mlx_lm.utils import load_tokenizer\n"
+        "from runtime import offload\n"
+        "from tests.support.config import builtin_dir\n"
+        "from tests.runtime.test_offload import niceness\n"
+        "async def main():\n"
+        "    tokenizer = load_tokenizer(builtin_dir('tiny'))\n"
+        "    print((await offload.run(tokenizer, niceness, size=2, min_size=1))[0], flush=True)\n"
+        "    await anyio.sleep(60)\n"
+        "anyio.run(main)\n"
+    )
+    root = Path(__file__).parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    server = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=root, env=env)
+    try:
+        assert server.stdout is not None
+        worker = int(server.stdout.readline())
+    finally:
+        server.kill()
+        server.wait()
+        if server.stdout is not None:
+            server.stdout.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _alive(worker):
+        time.sleep(0.1)
+    assert not _alive(worker)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_a_job_the_worker_cannot_import_fails_alone(tokenizer, tmp_path, monkeypatch):
+    await offload.run(tokenizer, niceness, size=100, min_size=100)  # (the worker started with the path as it was)
+    (tmp_path / "offload_late_module.py").write_text("def job(_tokenizer):\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from offload_late_module import job  # type: ignore[import-not-found]
+
+    with pytest.raises(ModuleNotFoundError):
+        await offload.run(tokenizer, job, size=100, min_size=100)
+    assert (await offload.run(tokenizer, niceness, size=100, min_size=100))[0] != os.getpid()  # the worker lives on
