@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import re
 
-from policies.output_parser import Parsed
+from policies.output_parser import Parsed, partial_suffix
 from policies.tool_formats_json import json_arguments
-from policies.tool_stream import CallReporter, CallText, JsonScanner, partial_suffix
+from policies.tool_stream import CallReporter, CallText, JsonScanner
 
 MESSAGE = "<|message|>"
 _TERMINATORS = ("<|end|>", "<|call|>", "<|return|>")

@@ -92,7 +92,7 @@ class OutputParser:
             call, tools = self._open, self._tools
             assert tools is not None
             if call.name is not None:
-                body = self._buffer[: len(self._buffer) - _partial_suffix(self._buffer, tools[1])]
+                body = self._buffer[: len(self._buffer) - partial_suffix(self._buffer, tools[1])]
                 whole = _value_text(body, call.args_start)  # only the closing markup was cut off
                 arguments = whole if whole is not None else body[call.args_start :]
                 if arguments.startswith(call.sent) and len(arguments) > len(call.sent):
@@ -163,7 +163,7 @@ class OutputParser:
             return  # not an object (a JSON string of one, say): the finished call has it whole
         arguments = body[call.args_start :]
         assert self._tools is not None
-        arguments = arguments[: len(arguments) - _partial_suffix(arguments, self._tools[1])]
+        arguments = arguments[: len(arguments) - partial_suffix(arguments, self._tools[1])]
         ready = _without_body_tail(arguments)
         if len(ready) > len(call.sent) and ready.startswith(call.sent):
             out.deltas.append({"arguments": ready[len(call.sent) :]})
@@ -171,16 +171,11 @@ class OutputParser:
 
     def _until(self, marker: str, out: Parsed, target: str, next_state: str) -> bool:
         """Move text before `marker` to `target`; on the marker switch state. Holds partial markers."""
-        buffer = self._buffer
-        index = buffer.find(marker)
-        if index >= 0:
-            setattr(out, target, getattr(out, target) + buffer[:index])
-            self._buffer, self._state = buffer[index + len(marker) :], next_state
-            return True
-        hold = _partial_suffix(buffer, marker)
-        setattr(out, target, getattr(out, target) + buffer[: len(buffer) - hold])
-        self._buffer = buffer[len(buffer) - hold :]
-        return False
+        before, self._buffer, found = until_marker(self._buffer, marker)
+        setattr(out, target, getattr(out, target) + before)
+        if found:
+            self._state = next_state
+        return found
 
     def _calls(self, body: str) -> list[dict]:
         """The calls in one marked span (some models' parsers return several); a body that does
@@ -229,8 +224,19 @@ def _same_json(a: str, b: str) -> bool:
         return False
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (and is not all of it)."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-k:]):
             return k
     return 0
+
+
+def until_marker(buffer: str, marker: str) -> tuple[str, str, bool]:
+    """The text before `marker`, what follows it, and True; or, without it, the text that cannot
+    be the start of it, the rest (held), and False."""
+    index = buffer.find(marker)
+    if index >= 0:
+        return buffer[:index], buffer[index + len(marker) :], True
+    hold = partial_suffix(buffer, marker)
+    return buffer[: len(buffer) - hold], buffer[len(buffer) - hold :], False

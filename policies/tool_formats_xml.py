@@ -17,7 +17,8 @@ import json
 import re
 from typing import Any
 
-from policies.tool_stream import CallText, JsonScanner, partial_suffix, read_json_call
+from policies.output_parser import partial_suffix
+from policies.tool_stream import CallText, JsonScanner, read_json_call
 
 _STRING_TYPES = {"string", "str", "text", "varchar", "char", "enum"}
 

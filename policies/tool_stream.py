@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from policies.output_parser import Parsed
+from policies.output_parser import Parsed, partial_suffix, until_marker
 
 
 @dataclass
@@ -184,24 +184,11 @@ class MarkupParser:
 
     def _until(self, marker: str, out: Parsed, target: str, next_state: str) -> bool:
         """Move text before `marker` to `target`; on the marker switch state. Holds partial markers."""
-        buffer = self._buffer
-        index = buffer.find(marker)
-        if index >= 0:
-            setattr(out, target, getattr(out, target) + buffer[:index])
-            self._buffer, self._state = buffer[index + len(marker) :], next_state
-            return True
-        hold = partial_suffix(buffer, marker)
-        setattr(out, target, getattr(out, target) + buffer[: len(buffer) - hold])
-        self._buffer = buffer[len(buffer) - hold :]
-        return False
-
-
-def partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that begins `marker` (and is not all of it)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
+        before, self._buffer, found = until_marker(self._buffer, marker)
+        setattr(out, target, getattr(out, target) + before)
+        if found:
+            self._state = next_state
+        return found
 
 
 # -- JSON helpers shared by the families ------------------------------------------------------
