@@ -26,8 +26,10 @@ import msgspec
 
 from net.http import anthropic_types as at
 from net.http import openai_types as oa
-from net.http.mapping import ContextLengthExceeded, HttpError, chat_messages, check_messages, ending_error
-from protocols.api import Event, Finished, GenerateRequest, SamplingParams, TokenDelta, ToolCall, ToolCallDelta, new_request_id
+from net.http.errors import ContextLengthExceeded, HttpError
+from net.http.mapping import chat_messages, check_messages, sampling_params
+from net.http.outputs import ending_error
+from protocols.api import Event, Finished, GenerateRequest, TokenDelta, ToolCall, ToolCallDelta, new_request_id
 from protocols.config import LimitsConfig
 from protocols.errors import ERROR_KINDS
 
@@ -69,7 +71,7 @@ def messages_request(body: at.MessagesRequest) -> GenerateRequest:
         tools=tools,
         tool_choice=tool_choice,
         max_tokens=body.max_tokens,
-        sampling=SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k),
+        sampling=sampling_params(body),
         stop=list(body.stop_sequences or []),
         request_id=new_request_id(),
         stream_tool_calls=body.stream,

@@ -13,17 +13,16 @@ Anthropic's Messages API is served beside it on the same runtime: `POST /v1/mess
 `POST /v1/messages/count_tokens` (`anthropic`), with Anthropic's stream events and error JSON.
 OpenAI's Responses API too: `POST /v1/responses`, `GET`/`DELETE /v1/responses/{id}` (`responses_api`;
 responses kept in memory for `previous_response_id`, `response_store`), with its `response.*` events.
-Each request's output object (`mapping.Output`) says how its chunks, terminator and errors go on
+Each request's output object (`outputs.Output`) says how its chunks, terminator and errors go on
 the wire, so one streaming loop serves all three.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import aclosing
+from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import msgspec
@@ -34,9 +33,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
 
 from net.http import anthropic_types as at
 from net.http import embeddings as emb
@@ -44,31 +42,17 @@ from net.http import openai_types as oa
 from net.http import responses_api_types as ra
 from net.http import tokens
 from net.http.anthropic import MessagesOutput, check_sizes, count_request, messages_request
-from net.http.choices import Choices, Merged
+from net.http.choices import Choices, Merged, continuous_usage
+from net.http.errors import HttpError, decode_body, error_of
 from net.http.forced_tools import with_header_tool_choice
-from net.http.mapping import (
-    ChatOutput,
-    CompletionOutput,
-    HttpError,
-    Output,
-    ResponseIds,
-    TokenTexts,
-    chat_parts,
-    chat_request,
-    check_messages,
-    check_scored_prompt_tokens,
-    choices,
-    completion_requests,
-    decode_body,
-    ending_error,
-    error_of,
-    prompt_list,
-)
+from net.http.mapping import chat_parts, chat_request, check_messages, check_scored_prompt_tokens, choices, completion_requests, prompt_list
 from net.http.middleware import Authorization, BrowserGuard, RequestLimit, ResponseCounter, request_owner
+from net.http.outputs import ChatOutput, CompletionOutput, Output, ResponseIds, TokenTexts
 from net.http.response_store import server_store
 from net.http.responses import JSON, error_body_for, error_response, json_response
 from net.http.responses_api import ResponsesOutput, responses_request
-from protocols.api import Event, GenerateRequest, SamplingParams
+from net.http.streaming import CLIENT_LEFT, SseResponse, close_stream, collect, read_body, sse_body, unless_disconnected, whole_response
+from protocols.api import GenerateRequest, SamplingParams
 from protocols.config import LimitsConfig, ServerConfig
 from protocols.errors import InternalError, MlxrtError
 from protocols.model import ModelInfo
@@ -78,9 +62,6 @@ from runtime.serving import Serving
 
 log = structlog.get_logger(actor="http")
 
-T = TypeVar("T")
-# nginx's "client closed request": logged and counted, never received.
-CLIENT_LEFT = 499
 # A key's share of the Responses store unless the server's limits say otherwise.
 DEFAULT_STORE_SHARE = LimitsConfig().max_response_store_share
 
@@ -152,7 +133,7 @@ class Api:
         ids = self._ids("chatcmpl", generates[0], body.model)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         several = len(generates) > 1
-        counts = await _continuous_usage(runtime, generates, body)
+        counts = await continuous_usage(runtime, generates, body)
         outputs: list[Output] = [
             ChatOutput(
                 ids,
@@ -191,7 +172,7 @@ class Api:
         ids = self._ids("cmpl", generates[0], body.model)
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         several = len(generates) > 1
-        counts = await _continuous_usage(runtime, generates, body)
+        counts = await continuous_usage(runtime, generates, body)
         outputs: list[Output] = []
         for i, generate in enumerate(generates):
             prompt_index = i // body.n
@@ -274,7 +255,7 @@ class Api:
         emb.inputs_of(body)  # (its shape refused before waiting for anything)
         if model is None:
             emb.check_dimensions(body, runtime.model_info.embedding_size)
-        got = await _unless_disconnected(request.receive, lambda: emb.embed(runtime, body, model))
+        got = await unless_disconnected(request.receive, lambda: emb.embed(runtime, body, model))
         if not got:
             return Response(status_code=CLIENT_LEFT)
         vectors, num_tokens = got[0]
@@ -343,20 +324,20 @@ class Api:
         events = aiter(stream)
         headers = {"X-Request-Id": stream.request_id}
         try:
-            got = await _unless_disconnected(request.receive, lambda: anext(events))
+            got = await unless_disconnected(request.receive, lambda: anext(events))
             if not got:
-                await _close(stream)
+                await close_stream(stream)
                 return Response(status_code=CLIENT_LEFT)  # nobody reads it
             first = got[0]
             if output.stream:
-                body = _sse_body(stream, first, events, output, endpoint)
-                return EventStream(body, stall_s=self.config.client_stall_timeout_s, headers=headers)
-            done = await _unless_disconnected(request.receive, lambda: _collect(first, events, output))
+                body = sse_body(stream, first, events, output, endpoint)
+                return SseResponse(body, stall_s=self.config.client_stall_timeout_s, headers=headers)
+            done = await unless_disconnected(request.receive, lambda: collect(first, events, output))
         except BaseException:
-            await _close(stream)
+            await close_stream(stream)
             raise
-        await _close(stream)
-        return _whole(done, output, headers)
+        await close_stream(stream)
+        return whole_response(done, output, headers)
 
     async def _respond_choices(
         self, request: Request, runtime: Serving, generates: list[GenerateRequest], outputs: list[Output], *, endpoint: str, include_usage: bool
@@ -382,7 +363,7 @@ class Api:
                 streams.append(runtime.submit(generate))
         except BaseException:
             for stream in streams:
-                await _close(stream)
+                await close_stream(stream)
             raise
         order = list(leaders)
         followers = [(order.index(members[0]), partial(runtime.submit, generates[i])) for members in groups.values() for i in members[1:]]
@@ -390,16 +371,16 @@ class Api:
         output = Choices(outputs, [g.request_id or "" for g in generates], include_usage=include_usage)
         headers = {"X-Request-Id": merged.request_id}
         if output.stream:
-            body = _sse_body(merged, None, aiter(merged), output, endpoint)
-            return EventStream(body, stall_s=self.config.client_stall_timeout_s, headers=headers, background=merged.run)
+            body = sse_body(merged, None, aiter(merged), output, endpoint)
+            return SseResponse(body, stall_s=self.config.client_stall_timeout_s, headers=headers, background=merged.run)
 
-        async def collect() -> bool:
+        async def collect_all() -> bool:
             failure: list[Exception] = []  # (raised as itself, not in an exception group)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(merged.run)
                 events = aiter(merged)
                 try:
-                    await _collect(await anext(events), events, output)
+                    await collect(await anext(events), events, output)
                 except Exception as exc:
                     failure.append(exc)
                 tg.cancel_scope.cancel()
@@ -408,29 +389,13 @@ class Api:
             return True
 
         try:
-            done = await _unless_disconnected(request.receive, collect)
+            done = await unless_disconnected(request.receive, collect_all)
         finally:
-            await _close(merged)
-        return _whole(done, output, headers)
+            await close_stream(merged)
+        return whole_response(done, output, headers)
 
     async def _read_body(self, request: Request) -> bytes:
-        """The body, refused by its Content-Length before reading, or as soon as it passes the limit."""
-        limit, timeout = self.config.max_body_bytes, self.config.body_timeout_s
-        too_large = f"the request body exceeds {limit} bytes (server.max_body_bytes)"
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise HttpError("body_too_large", too_large)
-        chunks, size = [], 0
-        try:
-            with anyio.fail_after(timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise HttpError("body_too_large", too_large)
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise HttpError("body_timeout", f"the request body did not arrive within {timeout:g} s (server.body_timeout_s)") from None
-        return b"".join(chunks)
+        return await read_body(request, self.config.max_body_bytes, self.config.body_timeout_s)
 
     def _check_model(self, model: str) -> tuple[str | None, str | None]:
         """The model (None: the default) and LoRA adapter a request's `model` names: a model
@@ -463,131 +428,6 @@ class Api:
 
 
 # -- responses ---------------------------------------------------------------------
-
-
-async def _continuous_usage(runtime: Serving, generates: list[GenerateRequest], body: oa.ChatCompletionRequest | oa.CompletionRequest) -> list[int | None]:
-    """Each choice's prompt tokens when a stream's chunks carry the usage so far (vLLM's
-    `stream_options.continuous_usage_stats`); the prompt is rendered for it first."""
-    if not (body.stream and body.stream_options is not None and body.stream_options.continuous_usage_stats):
-        return [None] * len(generates)
-    counts: dict[bytes, int] = {}
-    out: list[int | None] = []
-    for generate in generates:
-        key = msgspec.json.encode(msgspec.structs.replace(generate, request_id=None, sampling=SamplingParams()))
-        if key not in counts:
-            counts[key] = len(await runtime.prompt_token_ids(generate))
-        out.append(counts[key])
-    return out
-
-
-async def _sse_body(stream, first: Event | None, events: AsyncIterator[Event], output: Output, endpoint: str) -> AsyncGenerator[bytes, None]:
-    """The request's events as server-sent events in the output's own encoding, ended by its
-    terminator; an error mid-stream is its error event."""
-    first_chunk = output.first_chunk()
-    pending = [output.sse(first_chunk)] if first_chunk is not None else []
-    try:
-        event = first if first is not None else await anext(events)
-        while True:
-            pending += [output.sse(chunk) for chunk in output.on_event(event)]
-            if output.finished is not None:  # (several choices: once all have)
-                error = ending_error(output.finished)
-                pending.append(output.sse_error(error) if error is not None else output.sse_end())
-                yield b"".join(pending)
-                return
-            if pending:
-                yield b"".join(pending)
-                pending = []
-            event = await anext(events)
-    except MlxrtError as exc:
-        yield b"".join(pending) + output.sse_error(error_of(exc, endpoint=endpoint))
-    finally:
-        await _close(stream)
-
-
-def _whole(done: list[bool], output: Output, headers: dict[str, str]) -> Response:
-    """A collected response (`done`: what `_unless_disconnected` gave): the whole of it, its error,
-    or nothing for a client that left."""
-    if not done:
-        return Response(status_code=CLIENT_LEFT)
-    assert output.finished is not None
-    error = ending_error(output.finished)
-    if error is not None:
-        return error_response(error, output.error_body)
-    return json_response(output.response(), headers=headers)
-
-
-async def _collect(first: Event, events: AsyncIterator[Event], output: Output) -> bool:
-    event = first
-    while True:
-        output.on_event(event)
-        if output.finished is not None:  # (several choices: once all have)
-            return True
-        event = await anext(events)
-
-
-async def _close(stream) -> None:
-    with anyio.CancelScope(shield=True):
-        await stream.aclose()
-
-
-async def _unless_disconnected(receive: Receive, work: Callable[[], Awaitable[T]]) -> list[T]:
-    """Run `work` unless the client disconnects first: [its result], or [] if the client left.
-    What `work` raises comes out as itself, not in an exception group."""
-    result: list[T] = []
-    failure: list[Exception] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
-        try:
-            result.append(await work())
-        except Exception as exc:
-            failure.append(exc)
-        tg.cancel_scope.cancel()
-    if failure:
-        raise failure[0]
-    return result
-
-
-async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    scope.cancel()
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events. A client that disconnects cancels the stream (and so its request);
-    one that leaves a chunk unaccepted for `stall_s` is given up on."""
-
-    def __init__(
-        self,
-        body: AsyncGenerator[bytes, None],
-        *,
-        stall_s: float,
-        headers: dict[str, str],
-        background: Callable[[], Coroutine[Any, Any, None]] | None = None,
-    ):
-        super().__init__(body, media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._body = body
-        self._stall_s = stall_s
-        # What feeds the body, run beside it (several choices' requests: `choices.Merged.run`).
-        self._feed = background
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with aclosing(self._body) as body, anyio.create_task_group() as tg:
-            tg.start_soon(_cancel_on_disconnect, receive, tg.cancel_scope)
-            if self._feed is not None:
-                tg.start_soon(self._feed)
-            try:
-                await self._send(send, {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-                async for data in body:
-                    await self._send(send, {"type": "http.response.body", "body": data, "more_body": True})
-                await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False})
-            except TimeoutError:
-                log.warning("http_client_stalled", seconds=self._stall_s)
-            tg.cancel_scope.cancel()
-
-    async def _send(self, send: Send, message: Message) -> None:
-        with anyio.fail_after(self._stall_s):
-            await send(message)
 
 
 # -- the app -----------------------------------------------------------------------

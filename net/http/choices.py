@@ -14,9 +14,10 @@ from typing import Any
 import anyio
 import msgspec
 
-from net.http.mapping import OpenAIWire, Output, ending_error, usage_of
-from protocols.api import Event, Finished, Usage
-from runtime.serving import EventStream
+from net.http import openai_types as oa
+from net.http.outputs import OpenAIWire, Output, ending_error, usage_of
+from protocols.api import Event, Finished, GenerateRequest, SamplingParams, Usage
+from runtime.serving import EventStream, Serving
 
 
 class Merged:
@@ -147,3 +148,18 @@ class Choices(OpenAIWire):
         whole.choices = [o.response().choices[0] for o in self.outputs]
         whole.usage = usage_of(self.finished)
         return whole
+
+
+async def continuous_usage(runtime: Serving, generates: list[GenerateRequest], body: oa.ChatCompletionRequest | oa.CompletionRequest) -> list[int | None]:
+    """Each choice's prompt tokens when a stream's chunks carry the usage so far (vLLM's
+    `stream_options.continuous_usage_stats`); the prompt is rendered for it first."""
+    if not (body.stream and body.stream_options is not None and body.stream_options.continuous_usage_stats):
+        return [None] * len(generates)
+    counts: dict[bytes, int] = {}
+    out: list[int | None] = []
+    for generate in generates:
+        key = msgspec.json.encode(msgspec.structs.replace(generate, request_id=None, sampling=SamplingParams()))
+        if key not in counts:
+            counts[key] = len(await runtime.prompt_token_ids(generate))
+        out.append(counts[key])
+    return out

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from net.http.mapping import HttpError
+from net.http.errors import HttpError
 from protocols.config import Pooling
 from protocols.errors import InvalidRequestError
 from runtime.serving import Serving

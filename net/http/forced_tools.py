@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from net.http.mapping import HttpError
+from net.http.errors import HttpError
 from protocols.api import GenerateRequest
 
 TOOL_CHOICE_HEADER = "x-mlxrt-tool-choice"

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from net.http.mapping import HttpError
+from net.http.errors import HttpError
 from net.http.responses import anthropic_route, error_body_for, error_response
 
 PATHS = (

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from net.http.mapping import HttpError
+from net.http.errors import HttpError
 from protocols.config import LimitsConfig, ServerConfig
 
 # Bytes an entry costs beyond its strings' contents: the entry object, its OrderedDict node and

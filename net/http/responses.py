@@ -11,7 +11,7 @@ import msgspec
 from starlette.responses import Response
 
 from net.http.anthropic import anthropic_error
-from net.http.mapping import HttpError, openai_error
+from net.http.errors import HttpError, openai_error
 from protocols.errors import ERROR_KINDS
 
 # An error's JSON body and HTTP status, in one API's shape.

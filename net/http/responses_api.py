@@ -32,9 +32,11 @@ import msgspec
 
 from net.http import openai_types as oa
 from net.http import responses_api_types as ra
-from net.http.mapping import HttpError, chat_messages, ending_error, native_sampling, openai_error
+from net.http.errors import HttpError, openai_error
+from net.http.mapping import chat_messages, sampling_params
+from net.http.outputs import ending_error
 from net.http.response_store import ResponseStore
-from protocols.api import Event, Finished, GenerateRequest, SamplingParams, TokenDelta, ToolCall, ToolCallDelta, new_request_id
+from protocols.api import Event, Finished, GenerateRequest, TokenDelta, ToolCall, ToolCallDelta, new_request_id
 from protocols.config import LimitsConfig
 
 T = TypeVar("T")
@@ -86,15 +88,7 @@ def responses_request(body: ra.ResponsesRequest, store: ResponseStore, *, owner:
     history, depth = previous_turns(body.previous_response_id, store, owner, limits)
     history += input_messages(body.input)
     system = chat_messages([oa.ChatMessage(role="system", content=body.instructions)]) if body.instructions else []
-    sampling = SamplingParams(
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
-        repetition_penalty=body.repetition_penalty,
-        seed=body.seed,
-        **native_sampling(body),
-    )
+    sampling = sampling_params(body)
     generate = GenerateRequest(
         messages=system + history,
         max_tokens=body.max_output_tokens,

@@ -12,7 +12,8 @@ from typing import Annotated, Any
 import msgspec
 
 from net.http import openai_types as oa
-from net.http.mapping import HttpError, chat_messages, chat_parts, check_messages
+from net.http.errors import HttpError
+from net.http.mapping import chat_messages, chat_parts, check_messages
 from policies.images import has_images
 from policies.validation import render_prompt
 from protocols.api import GenerateRequest

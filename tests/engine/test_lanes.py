@@ -1,5 +1,5 @@
 """Two CPU lanes (`engine.lanes`): split pieces are bit for bit the unsplit ones. (With mlxrt's
-CPU kernels off: where they are loaded the SwiGLU runs whole, tests/engine/test_native.py.)"""
+CPU kernels off: where they are loaded the SwiGLU runs whole, tests/engine/native/test_native.py.)"""
 
 from __future__ import annotations
 

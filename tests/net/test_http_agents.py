@@ -17,8 +17,8 @@ import pytest
 from net.http import anthropic_types as at
 from net.http import responses_api_types as ra
 from net.http.anthropic import count_request
+from net.http.errors import HttpError
 from net.http.forced_tools import TOOL_CHOICE_HEADER, answers_the_user, header_tool_choice, with_header_tool_choice
-from net.http.mapping import HttpError
 from net.http.responses_api import chat_tools
 from protocols import GenerateRequest
 from tests.support.http_serving import serving

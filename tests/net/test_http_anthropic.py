@@ -13,7 +13,8 @@ import pytest
 
 from net.http import anthropic_types as at
 from net.http.anthropic import MessagesOutput, anthropic_error, messages_request
-from net.http.mapping import HttpError, chat_request
+from net.http.errors import HttpError
+from net.http.mapping import chat_request
 from net.http.openai_types import ChatCompletionRequest
 from protocols import Finished, GenerateRequest, SamplingParams, TokenDelta
 from protocols.api import ToolCall, Usage

@@ -7,18 +7,9 @@ import msgspec
 import pytest
 
 from net.http import openai_types as oa
-from net.http.mapping import (
-    ChatOutput,
-    CompletionOutput,
-    HttpError,
-    ResponseIds,
-    chat_request,
-    choices,
-    completion_requests,
-    decode_body,
-    ending_error,
-    param_of,
-)
+from net.http.errors import HttpError, decode_body, param_of
+from net.http.mapping import chat_request, choices, completion_requests
+from net.http.outputs import ChatOutput, CompletionOutput, ResponseIds, ending_error
 from protocols.api import Finished, GenerateRequest, TokenDelta, ToolCall, Usage
 
 IDS = ResponseIds(id="chatcmpl-r", created=1, model="m", fingerprint="fp")

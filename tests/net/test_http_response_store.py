@@ -18,7 +18,7 @@ import pytest
 
 from net.http import responses_api_types as ra
 from net.http.app import Api, build_app
-from net.http.mapping import HttpError
+from net.http.errors import HttpError
 from net.http.middleware import owner_fingerprint
 from net.http.response_store import ResponseStore, StoredResponse, server_store
 from net.http.responses_api import ResponsesOutput, new_id, responses_request

@@ -14,7 +14,8 @@ import openai
 import pytest
 
 from net.http import responses_api_types as ra
-from net.http.mapping import HttpError, chat_request
+from net.http.errors import HttpError
+from net.http.mapping import chat_request
 from net.http.openai_types import ChatCompletionRequest
 from net.http.response_store import ENTRY_OVERHEAD, ResponseStore
 from net.http.responses_api import ResponsesOutput, responses_request

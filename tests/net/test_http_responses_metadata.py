@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from net.http import responses_api_types as ra
-from net.http.mapping import HttpError, decode_body
+from net.http.errors import HttpError, decode_body
 from net.http.response_store import ResponseStore
 from net.http.responses_api import MAX_METADATA_KEY_CHARS, MAX_METADATA_PAIRS, MAX_METADATA_VALUE_CHARS, MAX_USER_CHARS, responses_request
 from tests.support.http_serving import serving

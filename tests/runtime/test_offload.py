@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from net.http import tokens
-from net.http.mapping import HttpError
+from net.http.errors import HttpError
 from protocols.api import GenerateRequest
 from protocols.errors import InvalidRequestError
 from runtime import offload

@@ -52,7 +52,7 @@ LEGACY_DIGESTS = {
     "bench": "25bef16d0201",
     "bench-qwen2": "8b08e3ac6380",
 }
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 WEATHER_TOOL = {
     "type": "function",

@@ -202,7 +202,7 @@ def test_no_serving_module_calls_mlx_own_file_reader():
     """`mx.load` on a GGUF whose header claims 2**63 tensors segfaults, and on one claiming
     2**32-1 dims aborts (mlx 0.32.4, its gguflib): a file read by the server goes through
     `GGUFFile`'s checks first, never straight to MLX's C++ reader."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     calls = []
     for package in ("engine", "runtime", "actors", "net", "policies"):
         for source in sorted((root / package).rglob("*.py")):

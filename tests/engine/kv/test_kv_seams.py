@@ -13,7 +13,7 @@ from engine.kv.paged import PagedKV
 from engine.kv.quantized import QuantizedKV
 from protocols.model import LayerLayout
 
-KV_PACKAGE = Path(__file__).resolve().parents[2] / "engine" / "kv"
+KV_PACKAGE = Path(__file__).resolve().parents[3] / "engine" / "kv"
 
 
 def imported_modules(path: Path) -> set[str]:
