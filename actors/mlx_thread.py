@@ -10,6 +10,7 @@ core, each extra thread switch per step costs decode speed.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -65,7 +66,13 @@ class MlxThread:
     def ident(self) -> int | None:
         return self._thread.ident
 
-    def start(self) -> None:
+    def start(self, switch_interval_s: float = 0.0) -> None:
+        """Start the thread. `switch_interval_s` (> 0): the interpreter's GIL switch interval is
+        lowered to it (never raised): the MLX thread takes the GIL back after each evaluation, and
+        at Python's 5 ms default it waits up to that long each time behind an event loop busy
+        with a big request body, several times a step."""
+        if 0 < switch_interval_s < sys.getswitchinterval():
+            sys.setswitchinterval(switch_interval_s)
         self._thread.start()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

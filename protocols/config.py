@@ -59,11 +59,15 @@ class SchedulerConfig(Section, frozen=True):
     # interactive request is live: they hold at most share / (1 - share) of the interactive
     # decode rows' slots (at least one), and their prefill chunks wait after each one until
     # the others have had the rest. Alone, they run at full speed. 1: no distinction.
-    bulk_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.2
+    bulk_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
     # Rendering, tokenizing or decoding more than this (bytes of text, 4 per token id) for one
     # request runs in a worker process at low CPU priority (`runtime.offload`), so that it takes
     # only the cores the engine leaves idle; smaller jobs run in a thread. 0: always a thread.
     bulk_tokenize_bytes: NonNegative = 65536
+    # The interpreter's GIL switch interval while the runtime runs (lowered, never raised; 0:
+    # left as it is): how long the MLX thread may wait for the GIL behind the event loop's
+    # Python work (a big body decoded, a response encoded) each time an evaluation returns.
+    switch_interval_s: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.0005
     # While only decode rows run and steps take less than this, the scheduler queues the next
     # decode step before it handles the last one's tokens, so the device never waits on the
     # event loop between steps (the round trip is a share of a short step); a request arriving

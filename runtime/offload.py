@@ -4,7 +4,7 @@ Rendering a chat template, tokenizing a megabyte or decoding 200k token ids take
 a second or more: in a thread of the server's process it competes with the MLX thread for the
 cores (and, in its Python parts, for the GIL), so every stream slows while it runs. A job
 bigger than `scheduler.bulk_tokenize_bytes` runs instead in one worker process per tokenizer,
-started on the first such job and niced (+10): it gets the cores the engine leaves idle. It
+started on the first such job and niced (+19): it gets the cores the engine leaves idle. It
 holds a copy of the runtime's tokenizer (pickled: the same object, special tokens, chat template
 and tool parser included), so its answers are the ones the thread would give. Smaller jobs stay
 in a worker thread (a process round trip would cost them more than it saves), and so do all jobs
@@ -37,8 +37,10 @@ T = TypeVar("T")
 
 log = structlog.get_logger(actor="offload")
 
-# The worker's niceness: it runs when the engine's threads leave a core idle.
-NICE = 10
+# The worker's niceness (the lowest): it runs when the engine's threads leave a core idle. At +10
+# it still took ~10% of a core beside them, which cost a stream beside it a third of its rate
+# (a BLAS product waits for its slowest thread).
+NICE = 19
 _LENGTH = struct.Struct(">Q")
 
 

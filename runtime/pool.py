@@ -102,7 +102,7 @@ class ModelPool:
     async def open(cls, config: RuntimeConfig) -> AsyncIterator[ModelPool]:
         """Start the pool; the default model is loaded at once, the others on first use."""
         thread = MlxThread()
-        thread.start()
+        thread.start(config.scheduler.switch_interval_s)
         try:
             with single_errors():
                 async with anyio.create_task_group() as tg:

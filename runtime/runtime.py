@@ -124,7 +124,7 @@ class Runtime:
         runtime: Runtime | None = None
         if thread is None:
             thread = MlxThread()
-            thread.start()
+            thread.start(config.scheduler.switch_interval_s)
         try:
             with single_errors():
                 async with anyio.create_task_group() as tg:

@@ -274,15 +274,16 @@ class Api:
         size, min_size = offload.text_size(body.prompt, body.messages, body.tools), self._ready().config.scheduler.bulk_tokenize_bytes
         # (A worker process decodes the token texts itself; the cache of them is this process's.)
         text = self._texts(model) if not min_size or size < min_size else None
-        answer = await offload.run(tokenizer, tokens.tokenize, body, limits.max_tokenize_bytes, info.max_context, text, size=size, min_size=min_size)
-        return json_response(answer)
+        answer = await offload.run(tokenizer, tokens.tokenize_json, body, limits.max_tokenize_bytes, info.max_context, text, size=size, min_size=min_size)
+        return Response(answer, media_type=JSON)
 
     async def detokenize(self, request: Request) -> Response:
         body = decode_body(await self._read_body(request), tokens.DetokenizeRequest)
         tokens.check_sizes(body, self._ready().config.limits)
         tokenizer, info = self._tokenizer(body.model)
         min_size = self._ready().config.scheduler.bulk_tokenize_bytes
-        return json_response(await offload.run(tokenizer, tokens.detokenize, body, info.vocab_size, size=4 * len(body.tokens), min_size=min_size))
+        answer = await offload.run(tokenizer, tokens.detokenize_json, body, info.vocab_size, size=4 * len(body.tokens), min_size=min_size)
+        return Response(answer, media_type=JSON)
 
     async def tokenizer_info(self, request: Request) -> Response:
         tokenizer, info = self._tokenizer(request.query_params.get("model"))

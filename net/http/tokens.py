@@ -134,6 +134,17 @@ def detokenize(tokenizer: Any, body: DetokenizeRequest, vocab_size: int) -> Deto
     return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
 
 
+def tokenize_json(tokenizer: Any, *args: Any) -> bytes:
+    """`tokenize`'s answer as JSON bytes, encoded where it ran: a megabyte's tokens (and their
+    strings) are encoded by the worker, not by the server's process beside the MLX thread."""
+    return msgspec.json.encode(tokenize(tokenizer, *args))
+
+
+def detokenize_json(tokenizer: Any, *args: Any) -> bytes:
+    """`detokenize`'s answer as JSON bytes, encoded where it ran (see `tokenize_json`)."""
+    return msgspec.json.encode(detokenize(tokenizer, *args))
+
+
 def tokenizer_info(tokenizer: Any, max_model_len: int, vocab_size: int) -> dict[str, Any]:
     """The tokenizer's special tokens, chat template and limits (vLLM's `/tokenizer_info` fields)."""
     hf = getattr(tokenizer, "_tokenizer", tokenizer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -34,3 +35,19 @@ async def test_jobs_run_on_the_thread_and_errors_come_back():
             await thread.run(lambda: 1 / 0)
     finally:
         await thread.stop()
+
+
+async def test_start_lowers_the_gil_switch_interval_and_never_raises_it():
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        thread = MlxThread()
+        thread.start(0.0005)
+        await thread.stop()
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        thread = MlxThread()
+        thread.start(0.01)  # higher: left as it is
+        await thread.stop()
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        sys.setswitchinterval(before)

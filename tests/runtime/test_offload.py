@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 from mlx_lm.utils import load_tokenizer
 
@@ -72,6 +73,11 @@ async def test_the_worker_renders_tokenizes_and_decodes_as_the_thread_does(token
     assert (await both(tokenizer, tokens.detokenize, detok, len(tokenizer.get_vocab()))) == (
         tokens.detokenize(tokenizer, detok, len(tokenizer.get_vocab())),
     ) * 2
+    # The JSON answers the routes send are encoded where the job ran, and say the same.
+    answer = await offload.run(tokenizer, tokens.tokenize_json, body, 1 << 20, 2048, None, size=100, min_size=100)
+    assert msgspec.json.decode(answer, type=tokens.TokenizeResponse) == in_thread
+    answer = await offload.run(tokenizer, tokens.detokenize_json, detok, len(tokenizer.get_vocab()), size=100, min_size=100)
+    assert msgspec.json.decode(answer)["prompt"] == tokenizer.decode(thread_ids)
 
 
 async def test_errors_come_back_typed_with_their_fields(tokenizer):
