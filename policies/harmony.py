@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from policies.output_parser import Parsed, partial_suffix
+from policies.output_parser import MarkerStream, Parsed, partial_suffix
 from policies.tool_formats_json import json_arguments
 from policies.tool_stream import CallReporter, CallText, JsonScanner
 
@@ -25,7 +25,7 @@ _RECIPIENT = re.compile(r"to=(?:functions\.)?([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
 
-class HarmonyParser:
+class HarmonyParser(MarkerStream):
     """Content (final and commentary), reasoning (analysis) and calls (recipients) of one output.
     `feed`/`flush` as `policies.tool_stream.MarkupParser`."""
 
@@ -37,17 +37,12 @@ class HarmonyParser:
         self._reporter = CallReporter()
         self._scan = JsonScanner()
 
-    def feed(self, text: str) -> Parsed:
-        self._buffer += text
-        out = Parsed()
+    def _new_feed(self) -> None:
         self._reporter.new_feed()
-        while self._step(out):
-            pass
-        return out
 
     def flush(self) -> Parsed:
         out = Parsed()
-        self._reporter.new_feed()
+        self._new_feed()
         match self._state:
             case "call":
                 self._region += self._buffer

@@ -53,7 +53,39 @@ class _OpenCall:
     sent: str = ""
 
 
-class OutputParser:
+class MarkerStream:
+    """The loop of a streaming output parser: text is buffered, and `_step` consumes what can be
+    decided so far (a state per region: reasoning, content, a call), holding what might still be
+    the start of a marker. Subclasses give `_step` and `_new_feed`."""
+
+    _buffer: str
+    _state: str
+
+    def feed(self, text: str) -> Parsed:
+        self._buffer += text
+        out = Parsed()
+        self._new_feed()
+        while self._step(out):
+            pass
+        return out
+
+    def _new_feed(self) -> None:
+        """(Called at the start of each `feed` and `flush`.)"""
+
+    def _step(self, out: Parsed) -> bool:
+        """Consume what can be decided now; True if progress was made and more may follow."""
+        raise NotImplementedError
+
+    def _until(self, marker: str, out: Parsed, target: str, next_state: str) -> bool:
+        """Move text before `marker` to `target`; on the marker switch state. Holds partial markers."""
+        before, self._buffer, found = until_marker(self._buffer, marker)
+        setattr(out, target, getattr(out, target) + before)
+        if found:
+            self._state = next_state
+        return found
+
+
+class OutputParser(MarkerStream):
     def __init__(
         self,
         *,
@@ -74,19 +106,14 @@ class OutputParser:
         # in the feed that finished another streams from the next feed on.
         self._finished_in_feed = False
 
-    def feed(self, text: str) -> Parsed:
-        self._buffer += text
-        out = Parsed()
+    def _new_feed(self) -> None:
         self._finished_in_feed = False
-        while self._step(out):
-            pass
-        return out
 
     def flush(self) -> Parsed:
         """End of output: whatever is held is content, or reasoning; a call cut off is a call
         with the arguments generated so far (its markup never becomes content)."""
         out = Parsed()
-        self._finished_in_feed = False
+        self._new_feed()
         if self._state == "call":
             self._stream_call(out)
             call, tools = self._open, self._tools
@@ -104,7 +131,6 @@ class OutputParser:
         return out
 
     def _step(self, out: Parsed) -> bool:
-        """Consume what can be decided now; True if progress was made and more may follow."""
         buffer, think, tools = self._buffer, self._think, self._tools
         if self._state == "start":
             assert think is not None
@@ -168,14 +194,6 @@ class OutputParser:
         if len(ready) > len(call.sent) and ready.startswith(call.sent):
             out.deltas.append({"arguments": ready[len(call.sent) :]})
             call.sent = ready
-
-    def _until(self, marker: str, out: Parsed, target: str, next_state: str) -> bool:
-        """Move text before `marker` to `target`; on the marker switch state. Holds partial markers."""
-        before, self._buffer, found = until_marker(self._buffer, marker)
-        setattr(out, target, getattr(out, target) + before)
-        if found:
-            self._state = next_state
-        return found
 
     def _calls(self, body: str) -> list[dict]:
         """The calls in one marked span (some models' parsers return several); a body that does

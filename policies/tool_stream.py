@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from policies.output_parser import Parsed, partial_suffix, until_marker
+from policies.output_parser import MarkerStream, Parsed, partial_suffix
 
 
 @dataclass
@@ -101,7 +101,7 @@ class CallReporter:
             self._sent_args = arguments
 
 
-class MarkupParser:
+class MarkupParser(MarkerStream):
     """Content, a leading reasoning block and call regions of one request's output.
 
     `in_reasoning`: the prompt opened the reasoning block (the template ends with `<think>`),
@@ -116,17 +116,12 @@ class MarkupParser:
         self._state = "think" if in_reasoning and markup.think else "start"
         self._reporter = CallReporter()
 
-    def feed(self, text: str) -> Parsed:
-        self._buffer += text
-        out = Parsed()
+    def _new_feed(self) -> None:
         self._reporter.new_feed()
-        while self._step(out):
-            pass
-        return out
 
     def flush(self) -> Parsed:
         out = Parsed()
-        self._reporter.new_feed()
+        self._new_feed()
         if self._state == "call":
             self._region += self._buffer
             self._reporter.report(self._markup.read_region(self._region, True), out, closed=True, ended=True)
@@ -181,14 +176,6 @@ class MarkupParser:
         self._buffer = buffer[len(buffer) - hold :]
         self._reporter.report(self._markup.read_region(self._region, False), out, closed=False, ended=False)
         return False
-
-    def _until(self, marker: str, out: Parsed, target: str, next_state: str) -> bool:
-        """Move text before `marker` to `target`; on the marker switch state. Holds partial markers."""
-        before, self._buffer, found = until_marker(self._buffer, marker)
-        setattr(out, target, getattr(out, target) + before)
-        if found:
-            self._state = next_state
-        return found
 
 
 # -- JSON helpers shared by the families ------------------------------------------------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable
 from typing import Any, TypeGuard
 
 from protocols.api import DenoisingOptions, GenerateRequest, SamplingParams
@@ -232,21 +231,23 @@ def _check_structure(value: Any, field: str, limits: LimitsConfig) -> None:
 
 
 def _depth_exceeds(value: Any, limit: int) -> bool:
-    """Whether containers nest deeper than `limit` (iterative: deep input cannot blow the stack)."""
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        children: Iterable[Any]
-        if isinstance(node, dict):
-            children = node.values()
-        elif isinstance(node, (list, tuple)):
-            children = node
-        else:
-            continue
+    """Whether containers nest deeper than `limit` (level by level: deep input cannot blow the
+    stack, and only containers are visited: a message list's strings cost one type check each)."""
+    level = [value] if isinstance(value, _CONTAINERS) else []
+    depth = 0
+    while level:
+        depth += 1
         if depth > limit:
             return True
-        stack.extend((child, depth + 1) for child in children)
+        inner = []
+        for node in level:
+            children = node.values() if isinstance(node, dict) else node
+            inner += [child for child in children if isinstance(child, _CONTAINERS)]
+        level = inner
     return False
+
+
+_CONTAINERS = (dict, list, tuple)
 
 
 def max_prompt_bytes(info: ModelInfo, limits: LimitsConfig) -> int:

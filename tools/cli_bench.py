@@ -198,7 +198,7 @@ def _real(args, config: RuntimeConfig) -> int:
     if _unknown("mlxrt bench --real", "workloads", workloads, WORKLOADS):
         return EXIT_USAGE
     options = RealBenchOptions(workloads=workloads, repeats=args.repeats, new_tokens=args.new_tokens)
-    return _report(anyio.run(run_real_bench, with_model(config, args.model or MODEL), options), format_real_table, args.json_path)
+    return _on_model(args, config, MODEL, run_real_bench, options, format_real_table)
 
 
 def _speculative(args, config: RuntimeConfig) -> int:
@@ -252,22 +252,25 @@ def _vision(args, config: RuntimeConfig) -> int:
     from tools.bench_vision import DEFAULT_MODEL, WORKLOADS, VisionBenchOptions, format_vision_table, run_vision_bench
 
     workloads = _subset(args.vision_workloads)
-    if set(workloads) - set(WORKLOADS):
-        print(f"mlxrt bench --vision: workloads are {', '.join(WORKLOADS)}", file=sys.stderr)
+    if _unknown("mlxrt bench --vision", "workloads", workloads, WORKLOADS):
         return EXIT_USAGE
     options = VisionBenchOptions(workloads=workloads, repeats=min(args.repeats, 3), new_tokens=args.new_tokens)
-    return _report(anyio.run(run_vision_bench, with_model(config, args.model or DEFAULT_MODEL), options), format_vision_table, args.json_path)
+    return _on_model(args, config, DEFAULT_MODEL, run_vision_bench, options, format_vision_table)
 
 
 def _denoise(args, config: RuntimeConfig) -> int:
     from tools.bench_denoise import DEFAULT_MODEL, WORKLOADS, DenoiseBenchOptions, format_denoise_table, run_denoise_bench
 
     workloads = _subset(args.denoise_workloads)
-    if set(workloads) - set(WORKLOADS):
-        print(f"mlxrt bench --denoise: workloads are {', '.join(WORKLOADS)}", file=sys.stderr)
+    if _unknown("mlxrt bench --denoise", "workloads", workloads, WORKLOADS):
         return EXIT_USAGE
     options = DenoiseBenchOptions(workloads=workloads, repeats=min(args.repeats, 3), new_tokens=args.new_tokens)
-    return _report(anyio.run(run_denoise_bench, with_model(config, args.model or DEFAULT_MODEL), options), format_denoise_table, args.json_path)
+    return _on_model(args, config, DEFAULT_MODEL, run_denoise_bench, options, format_denoise_table)
+
+
+def _on_model(args, config: RuntimeConfig, default_model: str, run, options, table) -> int:
+    """A bench of one model (`--model`, else the bench's own), reported as a table (and JSON)."""
+    return _report(anyio.run(run, with_model(config, args.model or default_model), options), table, args.json_path)
 
 
 def _peer(args, config: RuntimeConfig) -> int:

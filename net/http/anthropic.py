@@ -136,27 +136,35 @@ def _system(blocks: list[at.ContentBlock], where: str) -> oa.ChatMessage:
 def _user(blocks: list[at.ContentBlock], where: str) -> list[oa.ChatMessage]:
     """A user turn: its text as user messages, each tool result as a `tool` message, in order."""
     out: list[oa.ChatMessage] = []
-    texts: list[oa.ContentPart] = []
+    pending: list[str | oa.ContentPart] = []  # (text as str: joined at once where no image is among it)
     for j, block in enumerate(blocks):
         place = f"{where}.content[{j}]"
         match block:
             case at.TextBlock(text=text):
-                texts.append(oa.ContentPart(type="text", text=text))
+                pending.append(text)
             case at.ImageBlock(source=source):
-                texts.append(oa.ContentPart(type="image_url", image_url=oa.ImageUrl(url=_image_url(source, place))))
+                pending.append(oa.ContentPart(type="image_url", image_url=oa.ImageUrl(url=_image_url(source, place))))
             case at.ToolResultBlock():
-                if texts:
-                    out.append(oa.ChatMessage(role="user", content=texts))
-                    texts = []
+                if pending:
+                    out.append(_user_message(pending))
+                    pending = []
                 content, images = _tool_result(block.content, place)
                 out.append(oa.ChatMessage(role="tool", tool_call_id=block.tool_use_id, content=content))
                 if images:  # (chat templates render images in user turns: the result's follow it)
                     out.append(oa.ChatMessage(role="user", content=images))
             case _:
                 raise _refused(block, place, "user")
-    if texts or not out:
-        out.append(oa.ChatMessage(role="user", content=texts))
+    if pending or not out:
+        out.append(_user_message(pending))
     return out
+
+
+def _user_message(pending: list[str | oa.ContentPart]) -> oa.ChatMessage:
+    """A user message of text and images; text alone joined (as `chat_messages` would join it)."""
+    if all(isinstance(part, str) for part in pending):
+        return oa.ChatMessage(role="user", content="".join(pending))  # type: ignore[arg-type]
+    parts = [oa.ContentPart(type="text", text=part) if isinstance(part, str) else part for part in pending]
+    return oa.ChatMessage(role="user", content=parts)
 
 
 def _image_url(source: at.ImageSource, where: str) -> str:

@@ -45,8 +45,8 @@ def test_with_several_mode_flags_the_first_in_table_order_wins_whatever_the_argu
         (["--kv", "--kv-workloads", "nope"], "mlxrt bench --kv: unknown workloads ['nope']; known: throughput,"),
         (["--kv", "--kv-formats", "int3"], "mlxrt bench --kv: unknown formats ['int3']; known: float, paged, int8, int4"),
         (["--disk", "--disk-formats", "int3"], "mlxrt bench --disk: workloads are restart, writes; formats float, int8, int4"),
-        (["--vision", "--vision-workloads", "nope"], "mlxrt bench --vision: workloads are beside, repeat, batch"),
-        (["--denoise", "--denoise-workloads", "nope"], "mlxrt bench --denoise: workloads are alone, together, beside"),
+        (["--vision", "--vision-workloads", "nope"], "mlxrt bench --vision: unknown workloads ['nope']; known: beside, repeat, batch"),
+        (["--denoise", "--denoise-workloads", "nope"], "mlxrt bench --denoise: unknown workloads ['nope']; known: alone, together, beside"),
     ],
 )
 def test_an_unknown_subset_exits_2_naming_the_known_ones(argv, said, capsys):
