@@ -6,11 +6,11 @@ controls batched beside them stay exactly mlx-lm's greedy streams."""
 from __future__ import annotations
 
 import math
+from itertools import takewhile
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_logits_processors
 
 from engine.engine import Engine
@@ -56,12 +56,7 @@ def _run(model_and_tokenizer, *admits: AdmitRequest) -> Driver:
 
 def _reference(model, prompt: list[int], processors, stop=(), max_tokens: int = MAX_TOKENS) -> list[int]:
     """mlx-lm's greedy tokens under `processors`, up to a stop token (not included)."""
-    tokens = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, logits_processors=processors):
-        if int(token) in stop:
-            break
-        tokens.append(int(token))
-    return tokens
+    return list(takewhile(lambda token: token not in stop, greedy_ids(model, prompt, max_tokens, logits_processors=processors)))
 
 
 # vLLM's semantics as mlx-lm logits processors (`tokens` is the prompt and the tokens generated so far).

@@ -16,7 +16,6 @@ import anyio
 import mlx.core as mx
 import msgspec
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.utils import load
 
 from protocols import Finished, GenerateRequest, TokenDelta
@@ -25,6 +24,7 @@ from runtime.checkpoints import path_for
 from runtime.config import CheckpointConfig, RuntimeConfig
 from tests.support.config import make_config
 from tests.support.families import FAMILIES, build
+from tests.support.mlx_reference import greedy_steps
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +42,9 @@ def _prompt(length: int, seed: int) -> list[int]:
 def _reference(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     """mlx-lm's greedy tokens and, at each, the gap between its top two logits."""
     tokens, margins = [], []
-    for token, logprobs in generate_step(mx.array(prompt), model, max_tokens=n):
+    for token, logprobs in greedy_steps(model, prompt, n):
         top = mx.sort(logprobs)[-2:].tolist()
-        tokens.append(int(token))
+        tokens.append(token)
         margins.append(top[1] - top[0])
     return tokens, margins
 

@@ -10,7 +10,7 @@ import pytest
 from protocols import Finished, GenerateRequest, TokenDelta
 from runtime import Runtime
 from runtime.config import GenerationConfig, KvConfig, LoggingConfig, RuntimeConfig, SchedulerConfig
-from tests.support.mlx_reference import greedy_tokens, load_reference
+from tests.support.mlx_reference import greedy_ids, greedy_tokens, load_reference
 
 MAX_TOKENS = 16
 
@@ -150,14 +150,7 @@ async def test_snapshot_at_keeps_the_system_prompt_while_the_request_runs(model)
         assert finished.usage.cached_tokens == len(system)
         await first.aclose()
     reference, _ = load_reference(model)
-    assert tokens == _greedy(reference, prompt, MAX_TOKENS)
-
-
-def _greedy(model, prompt: list[int], n: int) -> list[int]:
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
-    return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+    assert tokens == greedy_ids(reference, prompt, MAX_TOKENS)
 
 
 async def test_timings_split_prefill_and_decode_and_rate_only_what_was_prefilled():

@@ -27,6 +27,13 @@ def greedy_tokens(model, tokenizer, prompt_ids: list[int], max_tokens: int) -> l
     return tokens
 
 
-def greedy_ids(model, prompt: list[int], n: int) -> list[int]:
+def greedy_steps(model, prompt: list[int], n: int, *, logits_processors=None) -> list[tuple[int, mx.array]]:
+    """mlx-lm's first `n` greedy steps (`generate_step`, EOS or not): each token, with the
+    log-probabilities it was chosen from; `logits_processors` as `generate_step` takes them."""
+    steps = generate_step(mx.array(prompt), model, max_tokens=n, logits_processors=logits_processors)
+    return [(int(token), logprobs) for token, logprobs in steps]
+
+
+def greedy_ids(model, prompt: list[int], n: int, *, logits_processors=None) -> list[int]:
     """mlx-lm's first `n` greedy tokens, EOS or not (for requests without stops)."""
-    return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+    return [token for token, _ in greedy_steps(model, prompt, n, logits_processors=logits_processors)]

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step, stream_generate
+from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load
 from tokenizers import Tokenizer
@@ -37,6 +37,7 @@ from engine.builtin import (
 from engine.builtin.models import MANIFEST, MODEL_FILES, _hf_config
 from engine.builtin.tokenizer import ADDED_TOKENS, CONTROL_TOKENS, ENDOFTEXT, IM_END
 from runtime import env
+from tests.support.mlx_reference import greedy_ids
 
 TINY_MODELS = ("tiny", "tiny-qwen2")
 # The other tiny built-ins and the caches make_prompt_cache gives them, one per layer.
@@ -224,8 +225,8 @@ def test_chat_template_without_tools_or_system(hf_tokenizer) -> None:
 
 def test_greedy_generation_is_not_degenerate(built: Built) -> None:
     model, _ = load(str(built.dirs["tiny"]))
-    prompt = mx.array(np.random.default_rng(7).integers(0, 1000, 16))
-    tokens = [int(token) for token, _ in generate_step(prompt, model, max_tokens=24)]
+    prompt = np.random.default_rng(7).integers(0, 1000, 16).tolist()
+    tokens = greedy_ids(model, prompt, 24)
     assert len(tokens) == 24
     assert len(set(tokens)) >= 3
 
@@ -237,12 +238,9 @@ def test_the_copying_circuit_copies_its_context(built: Built) -> None:
     rng = np.random.default_rng(3)
     document = [int(t) for t in rng.choice(np.arange(20, 1000), 80, replace=False)]
 
-    def greedy(prompt: list[int], n: int) -> list[int]:
-        return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
-
-    assert greedy(document + document[:4], 60) == document[4:64]
+    assert greedy_ids(model, document + document[:4], 60) == document[4:64]
     # An edit: a token the document does not hold, then the copy again from after it.
-    assert greedy(document + document[:10] + [5], 40) == document[11:51]
+    assert greedy_ids(model, document + document[:10] + [5], 40) == document[11:51]
 
 
 def test_the_runtime_root_comes_from_mlxrt_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
