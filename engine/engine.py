@@ -43,7 +43,7 @@ from engine.lora import AdapterBank
 from engine.model.wired import WiredScope, model_bytes, recommended_working_set
 from engine.parking import BatchRows
 from engine.prefill import encode_unit, prefill_one, prefill_together
-from engine.sequence import InFlight, Sequence, capture_checkpoints
+from engine.sequence import InFlight, Sequence, capture_checkpoints, capture_prompt_ends
 from engine.speculation import Speculator
 from engine.starting import Grammars, RequestStarts
 from engine.warm_up import run_warm_up
@@ -277,7 +277,10 @@ class Engine:
         Whatever its start took before it failed is given back (`RequestStarts.free`)."""
         if admit.request_id in self._sequences:
             raise EngineInvariantError(f"request {admit.request_id!r} admitted twice")
-        seq = Sequence(admit=admit, stop_ids=frozenset(admit.stop_token_ids))
+        # Entries used whole: besides the one at `prompt_len - 1` (`_prefill`: the same prompt
+        # again), one of the whole prompt, for prompts that extend it (`_keep_prompt_ends`).
+        prompt_end_due = admit.save_prefix and not self._trimmable
+        seq = Sequence(admit=admit, stop_ids=frozenset(admit.stop_token_ids), prompt_end_due=prompt_end_due)
         try:
             self._starts.start(seq)
         except Exception as exc:
@@ -398,6 +401,7 @@ class Engine:
         self._join_ready()
         in_flight = self._in_flight.rows if self._in_flight is not None else []
         self._checkpoints += capture_checkpoints(self._sequences.values(), self._rows.batch, self._layout, in_flight)
+        self._keep_prompt_ends(in_flight)
         dispatched = self._dispatch() if len(self._rows.batch) else None
         if self._in_flight is not None:
             outputs += self._collect(self._in_flight)
@@ -405,7 +409,18 @@ class Engine:
         if dispatched is not None and dispatched.has_first_tokens:
             outputs += self._collect(dispatched)
             self._in_flight = None
+            self._keep_prompt_ends([])  # (nothing in flight: reported with the first tokens)
         return outputs
+
+    def _keep_prompt_ends(self, in_flight: list[Sequence]) -> None:
+        """Offer the prefix cache the whole prompt's KV of rows that want it (when entries are
+        used whole), as soon as a row holds exactly that: a prompt extending it then seeds from
+        it and prefills only its new tokens (the entry at `prompt_len - 1` would leave the last
+        token before them to prefill again). Taken as soon as a row's first token is read, or
+        (a row that first holds its whole prompt on joining: resumed, unparked) before the next
+        dispatch. A row ending after one token offers it on release instead."""
+        for seq, kept in capture_prompt_ends(self._sequences.values(), self._rows.batch, in_flight):
+            self._prefixes.save(seq, kept, seq.prompt_len)
 
     def _retire_exhausted(self) -> None:
         """Rows whose in-flight token is their last leave before the next dispatch."""

@@ -1,5 +1,5 @@
-"""One admitted request's engine-side state, a dispatched step not read yet, and the
-checkpoints of rows that are due one."""
+"""One admitted request's engine-side state, a dispatched step not read yet, the
+checkpoints of rows that are due one, and the prompt-end KV of rows that want it kept."""
 
 from __future__ import annotations
 
@@ -56,6 +56,9 @@ class Sequence:
     # A checkpoint was asked for and is taken at the first step end that can (no known
     # tokens waiting to be forwarded).
     checkpoint_due: bool = False
+    # Models whose prefix entries are used whole: the KV of the whole prompt is to be offered
+    # to the prefix cache once a step has forwarded its last token (`capture_prompt_ends`).
+    prompt_end_due: bool = False
     # Why this request failed on its own (its grammar, its fill session); it ends with
     # `error` when its in-flight token is collected, and the batch goes on.
     failure: str | None = None
@@ -172,4 +175,29 @@ def capture_checkpoints(seqs: Iterable[Sequence], batch: DecodeBatch, layout: li
         taken.append(
             CheckpointData(seq.request_id, list(seq.generated), num_kv, tensors, adapter_digest=admit.adapter_digest, position_shift=seq.position_shift)
         )
+    return taken
+
+
+def capture_prompt_ends(seqs: Iterable[Sequence], batch: DecodeBatch, in_flight: list[Sequence]) -> list[tuple[Sequence, list]]:
+    """The rows that want their prompt's KV kept (`Sequence.prompt_end_due`) and hold exactly
+    the prompt now, between a step's read and the next dispatch (after their first token is
+    read: the last prompt token is forwarded, the first generated one pending), each with its
+    row's caches (`DecodeBatch.extract`). A row with a token in flight is taken at the next
+    chance; one already past its prompt (it fed more than a token in a step) never is. A
+    failed capture is logged and skipped, never fails the step."""
+    flying = {id(seq) for seq in in_flight}
+    taken = []
+    for seq in seqs:
+        if not (seq.prompt_end_due and seq.in_batch) or id(seq) in flying:
+            continue
+        held = batch.lengths[batch.index(seq.request_id)]
+        if held < seq.prompt_len:
+            continue  # its last prompt token is still the pending input
+        seq.prompt_end_due = False
+        if held > seq.prompt_len:
+            continue
+        try:
+            taken.append((seq, batch.extract(seq.request_id)))
+        except Exception:
+            log.exception("prompt_end_capture_failed", request_id=seq.request_id)
     return taken

@@ -180,7 +180,8 @@ def test_requests_seeded_from_one_prefix_never_change_it(engine, model_and_token
         (entry,) = driver.saved
         seeds = (20, len(prompt) - 1)  # the shorter seed writes past position 20 first
     else:
-        assert len(driver.saved) == 2
+        # At prefill's end, at the whole prompt (after the first token), and at release.
+        assert sorted(len(e.tokens) for e in driver.saved)[:2] == [len(prompt) - 1, len(prompt)] and len(driver.saved) == 3
         (entry,) = [e for e in driver.saved if len(e.tokens) == len(prompt) - 1]
         seeds = (len(prompt) - 1, len(prompt) - 1)
     before = arrays(entry.entry_id)
@@ -192,6 +193,33 @@ def test_requests_seeded_from_one_prefix_never_change_it(engine, model_and_token
         assert driver.tokens[rid] == driver.tokens["a"]
     after = arrays(entry.entry_id)
     assert len(before) == len(after) > 0 and all(np.array_equal(x, y) for x, y in zip(before, after))
+
+
+@pytest.mark.parametrize("max_tokens", [1, 10])
+def test_a_prompt_extending_another_seeds_from_its_whole_prompt_and_prefills_only_what_it_adds(engine, model_and_tokenizer, max_tokens):
+    """An agent's next turn: its prompt is the last one plus new tokens (not what that one
+    generated). The prefix lookup (whole entries where caches cannot be cut back) finds the
+    entire first prompt, so only the new tokens are prefilled, and the tokens equal a cold run."""
+    import msgspec
+
+    from policies.prefix_index import PrefixIndex
+
+    first, added = random_prompts([37, 13])
+    driver = Driver(engine)
+    driver.admit(admit_request("a", first, max_tokens=max_tokens))
+    driver.run()
+    index = PrefixIndex()
+    for entry in driver.saved:
+        index.insert(entry.entry_id, entry.tokens, entry.num_bytes, whole=not engine._trimmable)
+    second = first + added
+    match = index.lookup(second, len(second) - 1, whole=not engine._trimmable)
+    assert match is not None and match.num_tokens == len(first)
+    driver.admit(msgspec.structs.replace(admit_request("b", second, max_tokens=10), prefix_entry=match.entry_id, prefix_tokens=match.num_tokens))
+    assert engine.kv_tokens()["b"] == len(first)
+    driver.left["b"] = len(added) - 1  # the last prompt token is the first decode step's input
+    driver.run()
+    assert driver.tokens["b"] == greedy_ids(model_and_tokenizer[0], second, 10)
+    driver.assert_only_prefixes_remain()
 
 
 def test_a_parked_row_resumes_exactly_where_it_stopped(engine, model_and_tokenizer):

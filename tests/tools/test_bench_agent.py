@@ -185,9 +185,6 @@ def test_a_gguf_file_exported_for_mlx_lm_gives_the_logits_of_the_model_mlxrt_ser
 
 @pytest.mark.slow
 @pytest.mark.server
-@pytest.mark.xfail(
-    strict=True, reason="hybrid models keep a prefix entry at prompt_len - 1 (engine/engine.py): each turn prefills the last token before it again"
-)
 async def test_three_turns_on_a_hybrid_model_prefill_only_their_new_tokens():
     from tests.support.config import make_config
 
