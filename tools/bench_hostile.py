@@ -3,10 +3,10 @@
 One process serves one runtime over HTTP (`net.http`), as `mlxrt serve --http` does. A greedy
 streaming chat (`stream_tokens` tokens, `ignore_eos`) is timed alone, then while one hostile
 request at the largest size `[limits]` allows is kept in flight by a client process of its own
-(sent again as soon as it is answered, so it covers the whole stream), alternating alone / beside for `rounds` rounds per
-hostile. The stream's decode rate is its tokens after the first over the time from first to last;
-each hostile's ratio is its beside rate over the median of the alone rates around it. Prints a
-table of ratios (below `TARGET` fails the bound "within 20% of its alone rate") and writes JSON.
+(sent again as soon as it is answered, so it covers the whole stream), alternating alone / beside
+for `rounds` rounds per hostile. The stream's decode rate is its tokens after the first over the
+time from first to last; each hostile's ratio is its beside rate over the median of the alone rates
+around it. Prints a table of ratios (below `TARGET` fails the bound "within 20% of its alone rate") and writes JSON.
 
 Hostiles: `n` (a chat with `limits.max_choices` choices), `echo_logprobs` (a completion echoing its
 prompt with 20 logprobs per token, `limits.max_prompt_logprobs_tokens` scored), `prompts`
@@ -107,14 +107,17 @@ async def _hostile_loop(url: str, route: str, body: bytes) -> None:
     """(In the hostile's own process) the request, sent again as soon as it is answered, until
     stdin closes; then each answer's status, one JSON list on stdout."""
     answers: list[int] = []
+    said = False
 
     async def send() -> None:
+        nonlocal said
         while True:
             try:
                 async with HttpConnection.connect(url, timeout=60.0) as connection:
-                    if not answers:
-                        sys.stdout.write("sending\n")  # (the stream starts on this line)
+                    if not said:  # (the stream starts on this line)
+                        sys.stdout.write("sending\n")
                         sys.stdout.flush()
+                        said = True
                     while True:
                         try:
                             async for _ in connection.post(route, body):

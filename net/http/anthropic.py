@@ -161,8 +161,9 @@ def _user(blocks: list[at.ContentBlock], where: str) -> list[oa.ChatMessage]:
 
 def _user_message(pending: list[str | oa.ContentPart]) -> oa.ChatMessage:
     """A user message of text and images; text alone joined (as `chat_messages` would join it)."""
-    if all(isinstance(part, str) for part in pending):
-        return oa.ChatMessage(role="user", content="".join(pending))  # type: ignore[arg-type]
+    texts = [part for part in pending if isinstance(part, str)]
+    if len(texts) == len(pending):
+        return oa.ChatMessage(role="user", content="".join(texts))
     parts = [oa.ContentPart(type="text", text=part) if isinstance(part, str) else part for part in pending]
     return oa.ChatMessage(role="user", content=parts)
 
