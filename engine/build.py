@@ -70,11 +70,13 @@ def build_engine(
     """Runs on the MLX thread. In a `world`, the model is this rank's shard, its `ModelInfo`
     names the world, and the step is not compiled (a collective inside a compiled function
     is not supported)."""
-    model = load_model(spec.model, builtin_root, progress, world)
     if world is not None:
         native.disable("a distributed world's rank (a lost peer hung the step with the kernels)")
     elif mx.default_device() == mx.cpu:
-        native.load(builtin_root, progress)  # (compiled on first use: before "ready", with progress)
+        # (compiled on first use: before "ready", with progress; before the load, whose policy for
+        # quantized weights depends on them: `engine.model.weights`)
+        native.load(builtin_root, progress)
+    model = load_model(spec.model, builtin_root, progress, world)
     loaded = with_kv_format(model, spec.kv, sharded=world is not None)
     if world is not None:
         loaded.info = msgspec.structs.replace(loaded.info, world=f"{world.config.mode}/{world.size}")

@@ -24,7 +24,9 @@ eight floats at a time, bit for bit MLX's results) serve the same pieces during 
 they are loaded, for float32: the SwiGLU then runs whole (10-20x faster, nothing left to split),
 the attention still on two lanes (its matrix products and masking are MLX's); the model's
 `nn.RMSNorm` and `nn.RoPE` layers (`KernelRMSNorm`, `KernelRoPE`) run as one primitive each in
-place of MLX's six and ~20 ops. A compiled step traced inside the step uses them too
+place of MLX's six and ~20 ops; quantized linear layers and tied quantized embeddings
+(`KernelQuantizedLinear`, `KernelQuantizedEmbedding`) multiply by their stored 4- or 8-bit weights
+in mlxrt's kernel (same function, another float summation order: not bit for bit). A compiled step traced inside the step uses them too
 (`suspended()` stops the splitting only).
 """
 
@@ -40,6 +42,7 @@ import mlx.nn as nn
 from mlx_lm.models import activations
 
 from engine import native
+from engine.model.weights import kernel_serves
 from engine.rebind import rebind
 
 _SWIGLU = activations.swiglu
@@ -241,7 +244,41 @@ class KernelRoPE(nn.RoPE):
         return super().__call__(x, offset)  # type: ignore[arg-type]
 
 
-_KERNEL_CLASSES: dict[type, type] = {nn.RMSNorm: KernelRMSNorm, nn.RoPE: KernelRoPE}
+def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array | None:
+    """`x` times a quantized layer's weight (transposed) by mlxrt's kernel where `kernels` allows
+    and the kernel serves the layer (`engine.model.weights`); None: MLX's `quantized_matmul`."""
+    module = kernels(x, layer["scales"], layer["biases"]) if "biases" in layer else None
+    if module is None or not kernel_serves(layer):
+        return None
+    return module.quantized_matmul(x, layer["weight"], layer["scales"], layer["biases"], group_size=layer.group_size, bits=layer.bits)
+
+
+class KernelQuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` whose products inside the engine's step use mlxrt's quantized kernel
+    (`_quantized_product`); elsewhere its own."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = _quantized_product(self, x)
+        if y is None:
+            return super().__call__(x)
+        return y + self["bias"] if "bias" in self else y
+
+
+class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+    """`nn.QuantizedEmbedding` whose products as the output layer (tied embeddings) inside the
+    engine's step use mlxrt's quantized kernel; its lookups are MLX's own."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        y = _quantized_product(self, x)
+        return super().as_linear(x) if y is None else y
+
+
+_KERNEL_CLASSES: dict[type, type] = {
+    nn.RMSNorm: KernelRMSNorm,
+    nn.RoPE: KernelRoPE,
+    nn.QuantizedLinear: KernelQuantizedLinear,
+    nn.QuantizedEmbedding: KernelQuantizedEmbedding,
+}
 
 
 def install(model) -> list[str]:

@@ -220,12 +220,12 @@ def roofline_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 def server_models(gguf: str, config: RuntimeConfig) -> dict[str, dict[str, Any]]:
     """What each server reads per token of this GGUF: weight bytes as each holds them, KV bytes per position."""
     tensors, attention = roofline.gguf_tensors(gguf)
-    dequantized = roofline.mlxrt_dequantizes(tensors, config.model.cpu_dequantize, roofline.physical_memory())
+    dequantized = roofline.mlxrt_dequantizes(tensors, config.model.cpu_dequantize, roofline.physical_memory(), roofline.mlxrt_kernels_serve())
     return {
         "mlxrt": {
             "weight_bytes": roofline.mlxrt_weight_bytes(tensors, dequantized),
             "kv_bytes_per_position": attention.kv_bytes_per_position(mlxrt_kv_element_bytes(config)),
-            "weights": "float32 (dequantized at load)" if dequantized else "as stored",
+            "weights": "float32 (dequantized at load)" if dequantized else "quantized (MLX's affine format)",
         },
         "llama.cpp": {
             "weight_bytes": roofline.llamacpp_weight_bytes(tensors),
@@ -379,7 +379,7 @@ def run_from_args(args: Any) -> int:
     options = PeerBenchOptions(
         peer=args.peer,
         gguf=args.model,
-        prompt_tokens=(args.prompt_tokens, args.long_prompt_tokens),
+        prompt_tokens=tuple(n for n in (args.prompt_tokens, args.long_prompt_tokens) if n > 0),  # (0: that length left out)
         concurrency=tuple(int(x) for x in args.peer_concurrency.split(",") if x),
         new_tokens=args.new_tokens,
         repeats=args.repeats,

@@ -1,14 +1,20 @@
-"""Quantized weights on the CPU backend: dequantize at load when it fits.
+"""Quantized weights on the CPU backend: kept for mlxrt's kernels, or dequantized at load.
 
 MLX's CPU `quantized_matmul` is ~3x slower than float32 for one row and ~35x slower for 16
 rows (shared/PLATFORM.md), while float32 matmul goes through BLAS; `gather_qmm` (experts) is
-~4x slower than `gather_mm`. So on the CPU backend a quantized model's linear, embedding and
-expert (switch) layers are turned back into float32 ones at load (`model.cpu_dequantize`):
-"always", "never", or "auto" = when the float32 weights take at most `AUTO_MEMORY_SHARE` of
-physical memory. On other backends quantized weights are kept. (This is the model's weights;
-quantized KV, `kv.bits`, is `engine.kv.quantized`.)
-The dequantized weights are exactly `mx.dequantize` of the stored ones: the model computes
-the same function as mlx-lm's quantized forward, up to float rounding in the matmuls.
+~4x slower than `gather_mm`. mlxrt's own kernel (`engine/native/quantized.h`) reads affine 4- and
+8-bit weights as stored, 4-8x faster than float32 for a decode step's few rows, since a decode
+step is bound by the bytes it reads. So on the CPU backend (`model.cpu_dequantize`):
+- "auto": where the kernels are loaded and serve every quantized layer (linear and embedding,
+  4 or 8 bits, groups of 32/64/128), the layers stay quantized. (A prefill's products of many
+  rows dequantize panels of 1,024 features for BLAS: a 512-token prefill of SmolLM2 took 2.32 s
+  against 2.41 s from float32 weights, so no float32 copy is kept.) Elsewhere, the layers are
+  dequantized to float32 when those take at most `AUTO_MEMORY_SHARE` of physical memory, else kept.
+- "always": dequantized to float32 layers (expert layers too). "never": kept.
+On other backends quantized weights are kept. (This is the model's weights; quantized KV,
+`kv.bits`, is `engine.kv.quantized`.) The float32 weights are exactly `mx.dequantize` of the
+stored ones: the model computes the same function as mlx-lm's quantized forward, up to float
+rounding in the matrix products.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 AUTO_MEMORY_SHARE = 0.5
+KERNEL_BITS = (4, 8)
+KERNEL_GROUPS = (32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -61,13 +69,37 @@ def _physical_memory() -> int:
         return 0
 
 
-def keeps_quantized(policy: str, float_bytes: int) -> str | None:
+def kernels_loaded() -> bool:
+    """Whether mlxrt's CPU kernels, with the quantized product, serve in this process."""
+    from engine import native
+
+    module = native.loaded()
+    return module is not None and hasattr(module, "quantized_matmul") and mx.default_device() == mx.cpu
+
+
+def kernel_serves(module: nn.Module) -> bool:
+    """Whether mlxrt's quantized kernel computes this layer's products."""
+    return (
+        isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
+        and getattr(module, "mode", "affine") == "affine"
+        and module.bits in KERNEL_BITS
+        and module.group_size in KERNEL_GROUPS
+        and "biases" in module
+    )
+
+
+KERNELS_REASON = "kept: mlxrt's quantized kernels decode from the stored weights"
+
+
+def keeps_quantized(policy: str, float_bytes: int, kernels: bool = True) -> str | None:
     """Why quantized weights whose float32 form takes `float_bytes` stay quantized under
-    `policy`, or None when they are dequantized."""
+    `policy`, or None when they are dequantized (`kernels`: may mlxrt's kernels serve them)."""
     if mx.default_device() != mx.cpu:
         return "kept: not the CPU backend"
     if policy == "never":
         return "kept: model.cpu_dequantize = never"
+    if policy == "auto" and kernels and kernels_loaded():
+        return KERNELS_REASON
     memory = _physical_memory()
     if policy == "auto" and memory and float_bytes > AUTO_MEMORY_SHARE * memory:
         return f"kept: float32 weights need {float_bytes / 2**30:.1f} GiB, over {AUTO_MEMORY_SHARE:.0%} of {memory / 2**30:.1f} GiB"
@@ -81,7 +113,9 @@ def apply_cpu_policy(model: nn.Module, policy: str, dtype: mx.Dtype = mx.float32
         return QuantizationReport(0, False, "not quantized")
     bits, group = modules[0][1].bits, modules[0][1].group_size
     need = _float_bytes(modules)
-    if (kept := keeps_quantized(policy, need)) is not None:
+    if policy == "auto" and kernels_loaded() and all(kernel_serves(module) for _, module in modules):
+        return QuantizationReport(len(modules), False, KERNELS_REASON, bits, group)
+    if (kept := keeps_quantized(policy, need, kernels=False)) is not None:
         return QuantizationReport(len(modules), False, kept, bits, group)
     model.update_modules(tree_unflatten([(name, _dequantized(module, dtype)) for name, module in modules]))
     mx.eval(model.parameters())

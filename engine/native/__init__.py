@@ -6,7 +6,10 @@ attention's softmax are most of a CPU forward's time besides the matrix products
 computes the same formulas with the same roundings eight floats at a time (AVX2 + FMA): MLX
 primitives of our own (`swiglu`, `softmax`, `scaled_dot_product_attention` = MLX's CPU attention
 with that softmax, `rms_norm` and `rope` = MLX's CPU RMSNorm and RoPE, six and ~20 ops, as one
-each), 10-20x faster and bit for bit MLX's results.
+each), 10-20x faster and bit for bit MLX's results. `quantized.h` adds `quantized_matmul`, MLX's
+`quantized_matmul` for affine 4- and 8-bit weights read as stored (AVX-512 where the CPU has it,
+a helper thread for large products): the same function summed in another order, so it is checked
+within float rounding, not bit for bit (`_check_quantized`).
 
 `load()` builds the extension with g++ against the installed MLX's headers and library and
 nanobind (in the package's `_build` directory, else `fallback_dir`; `.ci/bootstrap.sh` builds it
@@ -16,7 +19,8 @@ MLX's ops (the same bits, slower), on anything but Linux x86-64 with AVX2 and FM
 compiler, when the build or the check fails (each logged once), with `MLXRT_NATIVE=0`, and in a
 distributed world's ranks (`disable`: when a peer died, rank 0's step hung with the kernels in it
 instead of failing; not explained yet).
-Only the engine's step uses the kernels (`engine.lanes`), on the CPU backend, for float32.
+Only the engine's step uses the kernels (`engine.lanes`), on the CPU backend, for float32; whether
+they loaded also decides what `model.cpu_dequantize = "auto"` does (`engine.model.weights`).
 """
 
 from __future__ import annotations
@@ -36,12 +40,17 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import structlog
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 log = structlog.get_logger("engine.native")
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
+HEADERS = (Path(__file__).with_name("quantized.h"),)  # (included by SOURCE)
 _UNSET = object()
 _loaded: object = _UNSET
 
@@ -54,7 +63,14 @@ def _key() -> str:
     from importlib.metadata import version
 
     flags = " ".join(_command(Path("out"))[1:]).encode()
-    parts = [SOURCE.read_bytes(), flags, version("mlx").encode(), version("nanobind").encode(), str(sysconfig.get_config_var("EXT_SUFFIX")).encode()]
+    parts = [
+        SOURCE.read_bytes(),
+        *(header.read_bytes() for header in HEADERS),
+        flags,
+        version("mlx").encode(),
+        version("nanobind").encode(),
+        str(sysconfig.get_config_var("EXT_SUFFIX")).encode(),
+    ]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -199,6 +215,28 @@ def check(module: ModuleType) -> str | None:
             got = module.scaled_dot_product_attention(q, k, v, scale=0.25, mask_mode=mode or "", mask=array)
             if not mx.array_equal(got, expected).item():
                 return f"scaled_dot_product_attention (mask {mode or 'array' if array is not None else 'none'})"
+        if (difference := _check_quantized(module, normal)) is not None:
+            return difference
+    return None
+
+
+def _check_quantized(module: ModuleType, normal: Callable[..., mx.array]) -> str | None:
+    """The quantized product against `mx.quantized_matmul`: the same function summed in another
+    order, so within float rounding (a relative 1e-5 of the products' magnitudes), for each
+    bit width and group size, one row to a prefill's many, and the uneven tails."""
+    import mlx.core as mx
+
+    for bits in (4, 8):
+        for group in (32, 64, 128):
+            weight = normal(72, 256)
+            w, scales, biases = mx.quantize(weight, group_size=group, bits=bits)
+            for rows in (1, 2, 3, 5, 8, 13, 30):
+                x = normal(rows, 256)
+                expected = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group, bits=bits)
+                got = module.quantized_matmul(x, w, scales, biases, group_size=group, bits=bits)
+                bound = 1e-5 * (mx.abs(x) @ mx.abs(mx.dequantize(w, scales, biases, group_size=group, bits=bits)).T).max()
+                if got.shape != expected.shape or not bool(mx.all(mx.abs(got - expected) <= bound).item()):
+                    return f"quantized_matmul ({bits} bits, groups of {group}, {rows} rows)"
     return None
 
 

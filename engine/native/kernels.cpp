@@ -15,6 +15,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <thread>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -565,6 +569,13 @@ class PagedAttention : public CpuPrimitive {
   int width_, block_size_;
 };
 
+// An input as a kernel reads it (row-contiguous): itself where it is evaluated and contiguous
+// already (a model's weights, the KV pools: no copy node in the graph, ~5 us each at evaluation),
+// else through MLX's `contiguous`.
+static mx::array contiguous_input(const mx::array& a, mx::Stream stream) {
+  return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, stream);
+}
+
 static void check_float32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32) {
     throw std::invalid_argument(std::string("[mlxrt.native] ") + what + " must be float32");
@@ -578,8 +589,8 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
     throw std::invalid_argument("[mlxrt.native] swiglu's gate and input must have one shape");
   }
   auto stream = mx::to_stream(s);
-  auto g = mx::contiguous(gate, false, stream);
-  auto u = mx::contiguous(up, false, stream);
+  auto g = contiguous_input(gate, stream);
+  auto u = contiguous_input(up, stream);
   return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(stream), {g, u});
 }
 
@@ -591,7 +602,7 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::S
     throw std::invalid_argument("[mlxrt.native] rms_norm's weight must be a vector as long as the input's last axis");
   }
   auto stream = mx::to_stream(s);
-  return mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(stream, eps), {mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(stream, eps), {contiguous_input(x, stream), contiguous_input(weight, stream)});
 }
 
 // `mx.fast.rope(x, dims, traditional=, base=, scale=, offset=)` for float32, without `freqs`.
@@ -604,8 +615,8 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
     throw std::invalid_argument("[mlxrt.native] rope's offset must be an integer scalar or one per batch item");
   }
   auto stream = mx::to_stream(s);
-  auto o = mx::contiguous(mx::astype(offset, mx::int32, stream), false, stream);
-  return mx::array(x.shape(), mx::float32, std::make_shared<RoPE>(stream, dims, traditional, base, scale), {mx::contiguous(x, false, stream), o});
+  auto o = contiguous_input(mx::astype(offset, mx::int32, stream), stream);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RoPE>(stream, dims, traditional, base, scale), {contiguous_input(x, stream), o});
 }
 
 // `decode_attention`'s stacked attention over each row's first `width` positions in its blocks:
@@ -623,22 +634,22 @@ mx::array paged_attention(const mx::array& queries, const mx::array& pool_keys, 
     throw std::invalid_argument("[mlxrt.native] paged attention: mismatched queries, pools, blocks or width");
   }
   auto stream = mx::to_stream(s);
-  std::vector<mx::array> inputs = {mx::contiguous(queries, false, stream), mx::contiguous(pool_keys, false, stream),
-                                   mx::contiguous(pool_values, false, stream), mx::contiguous(blocks, false, stream)};
+  std::vector<mx::array> inputs = {contiguous_input(queries, stream), contiguous_input(pool_keys, stream),
+                                   contiguous_input(pool_values, stream), contiguous_input(blocks, stream)};
   if (mask) {
     const auto& m = *mask;
     if (m.ndim() != 4 || m.shape(1) != 1 || m.shape(2) != 1 || m.shape(3) != width || (m.shape(0) != 1 && m.shape(0) != queries.shape(0)) ||
         (m.dtype() != mx::bool_ && m.dtype() != mx::float32)) {
       throw std::invalid_argument("[mlxrt.native] paged attention's mask must be [rows or 1, 1, 1, width], boolean or float32");
     }
-    inputs.push_back(mx::contiguous(m, false, stream));
+    inputs.push_back(contiguous_input(m, stream));
   }
   if (lengths) {
     const auto& n = *lengths;
     if (mask || n.dtype() != mx::int32 || n.ndim() != 1 || n.shape(0) != queries.shape(0)) {
       throw std::invalid_argument("[mlxrt.native] paged attention's lengths must be int32 [rows], without a mask");
     }
-    inputs.push_back(mx::contiguous(n, false, stream));
+    inputs.push_back(contiguous_input(n, stream));
   }
   return mx::array(queries.shape(), mx::float32, std::make_shared<PagedAttention>(stream, width, block_size), std::move(inputs));
 }
@@ -647,14 +658,14 @@ mx::array paged_attention(const mx::array& queries, const mx::array& pool_keys, 
 mx::array exp(const mx::array& x, mx::StreamOrDevice s) {
   check_float32(x, "exp's input");
   auto stream = mx::to_stream(s);
-  return mx::array(x.shape(), mx::float32, std::make_shared<Exp>(stream), {mx::contiguous(x, false, stream)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<Exp>(stream), {contiguous_input(x, stream)});
 }
 
 // `mx.softmax(x, axis=-1, precise=True)` for float32.
 mx::array softmax(const mx::array& x, mx::StreamOrDevice s) {
   check_float32(x, "softmax's input");
   auto stream = mx::to_stream(s);
-  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(stream), {mx::contiguous(x, false, stream)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(stream), {contiguous_input(x, stream)});
 }
 
 // `mx.fast.scaled_dot_product_attention` as MLX evaluates it on the CPU (its `fallback` in
@@ -708,6 +719,8 @@ mx::array sdpa(const mx::array& queries, const mx::array& keys, const mx::array&
   return out;
 }
 
+#include "quantized.h"
+
 static bool cpu_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -726,6 +739,10 @@ NB_MODULE(_kernels, m) {
         "mx.fast.rope (no freqs) for float32 on the CPU.");
   m.def("rms_norm", &mlxrt::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.fast.rms_norm(x, weight, eps) for float32 on the CPU.");
   m.def("softmax", &mlxrt::softmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.softmax(x, axis=-1, precise=True) for float32 on the CPU.");
+  m.def("quantized_matmul", &mlxrt::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
+        "helped"_a = true, "stream"_a = nb::none(), "mx.quantized_matmul(x, w, scales, biases, transpose=True) for affine 4/8-bit weights, float32 on the CPU.");
+  m.def("quantized_isa", &mlxrt::quantized_isa, "The instruction set quantized_matmul uses: 'avx512' or 'avx2'.");
+  m.def("set_avx512", &mlxrt::set_avx512, "on"_a, "Let quantized_matmul use AVX-512 where the CPU has it (on), or not; returns whether it does.");
   m.def("scaled_dot_product_attention", &mlxrt::sdpa, "queries"_a, "keys"_a, "values"_a, nb::kw_only(), "scale"_a, "mask_mode"_a = "",
         "mask"_a = nb::none(), "stream"_a = nb::none(), "mx.fast.scaled_dot_product_attention for float32 on the CPU, without sinks.");
 }

@@ -30,9 +30,10 @@ UNTIED = [*TIED, Tensor("output.weight", 64_000, 20_000, "Q4_1")]
 def test_weights_are_counted_as_each_engine_reads_them():
     # llama.cpp reads stored blocks; a tied embedding is the output matrix, read whole.
     assert roofline.llamacpp_weight_bytes(TIED) == 68_000 + 1280 + 256
-    # mlxrt dequantized: float32 for every element; kept quantized: the stored bytes.
+    # mlxrt dequantized: float32 for every element; kept quantized: MLX's affine format, a float32
+    # scale and bias per 32 weights (Q8_0 as 8 bits: 1.25 bytes a weight; Q4_1 as 4: 0.75).
     assert roofline.mlxrt_weight_bytes(TIED, dequantized=True) == 4 * (64_000 + 4096 + 64)
-    assert roofline.mlxrt_weight_bytes(TIED, dequantized=False) == 68_000 + 1280 + 256
+    assert roofline.mlxrt_weight_bytes(TIED, dequantized=False) == 64_000 * 1.25 + 4096 * 0.75 + 256
     # Untied: the embedding is one row per token (left out), the output matrix is read whole.
     assert roofline.llamacpp_weight_bytes(UNTIED) == 1280 + 256 + 20_000
     assert roofline.mlxrt_weight_bytes(UNTIED, dequantized=True) == 4 * (4096 + 64 + 64_000)
@@ -45,6 +46,9 @@ def test_mlxrt_dequantizes_as_its_cpu_policy_says():
     assert roofline.mlxrt_dequantizes(TIED, "auto", memory_bytes=2 * float_bytes)
     assert not roofline.mlxrt_dequantizes(TIED, "auto", memory_bytes=2 * float_bytes - 1)
     assert not roofline.mlxrt_dequantizes([TIED[2]], "always", memory_bytes=1)  # nothing quantized
+    # "auto" keeps them for mlxrt's quantized kernels where those serve, whatever the memory.
+    assert not roofline.mlxrt_dequantizes(TIED, "auto", memory_bytes=1 << 40, kernels=True)
+    assert roofline.mlxrt_dequantizes(TIED, "always", memory_bytes=1 << 40, kernels=True)
 
 
 def test_roofline_arithmetic():

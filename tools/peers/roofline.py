@@ -3,8 +3,9 @@
 A single-stream decode step reads every weight the model multiplies by once, plus the KV of every
 position so far, so `bandwidth / bytes` bounds its tokens per second. Bytes are counted as each
 engine holds them: llama.cpp reads a GGUF's quantized blocks as stored (KV in float16, its default);
-mlxrt on the CPU dequantizes quantized weights to float32 at load (`model.cpu_dequantize`, "auto"
-while they fit half the memory) and keeps KV in the model's dtype (float32) unless `kv.bits` is set.
+mlxrt on the CPU keeps quantized weights in MLX's affine format for its quantized kernels
+(`model.cpu_dequantize` "auto" where the kernels serve; float32 scales and biases per group of 32),
+else dequantizes them to float32 at load while they fit half the memory, and keeps KV in the model's dtype (float32) unless `kv.bits` is set.
 An embedding table is read one row per token, unless it is tied to the output (read whole).
 """
 
@@ -81,18 +82,47 @@ def llamacpp_weight_bytes(tensors: Iterable[Tensor]) -> int:
     return sum(t.nbytes for t in _read_per_token(tensors))
 
 
-def mlxrt_dequantizes(tensors: Iterable[Tensor], policy: str, memory_bytes: int) -> bool:
-    """Whether mlxrt on the CPU turns this model's quantized weights into float32 (`model.cpu_dequantize`)."""
+def mlxrt_kernels_serve() -> bool:
+    """Whether mlxrt's quantized CPU kernel can serve on this machine (`engine.native`: Linux
+    x86-64 with AVX2 and FMA, not turned off by `MLXRT_NATIVE=0`), read without importing mlx."""
+    from engine import native
+
+    if not native.supported_platform() or os.environ.get("MLXRT_NATIVE", "1") == "0":
+        return False
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line.split() for line in cpuinfo if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def mlxrt_dequantizes(tensors: Iterable[Tensor], policy: str, memory_bytes: int, kernels: bool = False) -> bool:
+    """Whether mlxrt on the CPU turns this model's quantized weights into float32 (`model.cpu_dequantize`;
+    "auto" keeps them for its quantized kernels where those serve, `kernels`)."""
     quantized = [t for t in tensors if t.quantized]
-    if not quantized or policy == "never":
+    if not quantized or policy == "never" or (policy == "auto" and kernels):
         return False
     float_bytes = FLOAT32_BYTES * sum(t.elements for t in quantized)
     return policy == "always" or not memory_bytes or float_bytes <= AUTO_MEMORY_SHARE * memory_bytes
 
 
+# Bytes per weight of a kept quantized tensor as mlxrt holds it: MLX's affine format, groups of 32
+# with a float32 scale and bias each (on the CPU every float is float32): Q4_0 and Q4_1 as 4 bits,
+# every other quantized type as 8 (Q8_0 as stored, K-quants requantized by the GGUF reader).
+_KEPT_BYTES = {"Q4_0": 0.5 + 8 / 32, "Q4_1": 0.5 + 8 / 32}
+_KEPT_8BIT = 1 + 8 / 32
+
+
 def mlxrt_weight_bytes(tensors: Iterable[Tensor], dequantized: bool) -> int:
-    """mlxrt's CPU weights: float32 throughout, or the quantized tensors kept near their stored size."""
-    return sum(t.nbytes if (t.quantized and not dequantized) else FLOAT32_BYTES * t.elements for t in _read_per_token(tensors))
+    """mlxrt's CPU weights: float32 throughout, or the quantized tensors kept in MLX's affine format."""
+    total = 0.0
+    for t in _read_per_token(tensors):
+        if t.quantized and not dequantized:
+            total += t.elements * _KEPT_BYTES.get(t.qtype, _KEPT_8BIT)
+        else:
+            total += FLOAT32_BYTES * t.elements
+    return int(total)
 
 
 def bytes_per_token(weight_bytes: float, kv_bytes_per_position: float, prompt_tokens: int, new_tokens: int) -> float:

@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 from mlx_lm.utils import load
 
+from engine import native
 from engine.model import weights
 from engine.model.weights import apply_cpu_policy
 from protocols import GenerateRequest, TokenDelta
@@ -63,6 +64,8 @@ def test_never_keeps_the_quantized_layers_and_mlx_lms_exact_logits():
 
 
 def test_auto_keeps_weights_that_would_not_fit(monkeypatch):
+    """Without mlxrt's quantized kernels, "auto" dequantizes what fits half the memory."""
+    monkeypatch.setattr(weights, "kernels_loaded", lambda: False)
     directory = build("llama-4bit", env.home())
     model, _ = load(str(directory))
     monkeypatch.setattr(weights, "AUTO_MEMORY_SHARE", 1e-12)
@@ -71,6 +74,22 @@ def test_auto_keeps_weights_that_would_not_fit(monkeypatch):
     assert _quantized_layers(model) == report.quantized_modules
     monkeypatch.setattr(weights, "AUTO_MEMORY_SHARE", 0.5)
     assert apply_cpu_policy(model, "auto").dequantized
+
+
+@pytest.mark.parametrize("family", QUANTIZED_FAMILIES)
+def test_auto_keeps_the_layers_the_kernels_serve_and_dequantizes_the_rest(family):
+    """With the kernels loaded, "auto" keeps linear and embedding layers of 4 or 8 bits quantized
+    (whatever their size); a model with expert layers, which the kernels do not compute, is
+    dequantized as before."""
+    if native.load() is None:
+        pytest.skip("mlxrt's CPU kernels are off on this machine")
+    model, _ = load(str(build(family, env.home())))
+    count = _quantized_layers(model)
+    report = apply_cpu_policy(model, "auto")
+    if family.startswith("qwen3_moe"):
+        assert report.dequantized and _quantized_layers(model) == 0
+    else:
+        assert not report.dequantized and report.reason == weights.KERNELS_REASON and _quantized_layers(model) == count > 0
 
 
 def test_a_model_that_is_not_quantized_is_left_alone():
@@ -97,6 +116,38 @@ async def test_the_runtime_reports_its_policy_and_generates_mlx_lms_tokens(polic
     model.set_dtype(mx.float32)
     expected = greedy_ids(model, PROMPT, 16)
     assert tokens == expected  # the conformance test excuses near-ties; none occur here
+
+
+@pytest.mark.parametrize("family", ["llama-4bit", "qwen3-8bit"])
+async def test_kept_for_the_kernels_the_runtime_generates_mlx_lms_tokens_alone_and_batched(family):
+    """The default policy on a 4- and an 8-bit model: their layers stay quantized and the step's
+    products are mlxrt's kernel; each of four requests at once, and one alone, gets mlx-lm's
+    greedy tokens from its own quantized forward."""
+    import anyio
+
+    directory = build(family, env.home())
+    prompts = [PROMPT, PROMPT[:5], [9, 8, 7, 6, 5, 4, 3, 2, 1] * 3, PROMPT[3:] + PROMPT]
+    results: dict[int, list[int]] = {}
+    async with Runtime.open(make_config(str(directory))) as rt:
+        assert rt.model_info.quantization == weights.KERNELS_REASON or native.loaded() is None
+
+        async def one(i: int) -> None:
+            tokens: list[int] = []
+            async for event in rt.generate(GenerateRequest(prompt_ids=prompts[i], max_tokens=16, ignore_eos=True)):
+                if isinstance(event, TokenDelta):
+                    tokens += event.token_ids
+            results[i] = tokens
+
+        await one(0)
+        alone = results.pop(0)
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+    model, _ = load(str(directory))
+    model.set_dtype(mx.float32)
+    assert alone == greedy_ids(model, PROMPT, 16)
+    for i, prompt in enumerate(prompts):
+        assert results[i] == greedy_ids(model, prompt, 16), f"request {i}"
 
 
 def test_an_unknown_policy_is_a_config_error():

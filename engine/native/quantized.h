@@ -1,0 +1,406 @@
+// mlxrt's CPU matrix products over MLX's affine-quantized weights (`mx.quantized_matmul` with
+// `transpose=True`, 4 or 8 bits, groups of 32, 64 or 128, float32 inputs, scales and biases),
+// included by `kernels.cpp` inside its namespace.
+//
+// MLX's CPU `quantized_matmul` on x86-64 walks one weight at a time (`_qmm_t`, `max_size` 1):
+// ~1 ns a weight, ~3x float32's matrix-vector product and ~35x its 16-row product (PLATFORM.md),
+// which is why mlxrt dequantized quantized models to float32 at load, reading ~6x a Q4 model's
+// bytes each decode step. Here a decode step's few rows read the packed weights as stored:
+// sixteen 4-bit (or eight 8-bit) weights become floats in two registers (`scale * q + bias`, one
+// FMA), multiplied into up to eight rows' accumulators before the next sixteen are read. For 4 bits
+// the input is reordered once per call (evens, then odds, of each sixteen) so that the low and high
+// nibbles of eight bytes are two registers without a shuffle. Products of many rows (a prefill)
+// dequantize a panel of output rows to float32 and hand it to BLAS's `sgemm`.
+//
+// The results are the same function as MLX's with another summation order (float rounding,
+// ~1e-6 relative); `engine/native/__init__.py` checks them against `mx.quantized_matmul` at load.
+
+// Rows of `x` at or above this count go through dequantized panels and BLAS.
+constexpr int kPanelRows = 24;
+// Output features dequantized per panel: 128 x 1,536 float32 weights take 768 KiB (cache-resident).
+constexpr int kPanelFeatures = 1024;
+
+// `x` [rows, k] reordered for 4-bit weights: in each `span` (16, or 32 with AVX-512), the even
+// positions then the odd ones (the low nibbles of eight bytes are weights 0, 2, ..., 14; their
+// high nibbles 1, 3, ..., 15).
+static void deinterleave(const float* x, float* out, size_t rows, int k, int span) {
+  const int half = span / 2;
+  for (size_t r = 0; r < rows; r++) {
+    const float* src = x + r * k;
+    float* dst = out + r * k;
+    for (int b = 0; b < k; b += span) {
+      for (int i = 0; i < half; i++) {
+        dst[b + i] = src[b + 2 * i];
+        dst[b + half + i] = src[b + 2 * i + 1];
+      }
+    }
+  }
+}
+
+MLXRT_AVX2 static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Sixteen weights of one output feature as floats, starting at weight `k` of its packed row:
+// `lo` and `hi` hold weights (for 4 bits) 0, 2, ..., 14 and 1, 3, ..., 15, (for 8 bits) 0-7 and 8-15.
+template <int bits>
+MLXRT_AVX2 static inline void dequant16(const uint8_t* row, int k, __m256 scale, __m256 bias, __m256& lo, __m256& hi) {
+  if constexpr (bits == 4) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2)));
+    const __m256i mask = _mm256_set1_epi32(0xF);
+    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, mask)), scale, bias);
+    hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), scale, bias);
+  } else {
+    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k)))), scale, bias);
+    hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k + 8)))), scale, bias);
+  }
+}
+
+// `R` rows of `x` (reordered for 4 bits) times `C` output features [n, n + C): each feature's
+// sixteen weights dequantized once and multiplied into the R rows' accumulators. R * C
+// independent accumulators keep the FMA units busy (their latency is ~4 cycles, two per cycle).
+template <int bits, int R, int C>
+MLXRT_AVX2 static void qmm_tile(const float* x, int k_total, const uint8_t* w, size_t row_bytes, const float* scales, const float* biases, int group,
+                                 float* out, size_t ldo, int n) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+  const int groups = k_total / group;
+  for (int g = 0; g < groups; g++) {
+    __m256 scale[C], bias[C];
+    for (int c = 0; c < C; c++) {
+      scale[c] = _mm256_set1_ps(scales[static_cast<size_t>(n + c) * groups + g]);
+      bias[c] = _mm256_set1_ps(biases[static_cast<size_t>(n + c) * groups + g]);
+    }
+    for (int k = g * group; k < (g + 1) * group; k += 16) {
+      for (int c = 0; c < C; c++) {
+        __m256 lo, hi;
+        dequant16<bits>(w + static_cast<size_t>(n + c) * row_bytes, k, scale[c], bias[c], lo, hi);
+        for (int r = 0; r < R; r++) {
+          const float* xr = x + static_cast<size_t>(r) * k_total + k;
+          acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), lo, acc[r][c]);
+          acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), hi, acc[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) out[static_cast<size_t>(r) * ldo + n + c] = hsum8(acc[r][c]);
+}
+
+// Output features [n0, n1) of up to eight rows, C features at a time (then one at a time).
+template <int bits, int R, int C>
+static void qmm_rows(const float* x, int k, const uint8_t* w, size_t row_bytes, const float* scales, const float* biases, int group, float* out,
+                     size_t ldo, int n0, int n1) {
+  int n = n0;
+  for (; n + C <= n1; n += C) qmm_tile<bits, R, C>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
+  for (; n < n1; n++) qmm_tile<bits, R, 1>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
+}
+
+template <int bits>
+static void qmm_small(const float* x, int rows, int k, const uint8_t* w, const float* scales, const float* biases, int group, float* out, int n0,
+                      int n1, int ldo) {
+  for (int r0 = 0; r0 < rows; r0 += 8) {
+    const float* xr = x + static_cast<size_t>(r0) * k;
+    float* o = out + static_cast<size_t>(r0) * ldo;
+    const size_t row_bytes = static_cast<size_t>(k) * bits / 8;
+    switch (std::min(8, rows - r0)) {
+      case 1: qmm_rows<bits, 1, 8>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 2: qmm_rows<bits, 2, 4>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 3: qmm_rows<bits, 3, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 4: qmm_rows<bits, 4, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 5: qmm_rows<bits, 5, 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 6: qmm_rows<bits, 6, 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 7: qmm_rows<bits, 7, 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      default: qmm_rows<bits, 8, 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+    }
+  }
+}
+
+#define MLXRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
+
+// The same with sixteen lanes (AVX-512, where the CPU has it): thirty-two weights a step, so for
+// 4 bits the input is reordered in thirty-twos (`deinterleave<32>`).
+template <int bits>
+MLXRT_AVX512 static inline void dequant32(const uint8_t* row, int k, __m512 scale, __m512 bias, __m512& lo, __m512& hi) {
+  if constexpr (bits == 4) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF))), scale, bias);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale, bias);
+  } else {
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)))), scale, bias);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16)))), scale, bias);
+  }
+}
+
+template <int bits, int R, int C>
+MLXRT_AVX512 static void qmm_tile512(const float* x, int k_total, const uint8_t* w, size_t row_bytes, const float* scales, const float* biases, int group,
+                                     float* out, size_t ldo, int n) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+  const int groups = k_total / group;
+  for (int g = 0; g < groups; g++) {
+    __m512 scale[C], bias[C];
+    for (int c = 0; c < C; c++) {
+      scale[c] = _mm512_set1_ps(scales[static_cast<size_t>(n + c) * groups + g]);
+      bias[c] = _mm512_set1_ps(biases[static_cast<size_t>(n + c) * groups + g]);
+    }
+    for (int k = g * group; k < (g + 1) * group; k += 32) {
+      if constexpr (R == 1) {  // (one row: its input in two registers, each feature's weights in turn)
+        const __m512 x_lo = _mm512_loadu_ps(x + k), x_hi = _mm512_loadu_ps(x + k + 16);
+        for (int c = 0; c < C; c++) {
+          __m512 lo, hi;
+          dequant32<bits>(w + static_cast<size_t>(n + c) * row_bytes, k, scale[c], bias[c], lo, hi);
+          acc[0][c] = _mm512_fmadd_ps(x_lo, lo, acc[0][c]);
+          acc[0][c] = _mm512_fmadd_ps(x_hi, hi, acc[0][c]);
+        }
+      } else {  // (the C features' weights first: each row's input is then read once for all)
+        __m512 lo[C], hi[C];
+        for (int c = 0; c < C; c++) dequant32<bits>(w + static_cast<size_t>(n + c) * row_bytes, k, scale[c], bias[c], lo[c], hi[c]);
+        for (int r = 0; r < R; r++) {
+          const float* xr = x + static_cast<size_t>(r) * k_total + k;
+          const __m512 x_lo = _mm512_loadu_ps(xr), x_hi = _mm512_loadu_ps(xr + 16);
+          for (int c = 0; c < C; c++) {
+            acc[r][c] = _mm512_fmadd_ps(x_lo, lo[c], acc[r][c]);
+            acc[r][c] = _mm512_fmadd_ps(x_hi, hi[c], acc[r][c]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < C; c++) out[static_cast<size_t>(r) * ldo + n + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+template <int bits, int R, int C>
+static void qmm_rows512(const float* x, int k, const uint8_t* w, size_t row_bytes, const float* scales, const float* biases, int group, float* out,
+                        size_t ldo, int n0, int n1) {
+  int n = n0;
+  for (; n + C <= n1; n += C) qmm_tile512<bits, R, C>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
+  for (; n < n1; n++) qmm_tile512<bits, R, 1>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
+}
+
+template <int bits>
+static void qmm_small512(const float* x, int rows, int k, const uint8_t* w, const float* scales, const float* biases, int group, float* out, int n0,
+                         int n1, int ldo) {
+  for (int r0 = 0; r0 < rows; r0 += 8) {
+    const float* xr = x + static_cast<size_t>(r0) * k;
+    float* o = out + static_cast<size_t>(r0) * ldo;
+    const size_t row_bytes = static_cast<size_t>(k) * bits / 8;
+    switch (std::min(8, rows - r0)) {
+      case 1: qmm_rows512<bits, 1, 8>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 2: qmm_rows512<bits, 2, 4>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 3: qmm_rows512<bits, 3, 4>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 4: qmm_rows512<bits, 4, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 5: qmm_rows512<bits, 5, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 6: qmm_rows512<bits, 6, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 7: qmm_rows512<bits, 7, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      default: qmm_rows512<bits, 8, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+    }
+  }
+}
+
+static bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+
+// Whether the products use AVX-512: where the CPU has it, unless turned off (`set_avx512`, tests).
+static std::atomic<bool> avx512_on{cpu_has_avx512()};
+
+static bool has_avx512() { return avx512_on.load(std::memory_order_relaxed); }
+
+// Turn the AVX-512 path on (where the CPU has it) or off; returns whether it is on.
+bool set_avx512(bool on) {
+  avx512_on.store(on && cpu_has_avx512());
+  return has_avx512();
+}
+
+std::string quantized_isa() { return has_avx512() ? "avx512" : "avx2"; }
+
+// Features [n0, n0 + count) dequantized to float32 rows of `k` (`scale * q + bias`, one FMA).
+template <int bits>
+MLXRT_AVX2 static void dequant_panel(const uint8_t* w, int k, const float* scales, const float* biases, int group, int n0, int count, float* panel) {
+  const size_t row_bytes = static_cast<size_t>(k) * bits / 8;
+  const int groups = k / group;
+  for (int c = 0; c < count; c++) {
+    const uint8_t* row = w + static_cast<size_t>(n0 + c) * row_bytes;
+    float* dst = panel + static_cast<size_t>(c) * k;
+    for (int g = 0; g < groups; g++) {
+      const __m256 scale = _mm256_set1_ps(scales[static_cast<size_t>(n0 + c) * groups + g]);
+      const __m256 bias = _mm256_set1_ps(biases[static_cast<size_t>(n0 + c) * groups + g]);
+      for (int kk = g * group; kk < (g + 1) * group; kk += 16) {
+        __m256 lo, hi;
+        dequant16<bits>(row, kk, scale, bias, lo, hi);
+        if constexpr (bits == 4) {  // back to the weights' order: 0, 1, 2, ... from evens and odds
+          const __m256 a = _mm256_unpacklo_ps(lo, hi), b = _mm256_unpackhi_ps(lo, hi);
+          _mm256_storeu_ps(dst + kk, _mm256_permute2f128_ps(a, b, 0x20));
+          _mm256_storeu_ps(dst + kk + 8, _mm256_permute2f128_ps(a, b, 0x31));
+        } else {
+          _mm256_storeu_ps(dst + kk, lo);
+          _mm256_storeu_ps(dst + kk + 8, hi);
+        }
+      }
+    }
+  }
+}
+
+// One helper thread that takes half of a product's output features while the calling (MLX) thread
+// computes the other half: a decode step makes ~200 such products of ~0.1 ms each, so the helper
+// spins for a while between them (as OpenBLAS's workers do) and sleeps once the products stop.
+class Helper {
+ public:
+  static Helper& instance() {
+    static Helper* helper = new Helper;  // (never destroyed: its thread waits on it until the process ends)
+    return *helper;
+  }
+  // `work(0)` here and `work(1)` on the helper; returns when both are done.
+  template <typename F>
+  void split(F&& work) {
+    std::function<void(int)> job(std::forward<F>(work));
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = &job;
+      done_.store(false, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_one();
+    job(0);
+    while (!done_.load(std::memory_order_acquire)) _mm_pause();
+  }
+
+ private:
+  Helper() : thread_([this] { loop(); }) { thread_.detach(); }
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t now = generation_.load(std::memory_order_acquire);
+      for (int spin = 0; now == seen && spin < kSpins; spin++) {
+        _mm_pause();
+        now = generation_.load(std::memory_order_acquire);
+      }
+      if (now == seen) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+        now = generation_.load(std::memory_order_acquire);
+      }
+      seen = now;
+      (*job_)(1);
+      done_.store(true, std::memory_order_release);
+    }
+  }
+  // ~50-100 us of `pause`s: longer than the gap between a step's products, short beside a step.
+  static constexpr int kSpins = 20000;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> done_{true};
+  std::function<void(int)>* job_ = nullptr;
+  std::thread thread_;
+};
+
+// Below this many weight bytes a product runs on the calling thread alone (the helper's handoff
+// costs a few microseconds).
+constexpr size_t kSplitBytes = 64 * 1024;
+// Nor a lone row's: in a server the helper's spinning took the core the event loop and the
+// client needed (SmolLM2 c1 over HTTP: 30.4 tok/s per stream with it, 37.1 without).
+constexpr int kHelpedRows = 2;
+
+template <int bits>
+static void qmm_kernel(const float* x, int rows, int k, const uint32_t* w32, const float* scales, const float* biases, int group, float* out, int n,
+                       bool helped) {
+  const auto* w = reinterpret_cast<const uint8_t*>(w32);
+  if (rows >= kPanelRows) {
+    std::vector<float> panel(static_cast<size_t>(kPanelFeatures) * k);
+    for (int n0 = 0; n0 < n; n0 += kPanelFeatures) {
+      const int count = std::min(kPanelFeatures, n - n0);
+      dequant_panel<bits>(w, k, scales, biases, group, n0, count, panel.data());
+      sgemm(kTrans, rows, count, k, x, k, panel.data(), k, out + n0, n);
+    }
+    return;
+  }
+  const bool wide = has_avx512();
+  std::vector<float> reordered;
+  const float* xs = x;
+  if constexpr (bits == 4) {
+    reordered.resize(static_cast<size_t>(rows) * k);
+    deinterleave(x, reordered.data(), rows, k, wide ? 32 : 16);
+    xs = reordered.data();
+  }
+  auto features = [&](int n0, int n1) {
+    if (wide) {
+      qmm_small512<bits>(xs, rows, k, w, scales, biases, group, out, n0, n1, n);
+    } else {
+      qmm_small<bits>(xs, rows, k, w, scales, biases, group, out, n0, n1, n);
+    }
+  };
+  const size_t bytes = static_cast<size_t>(n) * k * bits / 8;
+  if (!helped || rows < kHelpedRows || bytes < kSplitBytes || n < 16) {
+    features(0, n);
+    return;
+  }
+  const int half = (n / 2) & ~7;
+  Helper::instance().split([&](int part) { part == 0 ? features(0, half) : features(half, n); });
+}
+
+class QuantizedMatmul : public CpuPrimitive {
+ public:
+  QuantizedMatmul(mx::Stream stream, int group, int bits, bool helped)
+      : CpuPrimitive(stream, "MlxrtQuantizedMatmul"), group_(group), bits_(bits), helped_(helped) {}
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[1].shape(0);
+    return {shape};
+  }
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = allocate(inputs, outputs, false);
+    const auto& x = inputs[0];
+    const int k = x.shape(-1), n = inputs[1].shape(0);
+    const int rows = static_cast<int>(x.size() / k);
+    run(inputs, out,
+        [x = x.data<float>(), w = inputs[1].data<uint32_t>(), s = inputs[2].data<float>(), b = inputs[3].data<float>(), o = out.data<float>(), rows, k, n,
+         group = group_, bits = bits_, helped = helped_]() {
+          if (bits == 4) {
+            qmm_kernel<4>(x, rows, k, w, s, b, group, o, n, helped);
+          } else {
+            qmm_kernel<8>(x, rows, k, w, s, b, group, o, n, helped);
+          }
+        });
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    if (!CpuPrimitive::is_equivalent(other)) return false;
+    const auto& o = static_cast<const QuantizedMatmul&>(other);
+    return group_ == o.group_ && bits_ == o.bits_ && helped_ == o.helped_;
+  }
+
+ private:
+  int group_, bits_;
+  bool helped_;
+};
+
+// `mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits)` (affine mode) for
+// float32 `x` [..., k], `w` uint32 [n, k * bits / 32], float32 `scales` and `biases` [n, k / group].
+// `helped`: large products split their features with a helper thread (one more core).
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
+                           bool helped, mx::StreamOrDevice s) {
+  check_float32(x, "quantized_matmul's input");
+  check_float32(scales, "quantized_matmul's scales");
+  check_float32(biases, "quantized_matmul's biases");
+  if (bits != 4 && bits != 8) throw std::invalid_argument("[mlxrt.native] quantized_matmul takes 4 or 8 bits");
+  if (group_size != 32 && group_size != 64 && group_size != 128) throw std::invalid_argument("[mlxrt.native] quantized_matmul takes groups of 32, 64 or 128");
+  if (x.ndim() < 1 || w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("[mlxrt.native] quantized_matmul: a 2-D uint32 weight");
+  const int k = x.shape(-1), n = w.shape(0);
+  if (k % group_size != 0 || static_cast<int64_t>(w.shape(1)) * 32 != static_cast<int64_t>(k) * bits || scales.ndim() != 2 || scales.shape(0) != n ||
+      scales.shape(1) != k / group_size || biases.shape() != scales.shape()) {
+    throw std::invalid_argument("[mlxrt.native] quantized_matmul: the input, weight, scales and biases do not match");
+  }
+  auto stream = mx::to_stream(s);
+  auto shape = x.shape();
+  shape.back() = n;
+  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits, helped),
+                   {contiguous_input(x, stream), contiguous_input(w, stream), contiguous_input(scales, stream), contiguous_input(biases, stream)});
+}

@@ -1,0 +1,128 @@
+"""mlxrt's quantized product (`engine/native/quantized.h`): `mx.quantized_matmul` for affine 4- and
+8-bit weights within float rounding, on both instruction sets, one row to a prefill's many, with
+or without its helper thread; refused typed where it does not apply; checked at load; and the
+quantized layers that use it inside the engine's step (`engine.lanes`)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from engine import lanes, native
+from tests.engine.native.test_native import pytestmark as native_only
+
+pytestmark = native_only
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = native.load()
+    assert module is not None, "the kernels did not build or load here (the log's native_off says why)"
+    return module
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request, kernels):
+    """Each instruction set the product has (AVX-512 only where this CPU has it)."""
+    on = kernels.set_avx512(request.param == "avx512")
+    if request.param == "avx512" and not on:
+        kernels.set_avx512(True)
+        pytest.skip("this CPU has no AVX-512")
+    yield request.param
+    kernels.set_avx512(True)
+
+
+def _normal(rng, *shape: int) -> mx.array:
+    return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+
+def _quantized(rng, features: int, width: int, group: int, bits: int):
+    return mx.quantize(_normal(rng, features, width), group_size=group, bits=bits)
+
+
+def _close(got: mx.array, expected: mx.array, x: mx.array, w, group: int, bits: int) -> None:
+    """Within float rounding: a relative 1e-5 of the products' magnitudes (sum |x| |w|)."""
+    assert got.shape == expected.shape and got.dtype == mx.float32
+    dense = mx.dequantize(*w, group_size=group, bits=bits)
+    magnitude = (mx.abs(x).reshape(-1, x.shape[-1]) @ mx.abs(dense).T).max().item()
+    assert mx.abs(got - expected).max().item() <= 1e-5 * magnitude
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 23, 24, 40])
+def test_the_product_is_mlxs_quantized_matmul_within_rounding(kernels, isa, bits, group, rows):
+    rng = np.random.default_rng(rows * 100 + group + bits)
+    w = _quantized(rng, 1048, 384, group, bits)  # (1,048 features: uneven tails of every tile and half)
+    x = _normal(rng, rows, 384)
+    expected = mx.quantized_matmul(x, *w, transpose=True, group_size=group, bits=bits)
+    for helped in (True, False):
+        _close(kernels.quantized_matmul(x, *w, group_size=group, bits=bits, helped=helped), expected, x, w, group, bits)
+
+
+def test_leading_dimensions_views_and_a_bias_free_layer(kernels):
+    rng = np.random.default_rng(1)
+    w = _quantized(rng, 96, 256, 64, 4)
+    x = _normal(rng, 2, 3, 256)
+    expected = mx.quantized_matmul(x, *w, transpose=True, group_size=64, bits=4)
+    _close(kernels.quantized_matmul(x, *w, group_size=64, bits=4), expected, x, w, 64, 4)
+    view = _normal(rng, 256, 5).T  # (a transposed view: copied contiguous first)
+    _close(kernels.quantized_matmul(view, *w, group_size=64, bits=4), mx.quantized_matmul(view, *w, transpose=True, group_size=64, bits=4), view, w, 64, 4)
+
+
+def test_what_it_does_not_take_is_refused_typed(kernels):
+    rng = np.random.default_rng(2)
+    w, scales, biases = _quantized(rng, 64, 128, 32, 4)
+    x = _normal(rng, 1, 128)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        kernels.quantized_matmul(x, w, scales, biases, group_size=32, bits=3)
+    with pytest.raises(ValueError, match="groups of 32, 64 or 128"):
+        kernels.quantized_matmul(x, w, scales, biases, group_size=16, bits=4)
+    with pytest.raises(ValueError, match="do not match"):
+        kernels.quantized_matmul(_normal(rng, 1, 96), w, scales, biases, group_size=32, bits=4)
+    with pytest.raises(ValueError, match="float32"):
+        kernels.quantized_matmul(x.astype(mx.float16), w, scales, biases, group_size=32, bits=4)
+    with pytest.raises(ValueError, match="uint32"):
+        kernels.quantized_matmul(x, w.astype(mx.int32), scales, biases, group_size=32, bits=4)
+
+
+def test_the_load_check_refuses_a_product_off_by_more_than_rounding(kernels):
+    names = ("swiglu", "rms_norm", "rope", "softmax", "scaled_dot_product_attention")
+    wrong = SimpleNamespace(**{name: getattr(kernels, name) for name in names})
+    wrong.quantized_matmul = lambda x, w, s, b, group_size, bits: kernels.quantized_matmul(x, w, s, b, group_size=group_size, bits=bits) * 1.001
+    assert native.check(wrong) == "quantized_matmul (4 bits, groups of 32, 1 rows)"
+    wrong.quantized_matmul = kernels.quantized_matmul
+    assert native.check(wrong) is None
+
+
+def _layers(rng, bits: int = 4, group: int = 32):
+    linear = nn.QuantizedLinear(256, 72, bias=True, group_size=group, bits=bits)
+    linear.update({"weight": _quantized(rng, 72, 256, group, bits)[0]})
+    embedding = nn.QuantizedEmbedding(500, 256, group_size=group, bits=bits)
+    mx.eval(linear.parameters(), embedding.parameters())
+    return linear, embedding
+
+
+@pytest.mark.parametrize("rows", [1, 6, 30])
+def test_quantized_layers_use_the_kernel_inside_the_step_and_mlxs_outside(kernels, rows):
+    """Inside `lanes.parallel()` the layers' products are the kernel's (within rounding of MLX's);
+    outside, they are MLX's own, bit for bit."""
+    rng = np.random.default_rng(rows)
+    linear, embedding = _layers(rng)
+    x = _normal(rng, rows, 256)
+    expected_linear, expected_head = linear(x), embedding.as_linear(x)
+    model = nn.Sequential(linear, embedding)
+    lanes.install(model)
+    assert isinstance(linear, lanes.KernelQuantizedLinear) and isinstance(embedding, lanes.KernelQuantizedEmbedding)
+    assert mx.array_equal(linear(x), expected_linear) and mx.array_equal(embedding.as_linear(x), expected_head)
+    with lanes.parallel():
+        inside_linear, inside_head = linear(x), embedding.as_linear(x)
+        ids = mx.array([[3, 499, 7]])
+        assert mx.array_equal(embedding(ids), nn.QuantizedEmbedding.__call__(embedding, ids))  # (lookups stay MLX's)
+    assert not mx.array_equal(inside_head, expected_head)  # (another summation order: the kernel ran)
+    _close(inside_linear - linear.bias, expected_linear - linear.bias, x, (linear.weight, linear.scales, linear.biases), 32, 4)
+    _close(inside_head, expected_head, x, (embedding.weight, embedding.scales, embedding.biases), 32, 4)
