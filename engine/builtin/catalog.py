@@ -184,6 +184,25 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
             full_attn_idxs=[2],
         ),
         _BENCH,
+        # Llama-3.2-1B's shape (2,048 wide, 16 layers, 8,192 FFN, 32 heads over 8 KV heads), with
+        # the bench tokenizer's 32,768 tokens and a tied head: 1.04B weights, 4-bit in groups of 64
+        # (mlx-community's format), ~0.6 GB. Where weights, not scheduling, set a decode step's time.
+        BuiltinSpec(
+            name="bench-1b",
+            model_type="llama",
+            hidden_size=2048,
+            num_hidden_layers=16,
+            intermediate_size=8192,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=32768,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+            seed=21,
+            tokenizer=BENCH_TOKENIZER,
+            quantize=(4, 64),
+        ),
         BuiltinSpec(
             name="bench-qwen2",
             model_type="qwen2",

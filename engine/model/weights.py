@@ -51,6 +51,19 @@ def _quantized(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, _QUANTIZED) and getattr(m, "global_scale", None) is None]
 
 
+def parameter_count(model: nn.Module) -> int:
+    """The model's weights, a quantized layer's counted as the values it packs (not its packed
+    words, scales and biases)."""
+    from mlx.utils import tree_flatten
+
+    total = sum(value.size for _, value in tree_flatten(model.parameters()))
+    for _, module in model.named_modules():
+        if isinstance(module, _QUANTIZED):
+            total += module.weight.size * 32 // module.bits - module.weight.size
+            total -= sum(module[name].size for name in ("scales", "biases") if name in module)
+    return total
+
+
 def _float_bytes(modules: list[tuple[str, nn.Module]]) -> int:
     total = 0
     for _, module in modules:

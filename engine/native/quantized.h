@@ -293,7 +293,7 @@ class Helper {
       done_.store(true, std::memory_order_release);
     }
   }
-  // ~50-100 us of `pause`s: longer than the gap between a step's products, short beside a step.
+  // `pause`s before sleeping (~0.3-1 ms here): longer than the gap between a step's products.
   static constexpr int kSpins = 20000;
   std::mutex mutex_;
   std::condition_variable wake_;
@@ -306,9 +306,12 @@ class Helper {
 // Below this many weight bytes a product runs on the calling thread alone (the helper's handoff
 // costs a few microseconds).
 constexpr size_t kSplitBytes = 64 * 1024;
-// Nor a lone row's: in a server the helper's spinning took the core the event loop and the
-// client needed (SmolLM2 c1 over HTTP: 30.4 tok/s per stream with it, 37.1 without).
+// Nor a lone row's, unless its product is large: in a server the helper's spinning between a
+// small model's short products took the core the event loop and the client needed (SmolLM2 c1
+// over HTTP: 30.4 tok/s per stream with it, 37.1 without), while a large product's halves
+// (a 1B model's layers) each take long enough to pay for it.
 constexpr int kHelpedRows = 2;
+constexpr size_t kHelpedRowBytes = 2 * 1024 * 1024;
 
 template <int bits>
 static void qmm_kernel(const float* x, int rows, int k, const uint32_t* w32, const float* scales, const float* biases, int group, float* out, int n,
@@ -339,7 +342,7 @@ static void qmm_kernel(const float* x, int rows, int k, const uint32_t* w32, con
     }
   };
   const size_t bytes = static_cast<size_t>(n) * k * bits / 8;
-  if (!helped || rows < kHelpedRows || bytes < kSplitBytes || n < 16) {
+  if (!helped || (rows < kHelpedRows && bytes < kHelpedRowBytes) || bytes < kSplitBytes || n < 16) {
     features(0, n);
     return;
   }

@@ -360,7 +360,14 @@ def test_invalid_spec_is_rejected() -> None:
 
 @pytest.mark.parametrize(
     ("name", "low", "high"),
-    [("bench", 100e6, 130e6), ("bench-qwen2", 90e6, 110e6), ("bench-gemma3", 100e6, 130e6), ("bench-lfm2", 100e6, 130e6), ("bench-4bit", 100e6, 130e6)],
+    [
+        ("bench", 100e6, 130e6),
+        ("bench-qwen2", 90e6, 110e6),
+        ("bench-gemma3", 100e6, 130e6),
+        ("bench-lfm2", 100e6, 130e6),
+        ("bench-4bit", 100e6, 130e6),
+        ("bench-1b", 1.0e9, 1.1e9),
+    ],
 )
 def test_bench_specs_have_the_intended_size(name: str, low: float, high: float) -> None:
     """Counts parameters of the (lazily initialised, never evaluated) model only."""

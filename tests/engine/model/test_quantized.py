@@ -92,6 +92,14 @@ def test_auto_keeps_the_layers_the_kernels_serve_and_dequantizes_the_rest(family
         assert not report.dequantized and report.reason == weights.KERNELS_REASON and _quantized_layers(model) == count > 0
 
 
+@pytest.mark.parametrize("family", QUANTIZED_FAMILIES)
+def test_a_kept_model_counts_the_weights_its_layers_pack(family):
+    model, _ = load(str(build(family, env.home())))
+    kept = weights.parameter_count(model)
+    apply_cpu_policy(model, "always")
+    assert kept == weights.parameter_count(model) == sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
 def test_a_model_that_is_not_quantized_is_left_alone():
     model, _ = load(str(build("llama", env.home())))
     before = tree_flatten(model.parameters())
