@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -56,7 +57,7 @@ def parameter_count(model: nn.Module) -> int:
     words, scales and biases)."""
     from mlx.utils import tree_flatten
 
-    total = sum(value.size for _, value in tree_flatten(model.parameters()))
+    total = sum(value.size for _, value in cast(list[tuple[str, mx.array]], tree_flatten(model.parameters())))
     for _, module in model.named_modules():
         if isinstance(module, _QUANTIZED):
             total += module.weight.size * 32 // module.bits - module.weight.size
