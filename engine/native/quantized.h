@@ -258,9 +258,16 @@ class Helper {
     static Helper* helper = new Helper;  // (never destroyed: its thread waits on it until the process ends)
     return *helper;
   }
-  // `work(0)` here and `work(1)` on the helper; returns when both are done.
+  // `work(0)` here and `work(1)` on the helper; returns when both are done. While another thread
+  // (another MLX stream's) has the helper, both parts run here.
   template <typename F>
   void split(F&& work) {
+    std::unique_lock<std::mutex> turn(busy_, std::try_to_lock);
+    if (!turn.owns_lock()) {
+      work(0);
+      work(1);
+      return;
+    }
     std::function<void(int)> job(std::forward<F>(work));
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -295,6 +302,7 @@ class Helper {
   }
   // `pause`s before sleeping (~0.3-1 ms here): longer than the gap between a step's products.
   static constexpr int kSpins = 20000;
+  std::mutex busy_;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::atomic<uint64_t> generation_{0};

@@ -5,8 +5,6 @@ the same with and without them."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,16 +13,12 @@ from mlx_lm.models import activations
 from engine import lanes, native
 from engine.engine import Engine
 from engine.kv.layout import probe_layout
+from tests.support.cpu import kernels_supported
 
 _SWIGLU = activations.swiglu
 
 
-def _has_avx2_and_fma() -> bool:
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return {"avx2", "fma"} <= set(flags.split())
-
-
-pytestmark = pytest.mark.skipif(not (native.supported_platform() and _has_avx2_and_fma()), reason="mlxrt's CPU kernels are x86-64 AVX2 only")
+pytestmark = pytest.mark.skipif(not kernels_supported(), reason="mlxrt's CPU kernels are x86-64 AVX2 only")
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from engine import lanes, native
-from tests.engine.native.test_native import pytestmark as native_only
+from tests.support.cpu import kernels_supported
 
-pytestmark = native_only
+pytestmark = pytest.mark.skipif(not kernels_supported(), reason="mlxrt's CPU kernels are x86-64 AVX2 only")
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +126,31 @@ def test_quantized_layers_use_the_kernel_inside_the_step_and_mlxs_outside(kernel
     assert not mx.array_equal(inside_head, expected_head)  # (another summation order: the kernel ran)
     _close(inside_linear - linear.bias, expected_linear - linear.bias, x, (linear.weight, linear.scales, linear.biases), 32, 4)
     _close(inside_head, expected_head, x, (embedding.weight, embedding.scales, embedding.biases), 32, 4)
+
+
+def test_two_threads_products_at_once_share_the_helper_safely(kernels):
+    """Products evaluated on two threads' streams at once (the helper serves one at a time; the
+    other computes both halves itself): each result is the one computed alone."""
+    import threading
+
+    rng = np.random.default_rng(5)
+    w = _quantized(rng, 2048, 1024, 64, 8)  # (2 MiB of 8-bit weights: the helper splits even one row)
+    inputs = [_normal(rng, rows, 1024) for rows in (1, 4, 1, 4)]
+    alone = [kernels.quantized_matmul(x, *w, group_size=64, bits=8) for x in inputs]
+    mx.eval(alone)
+    failures: list[str] = []
+
+    def worker(index: int) -> None:
+        with mx.stream(mx.new_stream(mx.cpu)):
+            for _ in range(20):
+                for i in (index, index + 2):
+                    got = kernels.quantized_matmul(inputs[i], *w, group_size=64, bits=8)
+                    if not mx.array_equal(got, alone[i]).item():
+                        failures.append(f"input {i}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads) and failures == []
