@@ -100,26 +100,6 @@ static void qmm_rows(const float* x, int k, const uint8_t* w, size_t row_bytes, 
   for (; n < n1; n++) qmm_tile<bits, R, 1>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
 }
 
-template <int bits>
-static void qmm_small(const float* x, int rows, int k, const uint8_t* w, const float* scales, const float* biases, int group, float* out, int n0,
-                      int n1, int ldo) {
-  for (int r0 = 0; r0 < rows; r0 += 8) {
-    const float* xr = x + static_cast<size_t>(r0) * k;
-    float* o = out + static_cast<size_t>(r0) * ldo;
-    const size_t row_bytes = static_cast<size_t>(k) * bits / 8;
-    switch (std::min(8, rows - r0)) {
-      case 1: qmm_rows<bits, 1, 8>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 2: qmm_rows<bits, 2, 4>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 3: qmm_rows<bits, 3, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 4: qmm_rows<bits, 4, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 5: qmm_rows<bits, 5, 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 6: qmm_rows<bits, 6, 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 7: qmm_rows<bits, 7, 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      default: qmm_rows<bits, 8, 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-    }
-  }
-}
-
 #define MLXRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
 
 // The same with sixteen lanes (AVX-512, where the CPU has it): thirty-two weights a step, so for
@@ -184,22 +164,33 @@ static void qmm_rows512(const float* x, int k, const uint8_t* w, size_t row_byte
   for (; n < n1; n++) qmm_tile512<bits, R, 1>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
 }
 
-template <int bits>
-static void qmm_small512(const float* x, int rows, int k, const uint8_t* w, const float* scales, const float* biases, int group, float* out, int n0,
-                         int n1, int ldo) {
+// The rows of `x` eight at a time, with the tile shape each row count keeps busy (`wide`: AVX-512).
+template <int bits, bool wide, int R, int C>
+static void tile_rows(const float* x, int k, const uint8_t* w, size_t row_bytes, const float* scales, const float* biases, int group, float* out,
+                      size_t ldo, int n0, int n1) {
+  if constexpr (wide) {
+    qmm_rows512<bits, R, C>(x, k, w, row_bytes, scales, biases, group, out, ldo, n0, n1);
+  } else {
+    qmm_rows<bits, R, C>(x, k, w, row_bytes, scales, biases, group, out, ldo, n0, n1);
+  }
+}
+
+template <int bits, bool wide>
+static void qmm_small(const float* x, int rows, int k, const uint8_t* w, const float* scales, const float* biases, int group, float* out, int n0,
+                      int n1, int ldo) {
+  const size_t row_bytes = static_cast<size_t>(k) * bits / 8;
   for (int r0 = 0; r0 < rows; r0 += 8) {
     const float* xr = x + static_cast<size_t>(r0) * k;
     float* o = out + static_cast<size_t>(r0) * ldo;
-    const size_t row_bytes = static_cast<size_t>(k) * bits / 8;
     switch (std::min(8, rows - r0)) {
-      case 1: qmm_rows512<bits, 1, 8>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 2: qmm_rows512<bits, 2, 4>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 3: qmm_rows512<bits, 3, 4>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 4: qmm_rows512<bits, 4, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 5: qmm_rows512<bits, 5, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 6: qmm_rows512<bits, 6, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 7: qmm_rows512<bits, 7, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      default: qmm_rows512<bits, 8, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 1: tile_rows<bits, wide, 1, 8>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 2: tile_rows<bits, wide, 2, 4>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 3: tile_rows<bits, wide, 3, wide ? 4 : 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 4: tile_rows<bits, wide, 4, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 5: tile_rows<bits, wide, 5, wide ? 2 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 6: tile_rows<bits, wide, 6, wide ? 2 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 7: tile_rows<bits, wide, 7, wide ? 2 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      default: tile_rows<bits, wide, 8, wide ? 2 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
     }
   }
 }
@@ -344,9 +335,9 @@ static void qmm_kernel(const float* x, int rows, int k, const uint32_t* w32, con
   }
   auto features = [&](int n0, int n1) {
     if (wide) {
-      qmm_small512<bits>(xs, rows, k, w, scales, biases, group, out, n0, n1, n);
+      qmm_small<bits, true>(xs, rows, k, w, scales, biases, group, out, n0, n1, n);
     } else {
-      qmm_small<bits>(xs, rows, k, w, scales, biases, group, out, n0, n1, n);
+      qmm_small<bits, false>(xs, rows, k, w, scales, biases, group, out, n0, n1, n);
     }
   };
   const size_t bytes = static_cast<size_t>(n) * k * bits / 8;

@@ -13,19 +13,8 @@ from mlx_lm.models import activations
 from engine import lanes, native
 from engine.engine import Engine
 from engine.kv.layout import probe_layout
-from tests.support.cpu import kernels_supported
 
 _SWIGLU = activations.swiglu
-
-
-pytestmark = pytest.mark.skipif(not kernels_supported(), reason="mlxrt's CPU kernels are x86-64 AVX2 only")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = native.load()
-    assert module is not None, "the kernels did not build or load here (the log's native_off says why)"
-    return module
 
 
 def _array(values) -> mx.array:

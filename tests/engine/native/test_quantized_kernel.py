@@ -13,16 +13,6 @@ import numpy as np
 import pytest
 
 from engine import lanes, native
-from tests.support.cpu import kernels_supported
-
-pytestmark = pytest.mark.skipif(not kernels_supported(), reason="mlxrt's CPU kernels are x86-64 AVX2 only")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = native.load()
-    assert module is not None, "the kernels did not build or load here (the log's native_off says why)"
-    return module
 
 
 @pytest.fixture(params=["avx512", "avx2"])
