@@ -103,13 +103,16 @@ static void qmm_rows(const float* x, int k, const uint8_t* w, size_t row_bytes, 
 #define MLXRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
 
 // The same with sixteen lanes (AVX-512, where the CPU has it): thirty-two weights a step, so for
-// 4 bits the input is reordered in thirty-twos (`deinterleave<32>`).
+// 4 bits the input is reordered in thirty-twos (`deinterleave<32>`). A 4-bit weight becomes its
+// float by a table lookup: each group's sixteen values `scale * q + bias` (the same FMA, so the
+// same floats) are one register, and `vpermps` picks from it by the low four bits of each lane, so
+// sixteen weights cost one permute where a conversion and an FMA cost two (with the mask, three).
 template <int bits>
 MLXRT_AVX512 static inline void dequant32(const uint8_t* row, int k, __m512 scale, __m512 bias, __m512& lo, __m512& hi) {
-  if constexpr (bits == 4) {
+  if constexpr (bits == 4) {  // (`scale`: the group's table; `bias` unused)
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)));
-    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF))), scale, bias);
-    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), scale, bias);
+    lo = _mm512_permutexvar_ps(bytes, scale);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), scale);
   } else {
     lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)))), scale, bias);
     hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16)))), scale, bias);
@@ -122,16 +125,18 @@ MLXRT_AVX512 static void qmm_tile512(const float* x, int k_total, const uint8_t*
   __m512 acc[R][C];
   for (int r = 0; r < R; r++)
     for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const int groups = k_total / group;
   for (int g = 0; g < groups; g++) {
     __m512 scale[C], bias[C];
     for (int c = 0; c < C; c++) {
       scale[c] = _mm512_set1_ps(scales[static_cast<size_t>(n + c) * groups + g]);
       bias[c] = _mm512_set1_ps(biases[static_cast<size_t>(n + c) * groups + g]);
+      if constexpr (bits == 4) scale[c] = _mm512_fmadd_ps(levels, scale[c], bias[c]);  // (the table)
     }
     for (int k = g * group; k < (g + 1) * group; k += 32) {
       if constexpr (R == 1) {  // (one row: its input in two registers, each feature's weights in turn)
-        const __m512 x_lo = _mm512_loadu_ps(x + k), x_hi = _mm512_loadu_ps(x + k + 16);
+        const __m512 x_lo = _mm512_load_ps(x + k), x_hi = _mm512_load_ps(x + k + 16);
         for (int c = 0; c < C; c++) {
           __m512 lo, hi;
           dequant32<bits>(w + static_cast<size_t>(n + c) * row_bytes, k, scale[c], bias[c], lo, hi);
@@ -143,7 +148,7 @@ MLXRT_AVX512 static void qmm_tile512(const float* x, int k_total, const uint8_t*
         for (int c = 0; c < C; c++) dequant32<bits>(w + static_cast<size_t>(n + c) * row_bytes, k, scale[c], bias[c], lo[c], hi[c]);
         for (int r = 0; r < R; r++) {
           const float* xr = x + static_cast<size_t>(r) * k_total + k;
-          const __m512 x_lo = _mm512_loadu_ps(xr), x_hi = _mm512_loadu_ps(xr + 16);
+          const __m512 x_lo = _mm512_load_ps(xr), x_hi = _mm512_load_ps(xr + 16);
           for (int c = 0; c < C; c++) {
             acc[r][c] = _mm512_fmadd_ps(x_lo, lo[c], acc[r][c]);
             acc[r][c] = _mm512_fmadd_ps(x_hi, hi[c], acc[r][c]);
@@ -186,11 +191,11 @@ static void qmm_small(const float* x, int rows, int k, const uint8_t* w, const f
       case 1: tile_rows<bits, wide, 1, 8>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
       case 2: tile_rows<bits, wide, 2, 4>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
       case 3: tile_rows<bits, wide, 3, wide ? 4 : 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 4: tile_rows<bits, wide, 4, 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 5: tile_rows<bits, wide, 5, wide ? 2 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 6: tile_rows<bits, wide, 6, wide ? 2 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 7: tile_rows<bits, wide, 7, wide ? 2 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      default: tile_rows<bits, wide, 8, wide ? 2 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 4: tile_rows<bits, wide, 4, wide ? 4 : 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 5: tile_rows<bits, wide, 5, wide ? 4 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 6: tile_rows<bits, wide, 6, wide ? 4 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 7: tile_rows<bits, wide, 7, wide ? 4 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      default: tile_rows<bits, wide, 8, wide ? 4 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
     }
   }
 }
@@ -326,12 +331,15 @@ static void qmm_kernel(const float* x, int rows, int k, const uint32_t* w32, con
     return;
   }
   const bool wide = has_avx512();
-  std::vector<float> reordered;
-  const float* xs = x;
+  // The input copied (for 4 bits, reordered) to cache-line-aligned rows (`k` is a multiple of 32):
+  // the tiles read each row's floats once per feature tile, and reads straddling two lines cost
+  // the many-row tiles ~30% (an 8-row product here: 56 against 78 GFLOP/s on one core).
+  std::vector<float> storage(static_cast<size_t>(rows) * k + 16);
+  float* xs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
   if constexpr (bits == 4) {
-    reordered.resize(static_cast<size_t>(rows) * k);
-    deinterleave(x, reordered.data(), rows, k, wide ? 32 : 16);
-    xs = reordered.data();
+    deinterleave(x, xs, rows, k, wide ? 32 : 16);
+  } else {
+    std::memcpy(xs, x, static_cast<size_t>(rows) * k * sizeof(float));
   }
   auto features = [&](int n0, int n1) {
     if (wide) {
