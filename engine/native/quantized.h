@@ -245,75 +245,117 @@ MLXRT_AVX2 static void dequant_panel(const uint8_t* w, int k, const float* scale
   }
 }
 
-// One helper thread that takes half of a product's output features while the calling (MLX) thread
-// computes the other half: a decode step makes ~200 such products of ~0.1 ms each, so the helper
-// spins for a while between them (as OpenBLAS's workers do) and sleeps once the products stop.
+// One helper thread that shares a product's output features with the calling (MLX) thread. The
+// features are cut in chunks that either thread claims from one counter, so the calling thread
+// never waits on a helper that has not started (descheduled, asleep, busy with another stream's
+// product): it computes every chunk left itself, and waits only for the chunks the helper took.
+// A decode step makes ~200 products of 20-200 us, so the helper spins between them (yielding the
+// core to any other runnable thread: the event loop, the client), and sleeps once they stop.
 class Helper {
  public:
   static Helper& instance() {
     static Helper* helper = new Helper;  // (never destroyed: its thread waits on it until the process ends)
     return *helper;
   }
-  // `work(0)` here and `work(1)` on the helper; returns when both are done. While another thread
-  // (another MLX stream's) has the helper, both parts run here.
+  // `work(i)` for each chunk i < `chunks`, on this thread and the helper; returns when all are
+  // done. While another thread (another MLX stream's) has the helper, every chunk runs here.
   template <typename F>
-  void split(F&& work) {
+  void share(int chunks, F&& work) {
     std::unique_lock<std::mutex> turn(busy_, std::try_to_lock);
-    if (!turn.owns_lock()) {
-      work(0);
-      work(1);
+    if (!turn.owns_lock() || chunks < 2) {
+      for (int i = 0; i < chunks; i++) work(i);
       return;
     }
     std::function<void(int)> job(std::forward<F>(work));
-    {
+    const uint64_t tag = (tag_ = (tag_ + 1) & kTagMask);
+    job_ = &job;
+    helped_.store(0, std::memory_order_relaxed);
+    state_.store(tag << kTagShift | static_cast<uint64_t>(chunks) << kCountShift, std::memory_order_seq_cst);
+    if (sleeping_.load(std::memory_order_seq_cst)) {
       std::lock_guard<std::mutex> lock(mutex_);
-      job_ = &job;
-      done_.store(false, std::memory_order_relaxed);
-      generation_.fetch_add(1, std::memory_order_release);
+      wake_.notify_one();
     }
-    wake_.notify_one();
-    job(0);
-    while (!done_.load(std::memory_order_acquire)) _mm_pause();
+    int here = 0, chunk;
+    while (claim(tag, chunk)) {
+      job(chunk);
+      here++;
+    }
+    while (here + helped_.load(std::memory_order_acquire) < chunks) _mm_pause();
   }
 
  private:
+  // `state_`: the job's tag (which product), its chunk count and the next chunk to claim.
+  static constexpr int kTagShift = 40, kCountShift = 20;
+  static constexpr uint64_t kTagMask = (uint64_t{1} << 24) - 1, kFieldMask = (uint64_t{1} << 20) - 1;
+
+  // The next chunk of job `tag`, if it has one left (false once it has none, or another job began).
+  bool claim(uint64_t tag, int& chunk) {
+    uint64_t state = state_.load(std::memory_order_acquire);
+    for (;;) {
+      const uint64_t next = state & kFieldMask, count = (state >> kCountShift) & kFieldMask;
+      if ((state >> kTagShift) != tag || next >= count) return false;
+      if (state_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        chunk = static_cast<int>(next);
+        return true;
+      }
+    }
+  }
+
   Helper() : thread_([this] { loop(); }) { thread_.detach(); }
+
   void loop() {
     uint64_t seen = 0;
     for (;;) {
-      uint64_t now = generation_.load(std::memory_order_acquire);
-      for (int spin = 0; now == seen && spin < kSpins; spin++) {
-        _mm_pause();
-        now = generation_.load(std::memory_order_acquire);
+      uint64_t tag = state_.load(std::memory_order_acquire) >> kTagShift;
+      const auto idle_since = std::chrono::steady_clock::now();
+      for (int spin = 0; tag == seen; spin++) {
+        if (spin % 64 == 63) {
+          // Other runnable threads on this core first; past the spinning time, sleep.
+          if (std::chrono::steady_clock::now() - idle_since > kSpinTime) {
+            std::unique_lock<std::mutex> lock(mutex_);
+            sleeping_.store(true, std::memory_order_seq_cst);
+            wake_.wait(lock, [&] { return (state_.load(std::memory_order_seq_cst) >> kTagShift) != seen; });
+            sleeping_.store(false, std::memory_order_relaxed);
+          } else {
+            std::this_thread::yield();
+          }
+        } else {
+          _mm_pause();
+        }
+        tag = state_.load(std::memory_order_acquire) >> kTagShift;
       }
-      if (now == seen) {
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
-        now = generation_.load(std::memory_order_acquire);
+      seen = tag;
+      // (A claimed chunk's job is still `job_`: its caller waits for the chunk before returning.)
+      int chunk;
+      while (claim(tag, chunk)) {
+        (*job_)(chunk);
+        helped_.fetch_add(1, std::memory_order_release);
       }
-      seen = now;
-      (*job_)(1);
-      done_.store(true, std::memory_order_release);
     }
   }
-  // `pause`s before sleeping (~0.3-1 ms here): longer than the gap between a step's products.
-  static constexpr int kSpins = 20000;
+  // How long the helper waits for the next product before sleeping: longer than the gaps
+  // between a step's products, shorter than the gaps between a server's steps when it idles.
+  static constexpr std::chrono::microseconds kSpinTime{2000};
   std::mutex busy_;
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<bool> done_{true};
+  std::atomic<uint64_t> state_{0};
+  std::atomic<int> helped_{0};
+  std::atomic<bool> sleeping_{false};
+  uint64_t tag_ = 0;  // (the last job's tag: written under `busy_`)
   std::function<void(int)>* job_ = nullptr;
   std::thread thread_;
 };
 
-// Below this many weight bytes a product runs on the calling thread alone (the helper's handoff
-// costs a few microseconds).
-constexpr size_t kSplitBytes = 64 * 1024;
-// Nor a lone row's, unless its product is large: in a server the helper's spinning between a
-// small model's short products took the core the event loop and the client needed (SmolLM2 c1
-// over HTTP: 30.4 tok/s per stream with it, 37.1 without), while a large product's halves
-// (a 1B model's layers) each take long enough to pay for it.
+// Below this many weight bytes a product runs on the calling thread alone (publishing the chunks
+// and waiting for the helper's cost about a microsecond).
+constexpr size_t kSplitBytes = 32 * 1024;
+// Output features per chunk (a multiple of eight: every tile stays whole), a few microseconds of
+// work each: enough chunks that whichever thread is late finds the rest taken.
+constexpr int kChunkFeatures = 64;
+// A lone row's product is shared only when large (a 1B model's layers, a head): sharing a small
+// model's short lone-row products measured worse (SmolLM2 Q4 step c1 median 19.1 ms shared, 15.7
+// alone; the helper's spinning takes the core the graph building and the event loop use).
 constexpr int kHelpedRows = 2;
 constexpr size_t kHelpedRowBytes = 2 * 1024 * 1024;
 
@@ -349,12 +391,12 @@ static void qmm_kernel(const float* x, int rows, int k, const uint32_t* w32, con
     }
   };
   const size_t bytes = static_cast<size_t>(n) * k * bits / 8;
-  if (!helped || (rows < kHelpedRows && bytes < kHelpedRowBytes) || bytes < kSplitBytes || n < 16) {
+  if (!helped || (rows < kHelpedRows && bytes < kHelpedRowBytes) || bytes < kSplitBytes || n < 2 * kChunkFeatures) {
     features(0, n);
     return;
   }
-  const int half = (n / 2) & ~7;
-  Helper::instance().split([&](int part) { part == 0 ? features(0, half) : features(half, n); });
+  const int chunks = (n + kChunkFeatures - 1) / kChunkFeatures;
+  Helper::instance().share(chunks, [&](int chunk) { features(chunk * kChunkFeatures, std::min(n, (chunk + 1) * kChunkFeatures)); });
 }
 
 class QuantizedMatmul : public CpuPrimitive {
