@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -419,11 +420,47 @@ static void allocate_output(const mx::array& in, mx::array& out) {
   }
 }
 
+// `src` (`shape`, `strides` in elements of `item` bytes) written row-major to `dst`.
+static void strided_copy(const char* src, char* dst, const mx::Shape& shape, const mx::Strides& strides, size_t item) {
+  const int nd = static_cast<int>(shape.size());
+  if (nd == 0) {
+    std::memcpy(dst, src, item);
+    return;
+  }
+  size_t outer = 1;
+  for (int d = 0; d < nd - 1; d++) outer *= static_cast<size_t>(shape[d]);
+  const int64_t inner = shape[nd - 1], step = strides[nd - 1];
+  std::vector<int64_t> index(nd, 0);
+  for (size_t o = 0; o < outer; o++) {
+    int64_t offset = 0;
+    for (int d = 0; d < nd - 1; d++) offset += index[d] * strides[d];
+    const char* row = src + offset * static_cast<int64_t>(item);
+    if (step == 1) {
+      std::memcpy(dst, row, static_cast<size_t>(inner) * item);
+    } else {
+      for (int64_t i = 0; i < inner; i++) std::memcpy(dst + i * item, row + i * step * static_cast<int64_t>(item), item);
+    }
+    dst += static_cast<size_t>(inner) * item;
+    for (int d = nd - 2; d >= 0 && ++index[d] == shape[d]; d--) index[d] = 0;
+  }
+}
+
 // What the primitives here share: CPU only, one output shaped as the first input (`allocate`d
-// first), written by one kernel queued on the stream (`run`).
+// first), written by one kernel queued on the stream (`run`), over row-contiguous inputs. The
+// primitives take their inputs as they are (a transposed or sliced view too): an input that is not
+// row-contiguous when evaluated is copied into a new buffer by a task queued before the kernel's.
+// (A `contiguous` node in front of each input instead cost every input ~5 us of evaluation, copied
+// or not: ~400 nodes in a SmolLM2 decode step, whose inputs are all contiguous already.)
 class CpuPrimitive : public mx::Primitive {
  public:
   CpuPrimitive(mx::Stream stream, const char* name) : mx::Primitive(stream), name_(name) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) final {
+    if (std::all_of(inputs.begin(), inputs.end(), [](const mx::array& a) { return a.flags().row_contiguous; })) {
+      evaluate(inputs, outputs);  // (the inputs themselves: a donatable first input stays donatable)
+    } else {
+      evaluate(contiguous(inputs), outputs);
+    }
+  }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error(std::string("[mlxrt.") + name_ + "] CPU only");
   }
@@ -432,6 +469,9 @@ class CpuPrimitive : public mx::Primitive {
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
 
  protected:
+  // `eval_cpu` with row-contiguous inputs.
+  virtual void evaluate(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) = 0;
+
   // The output's buffer: the first input's where `donate` and it may be given, else a new one
   // (before a kernel takes `out.data()`).
   static mx::array& allocate(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, bool donate) {
@@ -453,13 +493,37 @@ class CpuPrimitive : public mx::Primitive {
   }
 
  private:
+  // `inputs`, each one that is not row-contiguous replaced by a copy that is (held by the encoder
+  // until the tasks queued so far have run).
+  std::vector<mx::array> contiguous(const std::vector<mx::array>& inputs) {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    std::vector<mx::array> result;
+    result.reserve(inputs.size());
+    for (const auto& a : inputs) {
+      if (a.flags().row_contiguous) {
+        result.push_back(a);
+        continue;
+      }
+      mx::array copy(a.shape(), a.dtype(), nullptr, {});
+      copy.set_data(mx::allocator::malloc(copy.nbytes()));
+      encoder.set_input_array(a);
+      encoder.set_output_array(copy);
+      encoder.dispatch([src = a.data<char>(), dst = copy.data<char>(), shape = a.shape(), strides = a.strides(), item = a.itemsize()]() {
+        strided_copy(src, dst, shape, strides, item);
+      });
+      encoder.add_temporary(copy);
+      result.push_back(std::move(copy));
+    }
+    return result;
+  }
+
   const char* name_;
 };
 
 class SwiGLU : public CpuPrimitive {
  public:
   explicit SwiGLU(mx::Stream stream) : CpuPrimitive(stream, "MlxrtSwiGLU") {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+  void evaluate(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = allocate(inputs, outputs, true);
     run(inputs, out, [g = inputs[0].data<float>(), u = inputs[1].data<float>(), o = out.data<float>(), n = out.size()]() { swiglu_kernel(g, u, o, n); });
   }
@@ -468,7 +532,7 @@ class SwiGLU : public CpuPrimitive {
 class Exp : public CpuPrimitive {
  public:
   explicit Exp(mx::Stream stream) : CpuPrimitive(stream, "MlxrtExp") {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+  void evaluate(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = allocate(inputs, outputs, true);
     run(inputs, out, [x = inputs[0].data<float>(), y = out.data<float>(), n = out.size()]() { exp_rows(x, y, n); });
   }
@@ -477,7 +541,7 @@ class Exp : public CpuPrimitive {
 class Softmax : public CpuPrimitive {
  public:
   explicit Softmax(mx::Stream stream) : CpuPrimitive(stream, "MlxrtSoftmax") {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+  void evaluate(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = allocate(inputs, outputs, true);
     const size_t m = inputs[0].shape().back();
     run(inputs, out, [x = inputs[0].data<float>(), y = out.data<float>(), rows = inputs[0].size() / m, m]() { softmax_rows(x, y, rows, m); });
@@ -487,7 +551,7 @@ class Softmax : public CpuPrimitive {
 class RMSNorm : public CpuPrimitive {
  public:
   RMSNorm(mx::Stream stream, float eps) : CpuPrimitive(stream, "MlxrtRMSNorm"), eps_(eps) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+  void evaluate(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& out = allocate(inputs, outputs, true);
     const size_t m = inputs[0].shape().back();
     run(inputs, out, [x = inputs[0].data<float>(), w = inputs[1].data<float>(), y = out.data<float>(), rows = inputs[0].size() / m, m, eps = eps_]() {
@@ -506,7 +570,7 @@ class RoPE : public CpuPrimitive {
  public:
   RoPE(mx::Stream stream, int dims, bool traditional, float base, float scale)
       : CpuPrimitive(stream, "MlxrtRoPE"), dims_(dims), traditional_(traditional), base_(base), scale_(scale) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+  void evaluate(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& in = inputs[0];
     const auto& offset = inputs[1];
     auto& out = allocate(inputs, outputs, true);
@@ -531,7 +595,7 @@ class RoPE : public CpuPrimitive {
 class PagedAttention : public CpuPrimitive {
  public:
   PagedAttention(mx::Stream stream, int width, int block_size) : CpuPrimitive(stream, "MlxrtPagedAttention"), width_(width), block_size_(block_size) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+  void evaluate(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& q = inputs[0];
     const auto& pool_k = inputs[1];
     const auto& blocks = inputs[3];
@@ -570,13 +634,6 @@ class PagedAttention : public CpuPrimitive {
   int width_, block_size_;
 };
 
-// An input as a kernel reads it (row-contiguous): itself where it is evaluated and contiguous
-// already (a model's weights, the KV pools: no copy node in the graph, ~5 us each at evaluation),
-// else through MLX's `contiguous`.
-static mx::array contiguous_input(const mx::array& a, mx::Stream stream) {
-  return a.is_available() && a.flags().row_contiguous ? a : mx::contiguous(a, false, stream);
-}
-
 static void check_float32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32) {
     throw std::invalid_argument(std::string("[mlxrt.native] ") + what + " must be float32");
@@ -590,8 +647,8 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
     throw std::invalid_argument("[mlxrt.native] swiglu's gate and input must have one shape");
   }
   auto stream = mx::to_stream(s);
-  auto g = contiguous_input(gate, stream);
-  auto u = contiguous_input(up, stream);
+  auto g = gate;
+  auto u = up;
   return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(stream), {g, u});
 }
 
@@ -603,7 +660,7 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps, mx::S
     throw std::invalid_argument("[mlxrt.native] rms_norm's weight must be a vector as long as the input's last axis");
   }
   auto stream = mx::to_stream(s);
-  return mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(stream, eps), {contiguous_input(x, stream), contiguous_input(weight, stream)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<RMSNorm>(stream, eps), {x, weight});
 }
 
 // `mx.fast.rope(x, dims, traditional=, base=, scale=, offset=)` for float32, without `freqs`.
@@ -616,8 +673,8 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
     throw std::invalid_argument("[mlxrt.native] rope's offset must be an integer scalar or one per batch item");
   }
   auto stream = mx::to_stream(s);
-  auto o = contiguous_input(mx::astype(offset, mx::int32, stream), stream);
-  return mx::array(x.shape(), mx::float32, std::make_shared<RoPE>(stream, dims, traditional, base, scale), {contiguous_input(x, stream), o});
+  auto o = mx::astype(offset, mx::int32, stream);
+  return mx::array(x.shape(), mx::float32, std::make_shared<RoPE>(stream, dims, traditional, base, scale), {x, o});
 }
 
 // `decode_attention`'s stacked attention over each row's first `width` positions in its blocks:
@@ -635,22 +692,22 @@ mx::array paged_attention(const mx::array& queries, const mx::array& pool_keys, 
     throw std::invalid_argument("[mlxrt.native] paged attention: mismatched queries, pools, blocks or width");
   }
   auto stream = mx::to_stream(s);
-  std::vector<mx::array> inputs = {contiguous_input(queries, stream), contiguous_input(pool_keys, stream),
-                                   contiguous_input(pool_values, stream), contiguous_input(blocks, stream)};
+  std::vector<mx::array> inputs = {queries, pool_keys,
+                                   pool_values, blocks};
   if (mask) {
     const auto& m = *mask;
     if (m.ndim() != 4 || m.shape(1) != 1 || m.shape(2) != 1 || m.shape(3) != width || (m.shape(0) != 1 && m.shape(0) != queries.shape(0)) ||
         (m.dtype() != mx::bool_ && m.dtype() != mx::float32)) {
       throw std::invalid_argument("[mlxrt.native] paged attention's mask must be [rows or 1, 1, 1, width], boolean or float32");
     }
-    inputs.push_back(contiguous_input(m, stream));
+    inputs.push_back(m);
   }
   if (lengths) {
     const auto& n = *lengths;
     if (mask || n.dtype() != mx::int32 || n.ndim() != 1 || n.shape(0) != queries.shape(0)) {
       throw std::invalid_argument("[mlxrt.native] paged attention's lengths must be int32 [rows], without a mask");
     }
-    inputs.push_back(contiguous_input(n, stream));
+    inputs.push_back(n);
   }
   return mx::array(queries.shape(), mx::float32, std::make_shared<PagedAttention>(stream, width, block_size), std::move(inputs));
 }
@@ -659,14 +716,14 @@ mx::array paged_attention(const mx::array& queries, const mx::array& pool_keys, 
 mx::array exp(const mx::array& x, mx::StreamOrDevice s) {
   check_float32(x, "exp's input");
   auto stream = mx::to_stream(s);
-  return mx::array(x.shape(), mx::float32, std::make_shared<Exp>(stream), {contiguous_input(x, stream)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<Exp>(stream), {x});
 }
 
 // `mx.softmax(x, axis=-1, precise=True)` for float32.
 mx::array softmax(const mx::array& x, mx::StreamOrDevice s) {
   check_float32(x, "softmax's input");
   auto stream = mx::to_stream(s);
-  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(stream), {contiguous_input(x, stream)});
+  return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(stream), {x});
 }
 
 // `mx.fast.scaled_dot_product_attention` as MLX evaluates it on the CPU (its `fallback` in

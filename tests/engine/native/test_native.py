@@ -61,6 +61,28 @@ def test_swiglu_every_tail_length_and_strided_inputs(kernels, size):
     assert _equal(kernels.swiglu(wide.T, wide.T[::-1]), _SWIGLU(wide.T, wide.T[::-1]))  # (not row-contiguous)
 
 
+def test_views_are_copied_when_evaluated_not_by_a_node_in_the_graph(kernels, tmp_path):
+    """The primitives take their inputs as they are: a traced or lazy input that turns out
+    contiguous costs no copy node (a decode step had ~400), and one that does not (transposed,
+    reversed, broadcast, an offset slice) is copied when evaluated, with MLX's own results."""
+    gate, up = mx.random.normal((4, 96), key=mx.random.key(3)), mx.random.normal((96,), key=mx.random.key(4))
+
+    def step(gate, up):
+        return kernels.swiglu(gate * 2, mx.broadcast_to(up, gate.shape))  # (a lazy input; a stride-0 one)
+
+    out = mx.compile(step)(gate, up)
+    dot = tmp_path / "step.dot"
+    mx.export_to_dot(str(dot), out)
+    assert "Contiguous" not in dot.read_text()
+    assert _equal(out, _SWIGLU(gate * 2, mx.broadcast_to(up, gate.shape)))
+    wide = mx.random.normal((7, 96, 5), key=mx.random.key(5))
+    for view in (wide[2, :, 1:4].T, wide[::-2, 3, :].T[::-1], wide[:, 10:74, 2]):
+        rows = mx.random.normal(view.shape, key=mx.random.key(6))
+        assert _equal(kernels.swiglu(view, rows), _SWIGLU(view, rows))
+        assert _equal(kernels.swiglu(rows, view), _SWIGLU(rows, view))
+        assert _equal(kernels.softmax(view), mx.softmax(view, axis=-1, precise=True))
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (3, 5), (4, 8), (9, 127), (2, 3, 4, 2051), (72, 127, 127)])
 def test_softmax_as_mlxs_precise_softmax(kernels, shape):
     scores = mx.random.normal(shape, key=mx.random.key(len(shape))) * 9
