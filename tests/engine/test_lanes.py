@@ -164,9 +164,9 @@ def test_install_rebinds_the_models_modules_only():
     assert activations.swiglu is _SWIGLU  # mlx-lm's own function, for everyone else
 
 
-def _assert_greedy_tokens_are_mlx_lms(block_size: int, max_tokens: int) -> None:
+def _assert_greedy_tokens_are_mlx_lms(block_size: int, max_tokens: int, compiled: bool = True) -> None:
     """Three requests batched on `builtin:tiny` (KV in blocks of `block_size`, or rows): the
-    engine's greedy tokens are mlx-lm's."""
+    engine's greedy tokens are mlx-lm's (`compiled`: the engine's compiled decode step)."""
     from engine.engine import Engine
     from engine.kv.layout import probe_layout
     from policies.layout import with_kv_blocks
@@ -175,7 +175,7 @@ def _assert_greedy_tokens_are_mlx_lms(block_size: int, max_tokens: int) -> None:
 
     model, tokenizer = load_reference("builtin:tiny")
     layout = probe_layout(model)
-    engine = Engine(model, with_kv_blocks(layout, block_size) if block_size else layout)
+    engine = Engine(model, with_kv_blocks(layout, block_size) if block_size else layout, compiled=compiled)
     prompts = random_prompts([9, 14, 5])
     driver = Driver(engine)
     driver.admit(*(admit_request(name, prompt, max_tokens=max_tokens) for name, prompt in zip("abc", prompts)))
@@ -192,9 +192,27 @@ def test_an_engines_tokens_with_every_piece_split_are_mlx_lms(monkeypatch, split
     assert 0 in splits
 
 
+def test_a_paged_batch_decodes_through_the_compiled_step_with_mlx_lms_tokens(monkeypatch):
+    """Paged KV's batched decode steps run the compiled step (no graph built per step; each row
+    attends over its own blocks in place); the tokens are mlx-lm's."""
+    from engine.batch import DecodeBatch
+
+    widths: list[int] = []
+    forward_one = DecodeBatch.forward_one
+
+    def counted(self, compiled, tokens):
+        widths.append(len(self))
+        return forward_one(self, compiled, tokens)
+
+    monkeypatch.setattr(DecodeBatch, "forward_one", counted)
+    _assert_greedy_tokens_are_mlx_lms(block_size=4, max_tokens=8)
+    assert 3 in widths
+
+
 def test_a_paged_batchs_halves_gather_and_attend_over_their_own_blocks(monkeypatch, splits):
-    """Paged KV's decode steps on two lanes: each half of the rows reads its own blocks (the
-    batch's gathered copy is never evaluated); the tokens are mlx-lm's."""
+    """Paged KV's decode steps built op by op (an engine without its compiled step, as in a
+    distributed world) on two lanes: each half of the rows reads its own blocks (the batch's
+    gathered copy is never evaluated); the tokens are mlx-lm's."""
     from engine.kv import paged
 
     halves_read: list[int] = []
@@ -206,5 +224,5 @@ def test_a_paged_batchs_halves_gather_and_attend_over_their_own_blocks(monkeypat
 
     monkeypatch.setattr(paged.PagedSlots, "_attend_halves", counted)
     monkeypatch.setattr(lanes, "MIN_ELEMENTS", 1)
-    _assert_greedy_tokens_are_mlx_lms(block_size=4, max_tokens=8)
+    _assert_greedy_tokens_are_mlx_lms(block_size=4, max_tokens=8, compiled=False)
     assert 3 in halves_read
