@@ -290,16 +290,15 @@ class Helper {
   template <typename F>
   void share(int chunks, F&& work) {
     std::unique_lock<std::mutex> turn(busy_, std::try_to_lock);
-    if (!turn.owns_lock() || chunks < 2) {
+    if (!turn.owns_lock() || chunks < 2 || static_cast<uint64_t>(chunks) > kFieldMask) {
       for (int i = 0; i < chunks; i++) work(i);
       return;
     }
     std::function<void(int)> job(std::forward<F>(work));
     const uint64_t tag = (tag_ = (tag_ + 1) & kTagMask);
     job_ = &job;
-    chunks_ = chunks;
     helped_.store(0, std::memory_order_relaxed);
-    state_.store(tag << kTagShift, std::memory_order_seq_cst);
+    state_.store(tag << kTagShift | static_cast<uint64_t>(chunks) << kCountShift, std::memory_order_seq_cst);
     if (sleeping_.load(std::memory_order_seq_cst)) {
       std::lock_guard<std::mutex> lock(mutex_);
       wake_.notify_one();
@@ -313,20 +312,22 @@ class Helper {
   }
 
  private:
-  // `state_`: the job's tag (which product), the chunks claimed from the front and from the back.
-  static constexpr int kTagShift = 40, kBackShift = 20;
-  static constexpr uint64_t kTagMask = (uint64_t{1} << 24) - 1, kFieldMask = (uint64_t{1} << 20) - 1;
+  // `state_`: the job's tag (which product), its chunk count, and the chunks claimed from the
+  // front and from the back, in one word: a thread that reads a finished job's state reads that
+  // job's count with it (a count kept apart could be the next job's: a chunk claimed twice).
+  static constexpr int kTagShift = 48, kCountShift = 32, kFrontShift = 16;
+  static constexpr uint64_t kTagMask = (uint64_t{1} << 16) - 1, kFieldMask = (uint64_t{1} << 16) - 1;
 
   // The next chunk of job `tag` from the front (else the back), if it has one left (false once it
   // has none, or another job began).
   bool claim(uint64_t tag, bool front, int& chunk) {
     uint64_t state = state_.load(std::memory_order_acquire);
     for (;;) {
-      const uint64_t from_front = state & kFieldMask, from_back = (state >> kBackShift) & kFieldMask;
-      if ((state >> kTagShift) != tag || from_front + from_back >= static_cast<uint64_t>(chunks_)) return false;
-      const uint64_t next = state + (front ? 1 : uint64_t{1} << kBackShift);
+      const uint64_t from_back = state & kFieldMask, from_front = (state >> kFrontShift) & kFieldMask, count = (state >> kCountShift) & kFieldMask;
+      if ((state >> kTagShift) != tag || from_front + from_back >= count) return false;
+      const uint64_t next = state + (front ? uint64_t{1} << kFrontShift : 1);
       if (state_.compare_exchange_weak(state, next, std::memory_order_acq_rel, std::memory_order_acquire)) {
-        chunk = front ? static_cast<int>(from_front) : chunks_ - 1 - static_cast<int>(from_back);
+        chunk = static_cast<int>(front ? from_front : count - 1 - from_back);
         return true;
       }
     }
@@ -356,8 +357,7 @@ class Helper {
         tag = state_.load(std::memory_order_acquire) >> kTagShift;
       }
       seen = tag;
-      // (A claimed chunk's job is still `job_`, and `chunks_` its count: its caller waits for the
-      // chunk before returning, and the next job's tag is stored after its count.)
+      // (A claimed chunk's job is still `job_`: its caller waits for the chunk before returning.)
       int chunk;
       while (claim(tag, false, chunk)) {
         (*job_)(chunk);
@@ -375,7 +375,6 @@ class Helper {
   std::atomic<int> helped_{0};
   std::atomic<bool> sleeping_{false};
   uint64_t tag_ = 0;  // (the last job's tag: written under `busy_`)
-  int chunks_ = 0;    // (its chunk count: written under `busy_`, before its tag is stored)
   std::function<void(int)>* job_ = nullptr;
   std::thread thread_;
 };

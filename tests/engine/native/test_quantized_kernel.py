@@ -144,3 +144,18 @@ def test_two_threads_products_at_once_share_the_helper_safely(kernels):
     for thread in threads:
         thread.join(timeout=120)
     assert not any(thread.is_alive() for thread in threads) and failures == []
+
+
+def test_back_to_back_shared_products_are_each_computed_once_and_whole(kernels):
+    """A graph of shared products one after another, of 2 and 32 chunks in turn (the helper may
+    still be claiming in one product's state when the next begins): each result bit for bit the
+    product computed on the calling thread alone (the same tiles over the same features)."""
+    rng = np.random.default_rng(11)
+    weights = [_quantized(rng, 128, 512, 32, 4), _quantized(rng, 2048, 512, 32, 4)]
+    inputs = [_normal(rng, rows, 512) for rows in (1, 3)]
+    order = [(i % 2, (i // 2) % 2) for i in range(400)]
+    shared = [kernels.quantized_matmul(inputs[x], *weights[w], group_size=32, bits=4) for w, x in order]
+    alone = [kernels.quantized_matmul(inputs[x], *weights[w], group_size=32, bits=4, helped=False) for w, x in order]
+    mx.eval(shared)
+    mx.eval(alone)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(shared, alone))
