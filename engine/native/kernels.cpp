@@ -646,10 +646,7 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
   if (gate.shape() != up.shape()) {
     throw std::invalid_argument("[mlxrt.native] swiglu's gate and input must have one shape");
   }
-  auto stream = mx::to_stream(s);
-  auto g = gate;
-  auto u = up;
-  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(stream), {g, u});
+  return mx::array(gate.shape(), mx::float32, std::make_shared<SwiGLU>(mx::to_stream(s)), {gate, up});
 }
 
 // `mx.fast.rms_norm(x, weight, eps)` for float32 with a weight.
@@ -692,8 +689,7 @@ mx::array paged_attention(const mx::array& queries, const mx::array& pool_keys, 
     throw std::invalid_argument("[mlxrt.native] paged attention: mismatched queries, pools, blocks or width");
   }
   auto stream = mx::to_stream(s);
-  std::vector<mx::array> inputs = {queries, pool_keys,
-                                   pool_values, blocks};
+  std::vector<mx::array> inputs = {queries, pool_keys, pool_values, blocks};
   if (mask) {
     const auto& m = *mask;
     if (m.ndim() != 4 || m.shape(1) != 1 || m.shape(2) != 1 || m.shape(3) != width || (m.shape(0) != 1 && m.shape(0) != queries.shape(0)) ||

@@ -295,7 +295,7 @@ class Helper {
       return;
     }
     std::function<void(int)> job(std::forward<F>(work));
-    const uint64_t tag = (tag_ = (tag_ + 1) & kTagMask);
+    const uint64_t tag = (tag_ = (tag_ + 1) & kFieldMask);
     job_ = &job;
     helped_.store(0, std::memory_order_relaxed);
     state_.store(tag << kTagShift | static_cast<uint64_t>(chunks) << kCountShift, std::memory_order_seq_cst);
@@ -316,7 +316,7 @@ class Helper {
   // front and from the back, in one word: a thread that reads a finished job's state reads that
   // job's count with it (a count kept apart could be the next job's: a chunk claimed twice).
   static constexpr int kTagShift = 48, kCountShift = 32, kFrontShift = 16;
-  static constexpr uint64_t kTagMask = (uint64_t{1} << 16) - 1, kFieldMask = (uint64_t{1} << 16) - 1;
+  static constexpr uint64_t kFieldMask = (uint64_t{1} << 16) - 1;  // (each of the four fields, the tag's too)
 
   // The next chunk of job `tag` from the front (else the back), if it has one left (false once it
   // has none, or another job began).
