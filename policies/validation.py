@@ -63,6 +63,10 @@ def validate(request: GenerateRequest, info: ModelInfo, limits: LimitsConfig = L
     check_ids(request.stop_token_ids, info.vocab_size, "stop_token_ids")
     if request.prompt_ids is not None:
         check_ids(request.prompt_ids, info.vocab_size, "prompt_ids")
+    if request.prompt is not None and len(request.prompt) > (limit := max_prompt_bytes(info, limits)):
+        # (Each character is a byte or more: refused here, without encoding it, rather than after
+        # its text has gone to a tokenizing worker, which a busy machine may keep waiting.)
+        raise _too_large_text(limit, "prompt")
     if request.tools is not None and (not isinstance(request.tools, list) or not all(isinstance(t, dict) for t in request.tools)):
         raise InvalidRequestError("tools must be a list of objects", field="tools")
     for field in ("response_format", "tools", "tool_choice"):
@@ -259,7 +263,11 @@ def max_prompt_bytes(info: ModelInfo, limits: LimitsConfig) -> int:
 def check_text_size(text: str, limit: int, field: str) -> None:
     # Up to 4 bytes per character: count only when the characters alone might exceed it.
     if len(text) * 4 > limit and len(text.encode()) > limit:
-        raise RequestTooLargeError(f"the prompt has more than {limit} bytes, more than the context can hold", field=field)
+        raise _too_large_text(limit, field)
+
+
+def _too_large_text(limit: int, field: str) -> RequestTooLargeError:
+    return RequestTooLargeError(f"the prompt has more than {limit} bytes, more than the context can hold", field=field)
 
 
 def render_prompt(request: GenerateRequest, tokenizer: Any, max_bytes: int) -> list[int]:
