@@ -46,6 +46,7 @@ using namespace nb::literals;
 namespace mlxrt {
 
 #define MLXRT_AVX2 __attribute__((target("avx2,fma")))
+#define MLXRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
 
 // `simd::exp` of `mlx/backend/cpu/simd/math.h`, eight floats at a time. MLX computes
 // `floor(x + 0.5)` with `0.5` a double: floor(x) + 1 where x - floor(x) >= 0.5 is the same
@@ -338,6 +339,9 @@ constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 // those calls take turns here (each still on every core); smaller ones run side by side.
 constexpr double kThreadedProduct = 65536.0 * 4;
 static std::mutex threaded_products;
+// Below this many multiply-adds a step's attention runs on the calling thread alone (one
+// row's three KV heads at ~100 positions take a few microseconds: less than handing them over).
+constexpr double kSharedAttention = 3.0 * 3 * 256 * 64;
 
 static void sgemm(int trans_b, int m, int n, int k, const float* a, int lda, const float* b, int ldb, float* c, int ldc) {
   std::unique_lock<std::mutex> turn(threaded_products, std::defer_lock);
@@ -356,6 +360,157 @@ static int64_t contiguous_start(const int32_t* own, int width, int block_size, i
   return start + width <= positions ? start : -1;
 }
 
+// Defined with the quantized products (below): whether they use AVX-512, and the helper thread.
+static bool has_avx512();
+static bool cpu_has_avx512();
+static void share_chunks(int chunks, const std::function<void(int)>& work);
+
+// The two products of a decode step's attention, written here where OpenBLAS's own path for them is
+// slow, each bit for bit what `cblas_sgemm` returns for it. OpenBLAS (0.3.21, AVX-512 kernels) runs
+// `q @ k^T` (M = query heads per KV head, N = positions, K = dim, keys transposed) through its
+// packing path once M * N > 1,200 (`sgemm_small_kernel_permit`): 34 us a call at 530 positions
+// against 1.5 at 160, ~90 calls a step (SmolLM2: 3.0 ms of a step at 530 positions, 5.8 at 1,024).
+// That path sums each score as one FMA chain over the dimensions in order, from zero; so does
+// `scores_chain`, sixteen positions at a time (their keys transposed in registers). `p @ v` runs
+// through OpenBLAS's small-matrix kernel up to M * N * K = 10^6, one FMA chain over the positions
+// in order per output; so does `values_chain`. Elsewhere (a short row's scores, a very long row's
+// values) the products stay OpenBLAS's. `engine/native/__init__.py`'s load check compares the
+// whole attention with MLX's, and `chains_match_blas` checks each kernel against `cblas_sgemm` on
+// first use: with another BLAS, or another order, the products stay `cblas_sgemm`'s.
+static bool blas_small_scores(int n_rep, int width, int dim) {
+  return static_cast<int64_t>(n_rep) * width <= 1200 && dim >= 32 && static_cast<double>(n_rep) * width * dim <= 1e6;
+}
+static bool blas_small_values(int n_rep, int width, int dim) { return static_cast<double>(n_rep) * width * dim <= 1e6; }
+
+// Sixteen rows of sixteen floats transposed in place (`t[i]`'s lane j becomes `t[j]`'s lane i).
+MLXRT_AVX512 static inline void transpose16(__m512 t[16]) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 16; i += 2) {
+    a[i] = _mm512_unpacklo_ps(t[i], t[i + 1]);
+    a[i + 1] = _mm512_unpackhi_ps(t[i], t[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    b[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[i]), _mm512_castps_pd(a[i + 2])));
+    b[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[i]), _mm512_castps_pd(a[i + 2])));
+    b[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[i + 1]), _mm512_castps_pd(a[i + 3])));
+    b[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[i + 1]), _mm512_castps_pd(a[i + 3])));
+  }
+  // b[4g + c]: rows 4g..4g+3's column c of each 128-bit lane; the lanes then gathered across rows.
+  for (int c = 0; c < 4; c++) {
+    const __m512 x0 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0x88), x1 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0xDD);
+    const __m512 y0 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0x88), y1 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    t[c + 8] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+    t[c + 4] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    t[c + 12] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+  }
+}
+
+// scores[i * ld + j] = sum over d of q[i * dim + d] * keys[j * dim + d], one FMA chain over d in
+// order from zero, for i < n_rep, j < width (`dim` a multiple of 16): sixteen positions at a time,
+// their keys transposed in registers sixteen dimensions at a time (again for each eight queries).
+MLXRT_AVX512 static void scores_chain(const float* q, int n_rep, const float* keys, int width, int dim, float* scores, int ld) {
+  const size_t block_bytes = static_cast<size_t>(16) * dim * sizeof(float);
+  for (int j0 = 0; j0 < width; j0 += 16) {
+    const int n = std::min(16, width - j0);
+    if (j0 + 48 <= width) {  // (two blocks ahead: the strided loads stall on memory otherwise)
+      const char* ahead = reinterpret_cast<const char*>(keys + static_cast<size_t>(j0 + 32) * dim);
+      for (size_t b = 0; b < block_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    }
+    const float* block = keys + static_cast<size_t>(j0) * dim;
+    const __mmask16 lanes = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
+    for (int i0 = 0; i0 < n_rep; i0 += 8) {
+      const int m = std::min(8, n_rep - i0);
+      const float* qi = q + static_cast<size_t>(i0) * dim;
+      __m512 acc[8];
+      for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+      for (int d0 = 0; d0 < dim; d0 += 16) {
+        __m512 t[16];
+        if (n == 16) {
+          for (int j = 0; j < 16; j++) t[j] = _mm512_loadu_ps(block + static_cast<size_t>(j) * dim + d0);
+        } else {
+          for (int j = 0; j < 16; j++) t[j] = j < n ? _mm512_loadu_ps(block + static_cast<size_t>(j) * dim + d0) : _mm512_setzero_ps();
+        }
+        transpose16(t);
+        for (int d = 0; d < 16; d++) {
+          for (int i = 0; i < 8; i++) {
+            if (i < m) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qi[static_cast<size_t>(i) * dim + d0 + d]), t[d], acc[i]);
+          }
+        }
+      }
+      for (int i = 0; i < m; i++) _mm512_mask_storeu_ps(scores + static_cast<size_t>(i0 + i) * ld + j0, lanes, acc[i]);
+    }
+  }
+}
+
+// out[i * dim + d] = sum over j of p[i * ld + j] * values[j * dim + d], one FMA chain over j in
+// order from zero, for i < n_rep (`dim` a multiple of 16).
+MLXRT_AVX512 static void values_chain(const float* p, int n_rep, int ld, const float* values, int width, int dim, float* out) {
+  for (int d0 = 0; d0 < dim; d0 += 64) {
+    const int c = std::min(4, (dim - d0) / 16);
+    for (int i0 = 0; i0 < n_rep; i0 += 4) {
+      const int m = std::min(4, n_rep - i0);
+      __m512 acc[4][4];
+      for (int i = 0; i < 4; i++)
+        for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();
+      for (int j = 0; j < width; j++) {
+        const float* row = values + static_cast<size_t>(j) * dim + d0;
+        __m512 v[4];
+        for (int u = 0; u < 4; u++) v[u] = u < c ? _mm512_loadu_ps(row + 16 * u) : _mm512_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+          if (i >= m) break;
+          const __m512 weight = _mm512_set1_ps(p[static_cast<size_t>(i0 + i) * ld + j]);
+          for (int u = 0; u < 4; u++) {
+            if (u < c) acc[i][u] = _mm512_fmadd_ps(weight, v[u], acc[i][u]);
+          }
+        }
+      }
+      for (int i = 0; i < m; i++)
+        for (int u = 0; u < c; u++) _mm512_storeu_ps(out + static_cast<size_t>(i0 + i) * dim + d0 + 16 * u, acc[i][u]);
+    }
+  }
+}
+
+// Whether the two kernels return `cblas_sgemm`'s bits here (checked once, on shapes where
+// OpenBLAS takes the paths they mirror: wide scores, values up to 10^6 products).
+static bool chains_match_blas() {
+  static const bool match = [] {
+    if (!cpu_has_avx512()) return false;
+    uint32_t seed = 12345;
+    auto next = [&seed] {
+      seed = seed * 1664525u + 1013904223u;
+      return static_cast<float>(static_cast<int32_t>(seed >> 8) - (1 << 23)) / static_cast<float>(1 << 23);
+    };
+    for (const int dim : {64, 128}) {
+      for (const int width : {403, 650, 2100}) {
+        const int n_rep = 3;
+        std::vector<float> q(static_cast<size_t>(n_rep) * dim), keys(static_cast<size_t>(width) * dim), a(static_cast<size_t>(n_rep) * width),
+            b(a.size()), oa(q.size()), ob(q.size());
+        for (auto& x : q) x = next();
+        for (auto& x : keys) x = next();
+        cblas_sgemm(kRowMajor, kNoTrans, kTrans, n_rep, width, dim, 1.0f, q.data(), dim, keys.data(), dim, 0.0f, a.data(), width);
+        scores_chain(q.data(), n_rep, keys.data(), width, dim, b.data(), width);
+        if (std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) != 0) return false;
+        for (auto& x : a) x = std::fabs(x) / static_cast<float>(width);
+        if (!blas_small_values(n_rep, width, dim)) continue;
+        cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, n_rep, dim, width, 1.0f, a.data(), width, keys.data(), dim, 0.0f, oa.data(), dim);
+        values_chain(a.data(), n_rep, width, keys.data(), width, dim, ob.data());
+        if (std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)) != 0) return false;
+      }
+    }
+    return true;
+  }();
+  return match;
+}
+
+// Whether `chains_match_blas` runs (tests turn it off to check the two against each other).
+static std::atomic<bool> attention_chains_on{true};
+
+bool set_attention_chains(bool on) {
+  attention_chains_on.store(on);
+  return on && has_avx512() && chains_match_blas();
+}
+
 // One decode step's attention over paged KV: for each row and KV head, the row's first `width`
 // positions (where they run contiguously in the pool, read in place; else copied from its blocks
 // into a scratch run), then the same matrix products as `engine.kv.attention.decode_attention`
@@ -364,52 +519,76 @@ static int64_t contiguous_start(const int32_t* own, int width, int block_size, i
 // the softmax above between them: bit for bit that function's result over `_gather_blocks`' batch,
 // without the batch's copy. With `lengths` (no mask) row r attends over its first lengths[r]
 // positions only (clamped to [1, width]): bit for bit `decode_attention` over that row alone, as
-// `PagedSlots._attend_rows` runs it, without the padded positions' work.
+// `PagedSlots._attend_rows` runs it, without the padded positions' work. Each (row, KV head) is
+// one chunk of work, shared with the helper thread when no product of it is OpenBLAS's threaded one.
 static void paged_attention_rows(const float* q, const float* pool_k, const float* pool_v, const int32_t* blocks, const bool* bool_mask,
                                  const float* add_mask, bool mask_per_row, const int32_t* lengths, float* out, int rows, int kv_heads, int n_rep,
                                  int dim, int positions, int per_row, int width, int block_size) {
-  std::vector<float> scratch_k, scratch_v, scores(static_cast<size_t>(n_rep) * width);
   constexpr float lowest = std::numeric_limits<float>::lowest();
-  for (int r = 0; r < rows; r++) {
+  const bool chains = attention_chains_on.load(std::memory_order_relaxed) && has_avx512() && dim % 16 == 0 && dim <= 256 && chains_match_blas();
+  bool threaded = false;  // (whether some product is OpenBLAS's threaded one: then one chunk at a time)
+  auto attend = [&](int r, int h, std::vector<float>& scratch_k, std::vector<float>& scratch_v, std::vector<float>& scores) {
     const int32_t* own = blocks + static_cast<size_t>(r) * per_row;
     const size_t mask_row = mask_per_row ? static_cast<size_t>(r) * width : 0;
     const int w = lengths != nullptr ? std::clamp(lengths[r], 1, width) : width;
     const int64_t start = contiguous_start(own, w, block_size, positions);
-    if (start < 0 && scratch_k.empty()) {
+    const float* head_k = pool_k + static_cast<size_t>(h) * positions * dim;
+    const float* head_v = pool_v + static_cast<size_t>(h) * positions * dim;
+    const float* keys;
+    const float* values;
+    if (start >= 0) {
+      keys = head_k + static_cast<size_t>(start) * dim;
+      values = head_v + static_cast<size_t>(start) * dim;
+    } else {
       scratch_k.resize(static_cast<size_t>(width) * dim);
       scratch_v.resize(static_cast<size_t>(width) * dim);
+      for (int from = 0, b = 0; from < w; from += block_size, b++) {
+        const int n = std::min(block_size, w - from);
+        const size_t at = (static_cast<size_t>(own[b]) * block_size) * dim;
+        std::memcpy(scratch_k.data() + static_cast<size_t>(from) * dim, head_k + at, static_cast<size_t>(n) * dim * sizeof(float));
+        std::memcpy(scratch_v.data() + static_cast<size_t>(from) * dim, head_v + at, static_cast<size_t>(n) * dim * sizeof(float));
+      }
+      keys = scratch_k.data();
+      values = scratch_v.data();
     }
-    for (int h = 0; h < kv_heads; h++) {
-      const float* head_k = pool_k + static_cast<size_t>(h) * positions * dim;
-      const float* head_v = pool_v + static_cast<size_t>(h) * positions * dim;
-      const float* keys = scratch_k.data();
-      const float* values = scratch_v.data();
-      if (start >= 0) {
-        keys = head_k + static_cast<size_t>(start) * dim;
-        values = head_v + static_cast<size_t>(start) * dim;
-      } else {
-        for (int from = 0, b = 0; from < w; from += block_size, b++) {
-          const int n = std::min(block_size, w - from);
-          const size_t at = (static_cast<size_t>(own[b]) * block_size) * dim;
-          std::memcpy(scratch_k.data() + static_cast<size_t>(from) * dim, head_k + at, static_cast<size_t>(n) * dim * sizeof(float));
-          std::memcpy(scratch_v.data() + static_cast<size_t>(from) * dim, head_v + at, static_cast<size_t>(n) * dim * sizeof(float));
-        }
-      }
-      const float* queries = q + (static_cast<size_t>(r) * kv_heads + h) * n_rep * dim;
+    scores.resize(static_cast<size_t>(n_rep) * width);
+    const float* queries = q + (static_cast<size_t>(r) * kv_heads + h) * n_rep * dim;
+    if (chains && !blas_small_scores(n_rep, w, dim)) {
+      scores_chain(queries, n_rep, keys, w, dim, scores.data(), w);
+    } else {
       sgemm(kTrans, n_rep, w, dim, queries, dim, keys, dim, scores.data(), w);
-      if (bool_mask != nullptr || add_mask != nullptr) {
-        for (int i = 0; i < n_rep; i++) {
-          float* row = scores.data() + static_cast<size_t>(i) * width;
-          for (int k = 0; k < width; k++) {
-            row[k] = bool_mask != nullptr ? (bool_mask[mask_row + k] ? row[k] : lowest) : row[k] + add_mask[mask_row + k];
-          }
+    }
+    if (bool_mask != nullptr || add_mask != nullptr) {
+      for (int i = 0; i < n_rep; i++) {
+        float* row = scores.data() + static_cast<size_t>(i) * width;
+        for (int k = 0; k < width; k++) {
+          row[k] = bool_mask != nullptr ? (bool_mask[mask_row + k] ? row[k] : lowest) : row[k] + add_mask[mask_row + k];
         }
       }
-      softmax_rows(scores.data(), scores.data(), n_rep, w);
-      float* result = out + (static_cast<size_t>(r) * kv_heads + h) * n_rep * dim;
+    }
+    softmax_rows(scores.data(), scores.data(), n_rep, w);
+    float* result = out + (static_cast<size_t>(r) * kv_heads + h) * n_rep * dim;
+    if (chains && blas_small_values(n_rep, w, dim)) {
+      values_chain(scores.data(), n_rep, w, values, w, dim, result);
+    } else {
       sgemm(kNoTrans, n_rep, dim, w, scores.data(), w, values, dim, result, dim);
     }
+  };
+  for (int r = 0; r < rows && !threaded; r++) {
+    const int w = lengths != nullptr ? std::clamp(lengths[r], 1, width) : width;
+    const bool blas_scores = !chains || blas_small_scores(n_rep, w, dim), blas_values = !chains || !blas_small_values(n_rep, w, dim);
+    threaded = (blas_scores || blas_values) && static_cast<double>(n_rep) * w * dim > kThreadedProduct;
   }
+  const int chunks = rows * kv_heads;
+  if (threaded || static_cast<double>(chunks) * n_rep * width * dim < kSharedAttention) {
+    std::vector<float> scratch_k, scratch_v, scores;
+    for (int c = 0; c < chunks; c++) attend(c / kv_heads, c % kv_heads, scratch_k, scratch_v, scores);
+    return;
+  }
+  share_chunks(chunks, [&](int c) {
+    thread_local std::vector<float> scratch_k, scratch_v, scores;
+    attend(c / kv_heads, c % kv_heads, scratch_k, scratch_v, scores);
+  });
 }
 
 static void allocate_output(const mx::array& in, mx::array& out) {
@@ -775,6 +954,8 @@ mx::array sdpa(const mx::array& queries, const mx::array& keys, const mx::array&
 
 #include "quantized.h"
 
+static void share_chunks(int chunks, const std::function<void(int)>& work) { Helper::instance().share(chunks, work); }
+
 static bool cpu_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -795,6 +976,8 @@ NB_MODULE(_kernels, m) {
   m.def("softmax", &mlxrt::softmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.softmax(x, axis=-1, precise=True) for float32 on the CPU.");
   m.def("quantized_matmul", &mlxrt::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "helped"_a = true, "stream"_a = nb::none(), "mx.quantized_matmul(x, w, scales, biases, transpose=True) for affine 4/8-bit weights, float32 on the CPU.");
+  m.def("set_attention_chains", &mlxrt::set_attention_chains, "on"_a,
+        "Let paged attention compute its wide products itself where they match cblas_sgemm bit for bit (on), or not; returns whether it does.");
   m.def("quantized_isa", &mlxrt::quantized_isa, "The instruction set quantized_matmul uses: 'avx512' or 'avx2'.");
   m.def("set_avx512", &mlxrt::set_avx512, "on"_a, "Let quantized_matmul use AVX-512 where the CPU has it (on), or not; returns whether it does.");
   m.def("scaled_dot_product_attention", &mlxrt::sdpa, "queries"_a, "keys"_a, "values"_a, nb::kw_only(), "scale"_a, "mask_mode"_a = "",

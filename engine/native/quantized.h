@@ -124,7 +124,6 @@ static void qmm_rows(const float* x, int k, const uint8_t* w, size_t row_bytes, 
   for (; n < n1; n++) qmm_tile<bits, R, 1>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
 }
 
-#define MLXRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
 
 // The same with sixteen lanes (AVX-512, where the CPU has it): thirty-two weights a step, so for
 // 4 bits the input is reordered in thirty-twos (`deinterleave<32>`). A 4-bit weight becomes its
@@ -209,6 +208,11 @@ template <int bits, bool wide>
 static void qmm_small(const float* x, int rows, int k, const uint8_t* w, const float* scales, const float* biases, int group, float* out, int n0,
                       int n1, int ldo) {
   const size_t row_bytes = static_cast<size_t>(k) * bits / 8;
+  // Five to eight rows take four 4-bit features a tile but two 8-bit ones: eight rows by four
+  // features is all 32 registers in accumulators, and where the 4-bit tile's table lookups leave
+  // the compiler room, the 8-bit conversions spill every accumulator to the stack at each group
+  // (from cache, sixteen rows: 52 against 63 GFLOP/s on one core, the 4-bit tile's 82).
+  constexpr int kWideC = bits == 8 ? 2 : 4;
   for (int r0 = 0; r0 < rows; r0 += 8) {
     const float* xr = x + static_cast<size_t>(r0) * k;
     float* o = out + static_cast<size_t>(r0) * ldo;
@@ -217,10 +221,10 @@ static void qmm_small(const float* x, int rows, int k, const uint8_t* w, const f
       case 2: tile_rows<bits, wide, 2, 4>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
       case 3: tile_rows<bits, wide, 3, wide ? 4 : 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
       case 4: tile_rows<bits, wide, 4, wide ? 4 : 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 5: tile_rows<bits, wide, 5, wide ? 4 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 6: tile_rows<bits, wide, 6, wide ? 4 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      case 7: tile_rows<bits, wide, 7, wide ? 4 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
-      default: tile_rows<bits, wide, 8, wide ? 4 : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 5: tile_rows<bits, wide, 5, wide ? kWideC : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 6: tile_rows<bits, wide, 6, wide ? kWideC : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 7: tile_rows<bits, wide, 7, wide ? kWideC : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      default: tile_rows<bits, wide, 8, wide ? kWideC : 1>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
     }
   }
 }

@@ -341,6 +341,44 @@ def test_paged_attention_is_decode_attention_over_the_gathered_blocks(kernels, m
         kernels.paged_attention(stacked, pool_keys, pool_values, blocks, width=per_row * block_size + 1, block_size=block_size)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (12, 1, 32), (16, 1, 64)])
+@pytest.mark.parametrize("width", [1, 17, 400, 401, 530, 1100, 5300])
+def test_paged_attention_own_products_are_openblas_bit_for_bit(kernels, heads, kv_heads, dim, width):
+    """Where the kernel computes a step's scores and values itself (wide rows: OpenBLAS's packing
+    path for the scores, its small-matrix kernel for the values), each result is the same bits as
+    with every product `cblas_sgemm`'s, across the widths where OpenBLAS changes path (a query
+    group's scores at 1,200 entries, the values at 10^6 multiply-adds), and with the rows shared
+    with the helper thread. With OpenBLAS and AVX-512 (this project's machines) the kernels are on."""
+    from runtime import blas
+
+    block_size, rows = 16, 2
+    per_row = -(-width // block_size)
+    pool_blocks = rows * per_row + 2
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(width * dim), 4)
+    pool_keys = mx.random.normal((kv_heads, pool_blocks * block_size, dim), key=k1)
+    pool_values = mx.random.normal((kv_heads, pool_blocks * block_size, dim), key=k2)
+    blocks = mx.random.permutation(pool_blocks, key=k3)[: rows * per_row].astype(mx.int32)
+    stacked = mx.random.normal((rows, kv_heads, heads // kv_heads, dim), key=k4) * 0.2
+    lengths = mx.array([width, max(1, width - 13)], dtype=mx.int32)
+
+    def attend(chains: bool) -> tuple[mx.array, mx.array]:
+        kernels.set_attention_chains(chains)
+        whole = kernels.paged_attention(stacked, pool_keys, pool_values, blocks, width=width, block_size=block_size)
+        ragged = kernels.paged_attention(stacked, pool_keys, pool_values, blocks, width=width, block_size=block_size, lengths=lengths)
+        mx.eval(whole, ragged)
+        return whole, ragged
+
+    try:
+        blas_only = attend(False)
+        own = attend(True)
+        on = kernels.set_attention_chains(True)
+    finally:
+        kernels.set_attention_chains(True)
+    assert all(_equal(a, b) for a, b in zip(own, blas_only))
+    if kernels.quantized_isa() == "avx512" and blas.status().state == "loaded":
+        assert on
+
+
 @pytest.mark.parametrize("layout", ["scattered", "runs"])
 @pytest.mark.parametrize(("rows", "width", "block_size"), [(5, 140, 16), (3, 37, 4), (2, 2100, 16)])
 def test_paged_attention_with_lengths_is_decode_attention_over_each_row_alone(kernels, layout, rows, width, block_size):
