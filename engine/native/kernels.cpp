@@ -406,18 +406,34 @@ MLXRT_AVX512 static inline void transpose16(__m512 t[16]) {
   }
 }
 
+// Where position j's keys (or values) of one KV head start: `start + j` rows into `head` where the
+// row's positions run contiguously there, else row `j % block_size` of its block `own[j / block_size]`.
+struct Rows {
+  const float* head;
+  const int32_t* own;
+  int64_t start;  // (-1: read through the blocks)
+  int block_size, dim;
+  const float* at(int j) const {
+    const int64_t row = start >= 0 ? start + j : static_cast<int64_t>(own[j / block_size]) * block_size + j % block_size;
+    return head + static_cast<size_t>(row) * dim;
+  }
+};
+
 // scores[i * ld + j] = sum over d of q[i * dim + d] * keys[j * dim + d], one FMA chain over d in
 // order from zero, for i < n_rep, j < width (`dim` a multiple of 16): sixteen positions at a time,
 // their keys transposed in registers sixteen dimensions at a time (again for each eight queries).
-MLXRT_AVX512 static void scores_chain(const float* q, int n_rep, const float* keys, int width, int dim, float* scores, int ld) {
-  const size_t block_bytes = static_cast<size_t>(16) * dim * sizeof(float);
+MLXRT_AVX512 static void scores_chain(const float* q, int n_rep, const Rows& keys, int width, int dim, float* scores, int ld) {
+  const size_t row_bytes = static_cast<size_t>(dim) * sizeof(float);
   for (int j0 = 0; j0 < width; j0 += 16) {
     const int n = std::min(16, width - j0);
     if (j0 + 48 <= width) {  // (two blocks ahead: the strided loads stall on memory otherwise)
-      const char* ahead = reinterpret_cast<const char*>(keys + static_cast<size_t>(j0 + 32) * dim);
-      for (size_t b = 0; b < block_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      for (int j = j0 + 32; j < j0 + 48; j++) {
+        const char* ahead = reinterpret_cast<const char*>(keys.at(j));
+        for (size_t b = 0; b < row_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      }
     }
-    const float* block = keys + static_cast<size_t>(j0) * dim;
+    const float* rows[16];
+    for (int j = 0; j < n; j++) rows[j] = keys.at(j0 + j);
     const __mmask16 lanes = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
     for (int i0 = 0; i0 < n_rep; i0 += 8) {
       const int m = std::min(8, n_rep - i0);
@@ -427,9 +443,9 @@ MLXRT_AVX512 static void scores_chain(const float* q, int n_rep, const float* ke
       for (int d0 = 0; d0 < dim; d0 += 16) {
         __m512 t[16];
         if (n == 16) {
-          for (int j = 0; j < 16; j++) t[j] = _mm512_loadu_ps(block + static_cast<size_t>(j) * dim + d0);
+          for (int j = 0; j < 16; j++) t[j] = _mm512_loadu_ps(rows[j] + d0);
         } else {
-          for (int j = 0; j < 16; j++) t[j] = j < n ? _mm512_loadu_ps(block + static_cast<size_t>(j) * dim + d0) : _mm512_setzero_ps();
+          for (int j = 0; j < 16; j++) t[j] = j < n ? _mm512_loadu_ps(rows[j] + d0) : _mm512_setzero_ps();
         }
         transpose16(t);
         for (int d = 0; d < 16; d++) {
@@ -445,7 +461,7 @@ MLXRT_AVX512 static void scores_chain(const float* q, int n_rep, const float* ke
 
 // out[i * dim + d] = sum over j of p[i * ld + j] * values[j * dim + d], one FMA chain over j in
 // order from zero, for i < n_rep (`dim` a multiple of 16).
-MLXRT_AVX512 static void values_chain(const float* p, int n_rep, int ld, const float* values, int width, int dim, float* out) {
+MLXRT_AVX512 static void values_chain(const float* p, int n_rep, int ld, const Rows& values, int width, int dim, float* out) {
   for (int d0 = 0; d0 < dim; d0 += 64) {
     const int c = std::min(4, (dim - d0) / 16);
     for (int i0 = 0; i0 < n_rep; i0 += 4) {
@@ -454,7 +470,7 @@ MLXRT_AVX512 static void values_chain(const float* p, int n_rep, int ld, const f
       for (int i = 0; i < 4; i++)
         for (int v = 0; v < 4; v++) acc[i][v] = _mm512_setzero_ps();
       for (int j = 0; j < width; j++) {
-        const float* row = values + static_cast<size_t>(j) * dim + d0;
+        const float* row = values.at(j) + d0;
         __m512 v[4];
         for (int u = 0; u < 4; u++) v[u] = u < c ? _mm512_loadu_ps(row + 16 * u) : _mm512_setzero_ps();
         for (int i = 0; i < 4; i++) {
@@ -489,12 +505,13 @@ static bool chains_match_blas() {
         for (auto& x : q) x = next();
         for (auto& x : keys) x = next();
         cblas_sgemm(kRowMajor, kNoTrans, kTrans, n_rep, width, dim, 1.0f, q.data(), dim, keys.data(), dim, 0.0f, a.data(), width);
-        scores_chain(q.data(), n_rep, keys.data(), width, dim, b.data(), width);
+        const Rows rows{keys.data(), nullptr, 0, 16, dim};
+        scores_chain(q.data(), n_rep, rows, width, dim, b.data(), width);
         if (std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) != 0) return false;
         for (auto& x : a) x = std::fabs(x) / static_cast<float>(width);
         if (!blas_small_values(n_rep, width, dim)) continue;
         cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, n_rep, dim, width, 1.0f, a.data(), width, keys.data(), dim, 0.0f, oa.data(), dim);
-        values_chain(a.data(), n_rep, width, keys.data(), width, dim, ob.data());
+        values_chain(a.data(), n_rep, width, rows, width, dim, ob.data());
         if (std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)) != 0) return false;
       }
     }
@@ -534,29 +551,26 @@ static void paged_attention_rows(const float* q, const float* pool_k, const floa
     const int64_t start = contiguous_start(own, w, block_size, positions);
     const float* head_k = pool_k + static_cast<size_t>(h) * positions * dim;
     const float* head_v = pool_v + static_cast<size_t>(h) * positions * dim;
-    const float* keys;
-    const float* values;
-    if (start >= 0) {
-      keys = head_k + static_cast<size_t>(start) * dim;
-      values = head_v + static_cast<size_t>(start) * dim;
-    } else {
-      scratch_k.resize(static_cast<size_t>(width) * dim);
-      scratch_v.resize(static_cast<size_t>(width) * dim);
+    const Rows key_rows{head_k, own, start, block_size, dim}, value_rows{head_v, own, start, block_size, dim};
+    const bool own_scores = chains && !blas_small_scores(n_rep, w, dim), own_values = chains && blas_small_values(n_rep, w, dim);
+    // What OpenBLAS reads, contiguous: in place, else copied from the blocks (the kernels' own
+    // products read the blocks where they are).
+    auto contiguous = [&](const float* head, std::vector<float>& scratch) -> const float* {
+      if (start >= 0) return head + static_cast<size_t>(start) * dim;
+      scratch.resize(static_cast<size_t>(width) * dim);
       for (int from = 0, b = 0; from < w; from += block_size, b++) {
         const int n = std::min(block_size, w - from);
         const size_t at = (static_cast<size_t>(own[b]) * block_size) * dim;
-        std::memcpy(scratch_k.data() + static_cast<size_t>(from) * dim, head_k + at, static_cast<size_t>(n) * dim * sizeof(float));
-        std::memcpy(scratch_v.data() + static_cast<size_t>(from) * dim, head_v + at, static_cast<size_t>(n) * dim * sizeof(float));
+        std::memcpy(scratch.data() + static_cast<size_t>(from) * dim, head + at, static_cast<size_t>(n) * dim * sizeof(float));
       }
-      keys = scratch_k.data();
-      values = scratch_v.data();
-    }
+      return scratch.data();
+    };
     scores.resize(static_cast<size_t>(n_rep) * width);
     const float* queries = q + (static_cast<size_t>(r) * kv_heads + h) * n_rep * dim;
-    if (chains && !blas_small_scores(n_rep, w, dim)) {
-      scores_chain(queries, n_rep, keys, w, dim, scores.data(), w);
+    if (own_scores) {
+      scores_chain(queries, n_rep, key_rows, w, dim, scores.data(), w);
     } else {
-      sgemm(kTrans, n_rep, w, dim, queries, dim, keys, dim, scores.data(), w);
+      sgemm(kTrans, n_rep, w, dim, queries, dim, contiguous(head_k, scratch_k), dim, scores.data(), w);
     }
     if (bool_mask != nullptr || add_mask != nullptr) {
       for (int i = 0; i < n_rep; i++) {
@@ -568,10 +582,10 @@ static void paged_attention_rows(const float* q, const float* pool_k, const floa
     }
     softmax_rows(scores.data(), scores.data(), n_rep, w);
     float* result = out + (static_cast<size_t>(r) * kv_heads + h) * n_rep * dim;
-    if (chains && blas_small_values(n_rep, w, dim)) {
-      values_chain(scores.data(), n_rep, w, values, w, dim, result);
+    if (own_values) {
+      values_chain(scores.data(), n_rep, w, value_rows, w, dim, result);
     } else {
-      sgemm(kNoTrans, n_rep, dim, w, scores.data(), w, values, dim, result, dim);
+      sgemm(kNoTrans, n_rep, dim, w, scores.data(), w, contiguous(head_v, scratch_v), dim, result, dim);
     }
   };
   for (int r = 0; r < rows && !threaded; r++) {

@@ -343,15 +343,17 @@ def test_paged_attention_is_decode_attention_over_the_gathered_blocks(kernels, m
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (12, 1, 32), (16, 1, 64)])
 @pytest.mark.parametrize("width", [1, 17, 400, 401, 530, 1100, 5300])
-def test_paged_attention_own_products_are_openblas_bit_for_bit(kernels, heads, kv_heads, dim, width):
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_paged_attention_own_products_are_openblas_bit_for_bit(kernels, heads, kv_heads, dim, width, block_size):
     """Where the kernel computes a step's scores and values itself (wide rows: OpenBLAS's packing
     path for the scores, its small-matrix kernel for the values), each result is the same bits as
     with every product `cblas_sgemm`'s, across the widths where OpenBLAS changes path (a query
     group's scores at 1,200 entries, the values at 10^6 multiply-adds), and with the rows shared
-    with the helper thread. With OpenBLAS and AVX-512 (this project's machines) the kernels are on."""
+    with the helper thread, from blocks scattered in the pool (read where they are, sixteen positions
+    of a block or four). With OpenBLAS and AVX-512 (this project's machines) the kernels are on."""
     from runtime import blas
 
-    block_size, rows = 16, 2
+    rows = 2
     per_row = -(-width // block_size)
     pool_blocks = rows * per_row + 2
     k1, k2, k3, k4 = mx.random.split(mx.random.key(width * dim), 4)
