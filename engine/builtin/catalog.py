@@ -203,6 +203,25 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
             tokenizer=BENCH_TOKENIZER,
             quantize=(4, 64),
         ),
+        # Llama-3.2-3B's shape (3,072 wide, 28 layers, 8,192 FFN, 24 heads over 8 KV heads), the
+        # same tokenizer and tied head: 2.9B weights, 4-bit in groups of 64, ~1.8 GB (built matrix by
+        # matrix: its float32 weights alone would take ~12 GB).
+        BuiltinSpec(
+            name="bench-3b",
+            model_type="llama",
+            hidden_size=3072,
+            num_hidden_layers=28,
+            intermediate_size=8192,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            vocab_size=32768,
+            max_position_embeddings=8192,
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+            seed=22,
+            tokenizer=BENCH_TOKENIZER,
+            quantize=(4, 64),
+        ),
         BuiltinSpec(
             name="bench-qwen2",
             model_type="qwen2",

@@ -367,6 +367,7 @@ def test_invalid_spec_is_rejected() -> None:
         ("bench-lfm2", 100e6, 130e6),
         ("bench-4bit", 100e6, 130e6),
         ("bench-1b", 1.0e9, 1.1e9),
+        ("bench-3b", 2.8e9, 3.0e9),
     ],
 )
 def test_bench_specs_have_the_intended_size(name: str, low: float, high: float) -> None:
@@ -406,6 +407,28 @@ def test_tiny_family_models_load_and_generate(built: Built, name: str) -> None:
     assert len(responses) == 16
     # Past the sliding window (16 tokens for tiny-gemma3).
     assert all(c.offset > c.max_size for c in cache if isinstance(c, RotatingKVCache))
+
+
+def test_quantized_specs_are_built_matrix_by_matrix_as_the_whole_model_quantized(built: Built) -> None:
+    """A quantized spec draws and quantizes one matrix at a time (a 3B model's float weights would
+    not fit in memory): the same bytes as loading every float weight into the model and quantizing
+    it (`_quantize`, mlx-lm's `quantize_model`), the layers' own settings included."""
+    from mlx.utils import tree_flatten
+
+    from engine.builtin.models import _init_param, _instantiate, _quantize, _scaled
+
+    spec = dataclasses.replace(BUILTIN_MODELS["tiny"], name="tiny-4bit", quantize=(4, 32))
+    directory = ensure_model(spec, root=built.root)
+    config = json.loads((directory / "config.json").read_text())
+    model = _instantiate(spec, {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")})
+    shapes = {name: tuple(p.shape) for name, p in tree_flatten(model.parameters())}
+    rng = np.random.default_rng(spec.seed)
+    model.load_weights([(name, mx.array(_scaled(spec, name, _init_param(rng, name, shapes[name])))) for name in sorted(shapes)])
+    assert _quantize(model, 4, 32) == config["quantization"]
+    whole = dict(tree_flatten(model.parameters()))
+    streamed = mx.load(str(directory / "model.safetensors"))
+    assert set(streamed) == set(whole)
+    assert all(streamed[name].dtype == whole[name].dtype and mx.array_equal(streamed[name], whole[name]) for name in whole)
 
 
 def test_quantized_copy_holds_the_same_weights(built: Built) -> None:
