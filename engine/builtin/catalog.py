@@ -43,6 +43,26 @@ def tiny_spec(name: str, model_type: str, seed: int, **overrides: Any) -> Builti
     return BuiltinSpec(name=name, model_type=model_type, seed=seed, tokenizer=TINY_TOKENIZER, **fields)
 
 
+# Llama-3.2-1B's shape (2,048 wide, 16 layers, 8,192 FFN, 32 heads over 8 KV heads), with
+# the bench tokenizer's 32,768 tokens and a tied head: 1.04B weights, 4-bit in groups of 64
+# (mlx-community's format), ~0.6 GB. Where weights, not scheduling, set a decode step's time.
+_BENCH_1B = BuiltinSpec(
+    name="bench-1b",
+    model_type="llama",
+    hidden_size=2048,
+    num_hidden_layers=16,
+    intermediate_size=8192,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=32768,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+    seed=21,
+    tokenizer=BENCH_TOKENIZER,
+    quantize=(4, 64),
+)
+
 # SmolLM-135M shape.
 _BENCH = BuiltinSpec(
     name="bench",
@@ -184,44 +204,10 @@ BUILTIN_MODELS: dict[str, BuiltinSpec] = {
             full_attn_idxs=[2],
         ),
         _BENCH,
-        # Llama-3.2-1B's shape (2,048 wide, 16 layers, 8,192 FFN, 32 heads over 8 KV heads), with
-        # the bench tokenizer's 32,768 tokens and a tied head: 1.04B weights, 4-bit in groups of 64
-        # (mlx-community's format), ~0.6 GB. Where weights, not scheduling, set a decode step's time.
-        BuiltinSpec(
-            name="bench-1b",
-            model_type="llama",
-            hidden_size=2048,
-            num_hidden_layers=16,
-            intermediate_size=8192,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            vocab_size=32768,
-            max_position_embeddings=8192,
-            rope_theta=500000.0,
-            tie_word_embeddings=True,
-            seed=21,
-            tokenizer=BENCH_TOKENIZER,
-            quantize=(4, 64),
-        ),
-        # Llama-3.2-3B's shape (3,072 wide, 28 layers, 8,192 FFN, 24 heads over 8 KV heads), the
-        # same tokenizer and tied head: 2.9B weights, 4-bit in groups of 64, ~1.8 GB (built matrix by
-        # matrix: its float32 weights alone would take ~12 GB).
-        BuiltinSpec(
-            name="bench-3b",
-            model_type="llama",
-            hidden_size=3072,
-            num_hidden_layers=28,
-            intermediate_size=8192,
-            num_attention_heads=24,
-            num_key_value_heads=8,
-            vocab_size=32768,
-            max_position_embeddings=8192,
-            rope_theta=500000.0,
-            tie_word_embeddings=True,
-            seed=22,
-            tokenizer=BENCH_TOKENIZER,
-            quantize=(4, 64),
-        ),
+        _BENCH_1B,
+        # Llama-3.2-3B's shape (3,072 wide, 28 layers, 24 heads over 8 KV heads), otherwise the 1B's:
+        # 2.9B weights, ~1.8 GB (built matrix by matrix: its float32 weights alone would take ~12 GB).
+        dataclasses.replace(_BENCH_1B, name="bench-3b", hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, seed=22),
         BuiltinSpec(
             name="bench-qwen2",
             model_type="qwen2",
