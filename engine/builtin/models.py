@@ -434,7 +434,7 @@ def _write_weights(spec: BuiltinSpec, config: dict[str, Any], path: Path, say: P
     say(f"initializing {num_parameters / 1e6:.1f}M weights")
     rng = np.random.default_rng(spec.seed)
     if spec.quantize is not None and spec.construct is None:
-        streamed, entry = _quantized_weights(spec, model, shapes, rng, say)
+        streamed, entry = _quantized_weights(spec, config, model, shapes, rng, say)
         say("writing weights")
         mx.save_safetensors(str(path), streamed, metadata={"format": "mlx"})
         return num_parameters, entry
@@ -456,28 +456,41 @@ def _write_weights(spec: BuiltinSpec, config: dict[str, Any], path: Path, say: P
 
 
 def _quantized_weights(
-    spec: BuiltinSpec, model: Any, shapes: dict[str, tuple[int, ...]], rng: np.random.Generator, say: Progress
+    spec: BuiltinSpec, config: dict[str, Any], model: Any, shapes: dict[str, tuple[int, ...]], rng: np.random.Generator, say: Progress
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A quantized spec's weights, each matrix quantized as soon as it is drawn: the same bytes
     as initialising the whole float model and quantizing it (`_quantize` over loaded weights:
-    the same draws in the same order, each through the same `mx.quantize`), in a fraction of
-    the memory (a 3B model's float32 weights alone are ~12 GB)."""
+    the same draws in the same order, each layer through its own `to_quantized` with the same
+    settings), in a fraction of the memory (a 3B model's float32 weights alone are ~12 GB)."""
     import mlx.core as mx
-    import mlx.nn as nn
+    from mlx.utils import tree_flatten
 
     bits, group_size = cast(tuple[int, int], spec.quantize)
-    quantization = _quantize(model, bits, group_size)  # (on the lazy model: which layers, with which settings)
-    quantized = {path: module for path, module in model.named_modules() if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    layers = dict(model.named_modules())
+    # Which layers `_quantize` turns into quantized ones, and with which settings: asked of a
+    # second lazily initialised copy (nothing of it is ever evaluated).
+    shadow = _instantiate(spec, config)
+    quantization = _quantize(shadow, bits, group_size)
+    settings = {
+        path: quantization[path] if isinstance(quantization.get(path), dict) else {"group_size": group_size, "bits": bits, "mode": "affine"}
+        for path, module in shadow.named_modules()
+        if path in layers and type(module) is not type(layers[path])
+    }
     weights: dict[str, Any] = {}
     total, done, reported = sum(int(np.prod(shape)) for shape in shapes.values()), 0, 0
     for name in sorted(shapes):
         value = mx.array(_scaled(spec, name, _init_param(rng, name, shapes[name])))
-        path, leaf = name.rpartition(".")[::2]
-        module = quantized.get(path)
-        if module is not None and leaf == "weight":
-            packed, scales, biases = mx.quantize(value, group_size=module.group_size, bits=module.bits, mode="affine")
-            weights.update({name: packed, f"{path}.scales": scales, f"{path}.biases": biases})
-            mx.eval(packed, scales, biases)
+        path, _, leaf = name.rpartition(".")
+        if path in settings and leaf == "weight":
+            layer = layers[path]
+            layer.weight = value
+            converted = layer.to_quantized(**settings[path])
+            # (its other parameters, a bias, are drawn and kept on their own, as loaded)
+            flat = cast(list[tuple[str, Any]], tree_flatten(converted.parameters()))
+            produced = {f"{path}.{key}": array for key, array in flat if key == "weight" or f"{path}.{key}" not in shapes}
+            mx.eval(list(produced.values()))
+            weights.update(produced)
+            layer.pop("weight")  # (the float matrix goes: only its quantized form is kept)
         else:
             weights[name] = value
             mx.eval(value)

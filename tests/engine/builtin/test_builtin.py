@@ -409,15 +409,18 @@ def test_tiny_family_models_load_and_generate(built: Built, name: str) -> None:
     assert all(c.offset > c.max_size for c in cache if isinstance(c, RotatingKVCache))
 
 
-def test_quantized_specs_are_built_matrix_by_matrix_as_the_whole_model_quantized(built: Built) -> None:
+@pytest.mark.parametrize("family", ["tiny", "qwen3_moe"])
+def test_quantized_specs_are_built_matrix_by_matrix_as_the_whole_model_quantized(built: Built, family: str) -> None:
     """A quantized spec draws and quantizes one matrix at a time (a 3B model's float weights would
     not fit in memory): the same bytes as loading every float weight into the model and quantizing
-    it (`_quantize`, mlx-lm's `quantize_model`), the layers' own settings included."""
+    it (`_quantize`, mlx-lm's `quantize_model`), every kind of layer (experts too) with its own settings."""
     from mlx.utils import tree_flatten
 
     from engine.builtin.models import _init_param, _instantiate, _quantize, _scaled
+    from tests.support.families import FAMILIES
 
-    spec = dataclasses.replace(BUILTIN_MODELS["tiny"], name="tiny-4bit", quantize=(4, 32))
+    base = BUILTIN_MODELS["tiny"] if family == "tiny" else FAMILIES[family]
+    spec = dataclasses.replace(base, name=f"{family}-4bit-streamed", quantize=(4, 32))
     directory = ensure_model(spec, root=built.root)
     config = json.loads((directory / "config.json").read_text())
     model = _instantiate(spec, {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")})
