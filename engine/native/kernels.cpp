@@ -374,9 +374,9 @@ static void share_chunks(int chunks, const std::function<void(int)>& work);
 // `scores_chain`, sixteen positions at a time (their keys transposed in registers). `p @ v` runs
 // through OpenBLAS's small-matrix kernel up to M * N * K = 10^6, one FMA chain over the positions
 // in order per output; so does `values_chain`. Elsewhere (a short row's scores, a very long row's
-// values) the products stay OpenBLAS's. `engine/native/__init__.py`'s load check compares the
-// whole attention with MLX's, and `chains_match_blas` checks each kernel against `cblas_sgemm` on
-// first use: with another BLAS, or another order, the products stay `cblas_sgemm`'s.
+// values) the products stay OpenBLAS's. `chains_match_blas` checks each kernel against
+// `cblas_sgemm` on first use (with another BLAS, or another order, the products stay
+// `cblas_sgemm`'s), and tests/engine/native/test_native.py the whole attention against MLX's.
 static bool blas_small_scores(int n_rep, int width, int dim) {
   return static_cast<int64_t>(n_rep) * width <= 1200 && dim >= 32 && static_cast<double>(n_rep) * width * dim <= 1e6;
 }

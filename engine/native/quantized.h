@@ -124,7 +124,6 @@ static void qmm_rows(const float* x, int k, const uint8_t* w, size_t row_bytes, 
   for (; n < n1; n++) qmm_tile<bits, R, 1>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
 }
 
-
 // The same with sixteen lanes (AVX-512, where the CPU has it): thirty-two weights a step, so for
 // 4 bits the input is reordered in thirty-twos (`deinterleave<32>`). A 4-bit weight becomes its
 // float by a table lookup: each group's sixteen values `scale * q + bias` (the same FMA, so the
