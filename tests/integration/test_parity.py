@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import anyio
 import pytest
 
@@ -54,3 +56,22 @@ async def test_parity_holds_with_staggered_arrivals(case):
             for i in range(len(prompts)):
                 tg.start_soon(one, i)
     assert results == references
+
+
+@pytest.mark.parametrize("max_batch_size", [8, 1], ids=["batched", "unbatched"])
+async def test_parity_past_the_width_where_attention_computes_its_own_products(max_batch_size):
+    """Rows wide enough that the paged attention computes its scores itself (past 1,200 scores a
+    KV head's query group: 600 positions for tiny-kv's two query heads per KV head of 64
+    dimensions) and its values too, batched and alone: still mlx-lm's greedy tokens."""
+    from engine import native
+
+    model, tokenizer = load_reference("builtin:tiny-kv")
+    rng = random.Random(11)
+    prompts = [[rng.randrange(1000) for _ in range(n)] for n in (700, 640, 12)]
+    references = [greedy_tokens(model, tokenizer, p, 12) for p in prompts]
+    async with Runtime.open(make_config("builtin:tiny-kv", max_batch_size=max_batch_size)) as rt:
+        results = await run_all(rt, prompts, max_tokens=12)
+    assert [tokens for tokens, _ in results] == references
+    kernels = native.loaded()
+    if kernels is not None and kernels.quantized_isa() == "avx512":
+        assert kernels.set_attention_chains(True)  # (what ran: the kernel's own products, where its check passes)
