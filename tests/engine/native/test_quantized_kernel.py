@@ -54,6 +54,19 @@ def test_the_product_is_mlxs_quantized_matmul_within_rounding(kernels, isa, bits
         _close(kernels.quantized_matmul(x, *w, group_size=group, bits=bits, helped=helped), expected, x, w, group, bits)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [24, 100, 256, 257])
+def test_wide_inputs_take_the_tiles_up_to_256_rows_then_the_panels(kernels, bits, rows):
+    """Inputs of 2,048 or more go through the tiles up to 256 rows (their panels would leave the
+    cache), through dequantized panels and BLAS past that: mlx's product within rounding either way."""
+    rng = np.random.default_rng(rows + bits)
+    w = _quantized(rng, 200, 2048, 64, bits)
+    x = _normal(rng, rows, 2048)
+    expected = mx.quantized_matmul(x, *w, transpose=True, group_size=64, bits=bits)
+    for helped in (True, False):
+        _close(kernels.quantized_matmul(x, *w, group_size=64, bits=bits, helped=helped), expected, x, w, 64, bits)
+
+
 def test_leading_dimensions_views_and_a_bias_free_layer(kernels):
     rng = np.random.default_rng(1)
     w = _quantized(rng, 96, 256, 64, 4)
