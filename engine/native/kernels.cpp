@@ -520,7 +520,8 @@ static bool chains_match_blas() {
   return match;
 }
 
-// Whether `chains_match_blas` runs (tests turn it off to check the two against each other).
+// Whether the attention may use `scores_chain` and `values_chain` (tests turn them off to check
+// them against OpenBLAS's products).
 static std::atomic<bool> attention_chains_on{true};
 
 bool set_attention_chains(bool on) {
@@ -528,33 +529,33 @@ bool set_attention_chains(bool on) {
   return on && has_avx512() && chains_match_blas();
 }
 
-// One decode step's attention over paged KV: for each row and KV head, the row's first `width`
-// positions (where they run contiguously in the pool, read in place; else copied from its blocks
-// into a scratch run), then the same matrix products as `engine.kv.attention.decode_attention`
+// One decode step's attention over paged KV: for each row and KV head, over the row's first
+// `width` positions, the same matrix products as `engine.kv.attention.decode_attention`
 // makes MLX run on the gathered batch (`q @ k^T`: M = query heads per KV head, N = width, K = dim,
 // keys transposed; `p @ v`: K = width), with the mask (`where` with float32's lowest, or added) and
 // the softmax above between them: bit for bit that function's result over `_gather_blocks`' batch,
 // without the batch's copy. With `lengths` (no mask) row r attends over its first lengths[r]
 // positions only (clamped to [1, width]): bit for bit `decode_attention` over that row alone, as
-// `PagedSlots._attend_rows` runs it, without the padded positions' work. Each (row, KV head) is
-// one chunk of work, shared with the helper thread when no product of it is OpenBLAS's threaded one.
+// `PagedSlots._attend_rows` runs it, without the padded positions' work. The kernels' own products
+// read each position in its block; OpenBLAS's read the row's positions in place where its blocks
+// run contiguously in the pool, else a copy. Each (row, KV head) is one chunk of work, shared with
+// the helper thread when no product of it is OpenBLAS's threaded one.
 static void paged_attention_rows(const float* q, const float* pool_k, const float* pool_v, const int32_t* blocks, const bool* bool_mask,
                                  const float* add_mask, bool mask_per_row, const int32_t* lengths, float* out, int rows, int kv_heads, int n_rep,
                                  int dim, int positions, int per_row, int width, int block_size) {
   constexpr float lowest = std::numeric_limits<float>::lowest();
   const bool chains = attention_chains_on.load(std::memory_order_relaxed) && has_avx512() && dim % 16 == 0 && dim <= 256 && chains_match_blas();
-  bool threaded = false;  // (whether some product is OpenBLAS's threaded one: then one chunk at a time)
+  auto row_width = [&](int r) { return lengths != nullptr ? std::clamp(lengths[r], 1, width) : width; };
+  auto own_scores = [&](int w) { return chains && !blas_small_scores(n_rep, w, dim); };
+  auto own_values = [&](int w) { return chains && blas_small_values(n_rep, w, dim); };
   auto attend = [&](int r, int h, std::vector<float>& scratch_k, std::vector<float>& scratch_v, std::vector<float>& scores) {
     const int32_t* own = blocks + static_cast<size_t>(r) * per_row;
     const size_t mask_row = mask_per_row ? static_cast<size_t>(r) * width : 0;
-    const int w = lengths != nullptr ? std::clamp(lengths[r], 1, width) : width;
+    const int w = row_width(r);
     const int64_t start = contiguous_start(own, w, block_size, positions);
     const float* head_k = pool_k + static_cast<size_t>(h) * positions * dim;
     const float* head_v = pool_v + static_cast<size_t>(h) * positions * dim;
     const Rows key_rows{head_k, own, start, block_size, dim}, value_rows{head_v, own, start, block_size, dim};
-    const bool own_scores = chains && !blas_small_scores(n_rep, w, dim), own_values = chains && blas_small_values(n_rep, w, dim);
-    // What OpenBLAS reads, contiguous: in place, else copied from the blocks (the kernels' own
-    // products read the blocks where they are).
     auto contiguous = [&](const float* head, std::vector<float>& scratch) -> const float* {
       if (start >= 0) return head + static_cast<size_t>(start) * dim;
       scratch.resize(static_cast<size_t>(width) * dim);
@@ -567,7 +568,7 @@ static void paged_attention_rows(const float* q, const float* pool_k, const floa
     };
     scores.resize(static_cast<size_t>(n_rep) * width);
     const float* queries = q + (static_cast<size_t>(r) * kv_heads + h) * n_rep * dim;
-    if (own_scores) {
+    if (own_scores(w)) {
       scores_chain(queries, n_rep, key_rows, w, dim, scores.data(), w);
     } else {
       sgemm(kTrans, n_rep, w, dim, queries, dim, contiguous(head_k, scratch_k), dim, scores.data(), w);
@@ -582,16 +583,16 @@ static void paged_attention_rows(const float* q, const float* pool_k, const floa
     }
     softmax_rows(scores.data(), scores.data(), n_rep, w);
     float* result = out + (static_cast<size_t>(r) * kv_heads + h) * n_rep * dim;
-    if (own_values) {
+    if (own_values(w)) {
       values_chain(scores.data(), n_rep, w, value_rows, w, dim, result);
     } else {
       sgemm(kNoTrans, n_rep, dim, w, scores.data(), w, contiguous(head_v, scratch_v), dim, result, dim);
     }
   };
+  bool threaded = false;  // (whether some product is OpenBLAS's threaded one: then one chunk at a time)
   for (int r = 0; r < rows && !threaded; r++) {
-    const int w = lengths != nullptr ? std::clamp(lengths[r], 1, width) : width;
-    const bool blas_scores = !chains || blas_small_scores(n_rep, w, dim), blas_values = !chains || !blas_small_values(n_rep, w, dim);
-    threaded = (blas_scores || blas_values) && static_cast<double>(n_rep) * w * dim > kThreadedProduct;
+    const int w = row_width(r);
+    threaded = (!own_scores(w) || !own_values(w)) && static_cast<double>(n_rep) * w * dim > kThreadedProduct;
   }
   const int chunks = rows * kv_heads;
   if (threaded || static_cast<double>(chunks) * n_rep * width * dim < kSharedAttention) {
