@@ -14,9 +14,11 @@ else is running, so its tokens do not depend on the load.
 Bulk requests (several choices or prompts of one call, prompt scoring, batch jobs) yield to
 interactive ones: while any interactive request is live, bulk ones hold at most
 `bulk_share / (1 - bulk_share)` of the interactive requests' batch slots (at least one; the
-rest wait, or leave the batch keeping their KV, "held"), and after a step that prefilled for
-them their prefill waits until the others have had `1 - bulk_share` of the time. Alone, bulk
-work runs at full speed.
+rest wait, or leave the batch keeping their KV, "held"), and they take at most `bulk_share` of
+the time: a step that prefilled for them is charged to them whole, one in which their rows
+decoded beside interactive ones is charged what it took beyond an interactive step alone
+(a recent average), and no bulk work runs again until the interactive requests have had
+`1 - bulk_share` of the time (their rows held meanwhile). Alone, bulk work runs at full speed.
 """
 
 from __future__ import annotations
@@ -44,10 +46,10 @@ class SchedulePolicy:
     ):
         self.max_batch_size = max_batch_size
         self.bulk_share = bulk_share
-        # Bulk prefill waits until then (monotonic seconds) while interactive requests are live;
-        # whether the plan being run prefilled for bulk requests.
+        # Bulk work waits until then (monotonic seconds) while interactive requests are live; a
+        # recent average of the steps that only decoded interactive rows.
         self._bulk_ready_at = 0.0
-        self._bulk_prefilled = False
+        self._interactive_step_s: float | None = None
         # Distinct LoRA adapters live requests may hold at once (`lora.max_resident`).
         self.adapter_slots = adapter_slots or AdapterSlots(8)
         self.max_queued = max_queued
@@ -97,6 +99,17 @@ class SchedulePolicy:
         if self.bulk_share >= 1 or not interactive:
             return None
         return max(1, int(interactive * self.bulk_share / (1 - self.bulk_share)))
+
+    def _bulk_slots_now(self, now: float) -> int | None:
+        """`bulk_cap()`, or none while bulk work waits for its turn beside interactive rows that
+        are running (only they make the time pass that ends the wait)."""
+        cap = self.bulk_cap()
+        if cap is not None and now < self._bulk_ready_at and self._interactive_running():
+            return 0
+        return cap
+
+    def _interactive_running(self) -> bool:
+        return any(not t.bulk and not t.parked and t.phase in (Phase.DECODING, Phase.PREFILLING, Phase.DENOISING) for t in self._active.values())
 
     def num_interactive(self) -> int:
         """Interactive requests admitted or running (not those ending), and those waiting while the
@@ -151,10 +164,11 @@ class SchedulePolicy:
     def has_work(self) -> bool:
         return bool(self._to_admit) or any(not t.is_idle for t in self._active.values()) or bool(self._held_rejoining())
 
-    def _held_rejoining(self) -> list[Tracked]:
-        """Held bulk rows that may rejoin the batch now, within the slots bulk may hold."""
+    def _held_rejoining(self, now: float | None = None) -> list[Tracked]:
+        """Held bulk rows that may rejoin the batch (at `now`: and whose turn it is), within the
+        slots bulk may hold."""
         held = [t for t in self._active.values() if t.held and not t.paused and t.phase is not Phase.RELEASING]
-        cap = self.bulk_cap()
+        cap = self.bulk_cap() if now is None else self._bulk_slots_now(now)
         if cap is None or not held:
             return held
         running = sum(t.bulk and not t.parked for t in self._active.values())
@@ -172,7 +186,7 @@ class SchedulePolicy:
             self._active[tracked.request_id] = tracked
             admit.append(tracked.admit)
         self._to_admit.clear()
-        park, unpark = self._plan_parking()
+        park, unpark = self._plan_parking(now)
         decoding = [t for t in self._active.values() if t.phase is Phase.DECODING and not t.held]
         denoise = self._plan_denoise(self.token_budget - len(decoding))
         budget = self.token_budget - len(decoding) - sum(self._canvas_cost(self._active[rid]) for rid in denoise)
@@ -213,22 +227,23 @@ class SchedulePolicy:
         """The request's checkpoint is deleted: the next plan says so (to follower ranks)."""
         self._forgotten.append(request_id)
 
-    def _plan_parking(self) -> tuple[list[str], list[str]]:
+    def _plan_parking(self, now: float) -> tuple[list[str], list[str]]:
         """Rows whose callers fell behind leave the batch, and decoding bulk rows beyond the slots
-        bulk may hold (the latest admitted first); caught-up ones rejoin while there is room."""
+        bulk may hold (the latest admitted first; all of them while bulk waits for its turn);
+        caught-up ones rejoin while there is room."""
         park = []
         for tracked in self._active.values():
             if tracked.paused and not tracked.parked and tracked.phase is not Phase.RELEASING:
                 tracked.parked, tracked.parked_steps = True, 0
                 park.append(tracked.request_id)
-        cap = self.bulk_cap()
+        cap = self._bulk_slots_now(now)
         if cap is not None:
             running = [t for t in self._active.values() if t.bulk and not t.parked and t.phase is not Phase.RELEASING]
             for tracked in running[cap:]:
                 if tracked.phase is Phase.DECODING:
                     tracked.parked, tracked.held, tracked.parked_steps = True, True, 0
                     park.append(tracked.request_id)
-        rejoining = {id(t) for t in self._held_rejoining()}
+        rejoining = {id(t) for t in self._held_rejoining(now)}
         unpark, slots = [], self._num_slots_used()
         for tracked in self._active.values():
             if slots >= self.max_batch_size:
@@ -252,15 +267,15 @@ class SchedulePolicy:
     def _plan_prefill(self, budget: int, now: float) -> list[PrefillWork]:
         # Bulk prefill waits its turn while interactive requests are live (it does not age), and
         # then takes one chunk a step.
-        bulk_waits = now < self._bulk_ready_at and self.bulk_cap() is not None
+        bulk_waits = self._bulk_slots_now(now) == 0
         prefilling = [t for t in self._active.values() if t.phase is Phase.PREFILLING and not (t.bulk and bulk_waits)]
         # Requests skipped max_skips times go first, the longest-starved first.
         prefilling.sort(key=self._prefill_order)
         work: list[PrefillWork] = []
-        self._bulk_prefilled = False
+        bulk_prefilled = False
         bulk_yields = self.bulk_cap() is not None
         for tracked in prefilling:
-            if tracked.bulk and bulk_yields and self._bulk_prefilled:
+            if tracked.bulk and bulk_yields and bulk_prefilled:
                 continue  # beside interactive requests, one bulk chunk a step (a short stall)
             if tracked.encoding:  # a unit of its vision tower, costed as a chunk
                 if self.chunk_size > budget and work:
@@ -268,7 +283,7 @@ class SchedulePolicy:
                     continue
                 budget -= self.chunk_size
                 tracked.num_skips = 0
-                self._bulk_prefilled |= tracked.bulk
+                bulk_prefilled |= tracked.bulk
                 tracked.open_encode = now
                 tracked.stamp("prefill_started", now)
                 work.append(PrefillWork(request_id=tracked.request_id, num_tokens=self.chunk_size, encode=True))
@@ -282,7 +297,7 @@ class SchedulePolicy:
                 continue
             budget -= chunk
             tracked.num_skips = 0
-            self._bulk_prefilled |= tracked.bulk
+            bulk_prefilled |= tracked.bulk
             tracked.open_chunk = (now, chunk, tracked.num_prefilled)
             tracked.num_prefilled += chunk
             tracked.stamp("prefill_started", now)
@@ -319,11 +334,7 @@ class SchedulePolicy:
     def apply(self, outcome: StepOutcome, now: float) -> list[Ended]:
         """Record what a step did; returns the requests that ended in it."""
         ended = []
-        if self._bulk_prefilled and self.bulk_cap() is not None:
-            # The step prefilled for bulk work beside interactive requests: bulk prefill waits
-            # until the others have had (1 - share) of the time (the whole step charged to it).
-            self._bulk_ready_at = now + outcome.step_s * (1 - self.bulk_share) / self.bulk_share
-        self._bulk_prefilled = False
+        self._charge_bulk(outcome, now)
         for tracked in self._active.values():
             tracked.parked_steps += tracked.parked
             tracked.close_chunk(now)
@@ -348,6 +359,25 @@ class SchedulePolicy:
                 ended.append(Ended(tracked, tracked.release_reason or row.finish_reason, row.stop_token_id, row.error, code))
         self.num_finished += len(ended)
         return ended
+
+    def _charge_bulk(self, outcome: StepOutcome, now: float) -> None:
+        """Charge a step's time to the bulk work it did beside interactive requests: bulk waits
+        until the others have had (1 - share) of the time for each second charged (charges add up). A step that
+        prefilled for bulk work is charged whole; one where bulk rows only decoded beside
+        interactive ones, what it took beyond a recent interactive step alone (whole until one was
+        seen). Steps that decoded only interactive rows keep that average. (Read from the
+        outcome: with a plan made ahead, the plan last made is not the step reported.)"""
+        prefilled = [self._active.get(r.request_id) for r in outcome.prefilled]
+        decoded = [self._active.get(r.request_id) for r in outcome.outputs]
+        bulk_prefilled = any(t is not None and t.bulk for t in prefilled)
+        bulk_decoded = any(t is not None and t.bulk for t in decoded)
+        if self.bulk_cap() is not None and (bulk_prefilled or bulk_decoded):
+            alone = self._interactive_step_s
+            charged = outcome.step_s if bulk_prefilled or alone is None else max(0.0, outcome.step_s - alone)
+            self._bulk_ready_at = max(self._bulk_ready_at, now) + charged * (1 - self.bulk_share) / self.bulk_share
+        elif outcome.step_s > 0 and decoded and not prefilled and not bulk_decoded:
+            alone = self._interactive_step_s
+            self._interactive_step_s = outcome.step_s if alone is None else 0.8 * alone + 0.2 * outcome.step_s
 
     def get(self, request_id: str) -> Tracked | None:
         return self._active.get(request_id)

@@ -28,12 +28,16 @@ class ParkingEngine(FakeEngine):
     def step(self, plan: StepPlan) -> StepOutcome:
         for rid in plan.park:
             self.parked.add(rid)
+            if rid in self.seqs:
+                self.seqs[rid].parked = True
             if rid in self.batch:
                 self.batch.remove(rid)
                 self.seqs[rid].in_batch = False
         for rid in plan.unpark:
             self.parked.discard(rid)
             seq = self.seqs.get(rid)
+            if seq is not None:
+                seq.parked = False
             if seq is not None and seq.num_generated and not seq.in_batch:
                 self.batch.append(rid)
                 seq.in_batch = True
@@ -49,7 +53,7 @@ class TimedSim(Sim):
     def step(self) -> StepRecord:
         plan = self.policy.plan(self.now)
         outcome = self.engine.step(plan)
-        self.now += STEP_S
+        self.now += outcome.step_s
         for row in outcome.outputs:
             self.tokens.setdefault(row.request_id, []).extend(row.token_ids)
         ended = self.policy.apply(outcome, self.now)
@@ -59,6 +63,20 @@ class TimedSim(Sim):
         record = StepRecord(plan, outcome, ended, 0)
         self.steps.append(record)
         return record
+
+
+class CostlyRowsEngine(ParkingEngine):
+    """ParkingEngine whose steps take `STEP_S` plus `extra` for each bulk row read in them (the
+    decode rows a step reports: a row's marginal cost in a batched forward)."""
+
+    def __init__(self, extra: float) -> None:
+        super().__init__()
+        self.extra = extra
+
+    def step(self, plan: StepPlan) -> StepOutcome:
+        outcome = super().step(plan)
+        bulk_rows = sum(row.request_id.startswith("b") for row in outcome.outputs)
+        return msgspec.structs.replace(outcome, step_s=STEP_S + self.extra * bulk_rows)
 
 
 def bulk(request_id: str, prompt_len: int, max_tokens: int) -> Tracked:
@@ -110,8 +128,10 @@ def test_an_interactive_request_holds_running_bulk_rows_to_their_share_and_they_
     # One interactive row: bulk keeps share / (1 - share) of one slot, at least one.
     assert all(s.outcome.num_decode_rows <= 2 for s in during)
     assert not any(s.plan.bulk_only for s in during)
+    # Seven beyond its slot, and the one in it while its first step beside the stream is paid
+    # back (charged whole: no step of the stream alone had been seen).
     held = {rid for s in sim.steps for rid in s.plan.park}
-    assert len(held) == 7
+    assert len(held) == 8
     sim.run()
     # Once it has gone the held rows rejoin together, and every row got every token once.
     assert max(s.outcome.num_decode_rows for s in sim.steps[sim.end_step("s") + 2 :]) == 8
@@ -217,3 +237,28 @@ def test_an_interactive_request_that_cannot_be_admitted_never_stalls_the_bulk_ro
     assert stuck.phase.value == "waiting" and not sim.policy.has_work()
     if max_batch_size == 8:  # slots free: it is waiting for room, and the bulk rows are not held for it
         assert not any(s.plan.park for s in sim.steps)
+
+
+@pytest.mark.parametrize(("share", "extra"), [(0.1, 0.3), (0.2, 0.3), (0.1, 1.0)])
+def test_bulk_rows_decoding_beside_a_stream_take_their_share_of_the_time(share, extra):
+    # A bulk row costs `extra` of a step when it decodes beside the stream (on the CPU a second
+    # row in SmolLM2's step costs ~0.28 of one): its slot alone would cost the stream that much.
+    sim = TimedSim(SchedulePolicy(max_batch_size=16, max_queued=64, chunk_size=8, token_budget=64, bulk_share=share), engine=CostlyRowsEngine(extra))
+    sim.add(bulk("b", prompt_len=3, max_tokens=400))
+    run_until(sim, lambda: bool(sim.tokens.get("b")))
+    sim.add(make_tracked("s", prompt_len=3, max_tokens=200))
+    run_until(sim, lambda: "s" in sim.ended)
+    during = sim.steps[sim.first_output_step("s") + 1 : sim.end_step("s")]
+    time_s = sum(s.outcome.step_s for s in during)
+    stream_tokens = sum(len(row.token_ids) for s in during for row in s.outcome.outputs if row.request_id == "s")
+    bulk_tokens = sum(len(row.token_ids) for s in during for row in s.outcome.outputs if row.request_id == "b")
+    # The stream keeps at least 1 - share of its rate alone (a step a token; one step of slack
+    # for the first charge, made before a step of the stream alone was seen), and bulk still
+    # makes progress: each step with it is followed by extra * (1 - share) / share steps
+    # without, so about 1 / (1 + extra * (1 - share) / share) of the stream's steps carry it.
+    assert stream_tokens / (time_s - STEP_S - extra) >= (1 - share) / STEP_S
+    assert bulk_tokens >= 0.7 * stream_tokens / (1 + extra * (1 - share) / share)
+    sim.run()
+    # Alone again, it decodes every step; every token once.
+    assert all(any(row.request_id == "b" for row in s.outcome.outputs) for s in sim.steps[sim.end_step("s") + 2 : -1])
+    assert_every_token_once(sim, {"s": 200, "b": 400})

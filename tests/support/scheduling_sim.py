@@ -58,10 +58,11 @@ class FakeSeq:
     kv: int = 0
     tower_units: int = 0
     denoise_steps: int = 0
+    parked: bool = False  # (set by an engine that parks: a parked row does not join)
 
     @property
     def is_ready(self) -> bool:
-        ready = not self.in_batch and self.num_generated == 0 and self.num_prefilled == len(self.admit.prompt_ids) - 1
+        ready = not self.in_batch and not self.parked and self.num_generated == 0 and self.num_prefilled == len(self.admit.prompt_ids) - 1
         return ready and self.admit.denoise is None  # (a denoising request never joins the decode batch)
 
 
