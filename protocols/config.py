@@ -252,6 +252,20 @@ class ServerConfig(Section, frozen=True):
     # /v1/unload_lora_adapter {"lora_name"}: off by default (they read a path on this machine;
     # set `api_key` too when the port is reachable by others).
     http_adapter_updates: bool = False
+    # Per-client pacing (a client: the API key it proves, else its address): its 4xx answers past
+    # `client_refusals_per_s` (bursts of `client_refusal_burst`) are held back until their turn,
+    # at most `client_max_delay_s` each, and while `client_max_held` are held its new requests
+    # are refused at once (429); 0 = off. A client resending refused requests as fast as they
+    # are answered is held to that rate.
+    client_refusals_per_s: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    client_refusal_burst: Positive = 20
+    client_max_delay_s: Seconds = 2.0
+    client_max_held: Positive = 8
+    # Requests a second per client (bursts of `client_request_burst`); a request past it waits its
+    # turn up to `client_max_delay_s`, else 429. 0 = off (keyless clients on one host are one
+    # client: a local load generator would be held to it).
+    client_requests_per_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    client_request_burst: Positive = 100
     # The Responses API's store (`POST /v1/responses` with `store: true`, its default): responses kept
     # in memory for `previous_response_id` and GET/DELETE /v1/responses/{id}, at most this many
     # (0 = none kept) of at most this many bytes in all; the least recently used go first.

@@ -36,6 +36,7 @@ ErrorCode = Literal[
     "body_timeout",  # the request body did not arrive within server.body_timeout_s
     "host_not_allowed",  # the Host header names a host this server does not answer (DNS rebinding)
     "unsupported_media_type",  # a POST without a JSON body and without an API key (a browser form)
+    "rate_limited",  # this client is past its pace (server.client_requests_per_s, client_max_held)
 ]
 
 
@@ -73,6 +74,7 @@ ERROR_KINDS: dict[str, ErrorKind] = {
     "body_timeout": ErrorKind(408, "invalid_request_error"),
     "host_not_allowed": ErrorKind(421, "invalid_request_error"),
     "unsupported_media_type": ErrorKind(415, "invalid_request_error"),
+    "rate_limited": ErrorKind(429, "rate_limit_error"),
 }
 
 

@@ -26,7 +26,7 @@ import msgspec
 
 from net.http import anthropic_types as at
 from net.http import openai_types as oa
-from net.http.errors import ContextLengthExceeded, HttpError
+from net.http.errors import ContextLengthExceeded, HttpError, decode_body
 from net.http.mapping import chat_messages, check_messages, sampling_params
 from net.http.outputs import ending_error
 from protocols.api import Event, Finished, GenerateRequest, TokenDelta, ToolCall, ToolCallDelta, new_request_id
@@ -83,6 +83,18 @@ def count_request(body: at.CountTokensRequest) -> GenerateRequest:
     """What `messages_request` renders the prompt from (for counting its tokens)."""
     messages, tools, tool_choice = _prompt(body)
     return GenerateRequest(messages=messages, tools=tools, tool_choice=tool_choice)
+
+
+def map_body(tokenizer: Any, raw: bytes, kind: type[at.CountTokensRequest], limits: LimitsConfig) -> tuple[str, bool, GenerateRequest]:
+    """A Messages (or count_tokens) body decoded, its sizes checked and mapped: the model it
+    names, whether it streams, and the request. A tokenizer job (`runtime.offload`): a big
+    conversation (thousands of blocks: tens of ms of Python) is mapped in the worker process, off
+    the GIL the MLX thread needs; `tokenizer` is unused."""
+    body = decode_body(raw, kind)
+    check_sizes(body, limits)
+    if isinstance(body, at.MessagesRequest):
+        return body.model, body.stream, messages_request(body)
+    return body.model, False, count_request(body)
 
 
 def check_sizes(body: at.CountTokensRequest, limits: LimitsConfig) -> None:

@@ -41,13 +41,14 @@ from net.http import embeddings as emb
 from net.http import openai_types as oa
 from net.http import responses_api_types as ra
 from net.http import tokens
-from net.http.anthropic import MessagesOutput, check_sizes, count_request, messages_request
+from net.http.anthropic import MessagesOutput, map_body
 from net.http.choices import Choices, Merged, continuous_usage
 from net.http.errors import HttpError, decode_body, error_of
 from net.http.forced_tools import with_header_tool_choice
 from net.http.mapping import chat_parts, chat_request, check_messages, check_scored_prompt_tokens, choices, completion_requests, prompt_list
 from net.http.middleware import Authorization, BrowserGuard, RequestLimit, ResponseCounter, request_owner
 from net.http.outputs import ChatOutput, CompletionOutput, Output, ResponseIds, TokenTexts
+from net.http.pacing import ClientPacing
 from net.http.response_store import server_store
 from net.http.responses import JSON, error_body_for, error_response, json_response
 from net.http.responses_api import ResponsesOutput, responses_request
@@ -198,23 +199,30 @@ class Api:
         """Anthropic's Messages API. A stream's `message_start` reports the prompt's tokens, so
         they are counted (rendered as the request renders them) before it is submitted."""
         runtime = self._ready()
-        body = decode_body(await self._read_body(request), at.MessagesRequest)
-        model, adapter = self._check_model(body.model)
-        check_sizes(body, runtime.config.limits)
-        generate = with_header_tool_choice(msgspec.structs.replace(messages_request(body), model=model, adapter=adapter), request.headers)
-        input_tokens = len(await runtime.prompt_token_ids(generate)) if body.stream else 0
+        name, stream, generate = await self._anthropic_body(request, runtime, at.MessagesRequest)
+        model, adapter = self._check_model(name)
+        generate = with_header_tool_choice(msgspec.structs.replace(generate, model=model, adapter=adapter), request.headers)
+        input_tokens = len(await runtime.prompt_token_ids(generate)) if stream else 0
         message_id = f"msg_{(generate.request_id or '').removeprefix('req-')}"
-        output = MessagesOutput(message_id, body.model, stream=body.stream, input_tokens=input_tokens)
+        output = MessagesOutput(message_id, name, stream=stream, input_tokens=input_tokens)
         return await self._respond(request, runtime, generate, output, endpoint="messages")
 
     async def count_tokens(self, request: Request) -> Response:
         """The tokens `/v1/messages` would render the same conversation's prompt into."""
         runtime = self._ready()
-        body = decode_body(await self._read_body(request), at.CountTokensRequest)
-        model, adapter = self._check_model(body.model)
-        check_sizes(body, runtime.config.limits)
-        generate = msgspec.structs.replace(count_request(body), model=model, adapter=adapter)
+        name, _, generate = await self._anthropic_body(request, runtime, at.CountTokensRequest)
+        model, adapter = self._check_model(name)
+        generate = msgspec.structs.replace(generate, model=model, adapter=adapter)
         return json_response(at.CountTokensResponse(input_tokens=len(await runtime.prompt_token_ids(generate))))
+
+    async def _anthropic_body(self, request: Request, runtime: Serving, kind: type[at.CountTokensRequest]) -> tuple[str, bool, GenerateRequest]:
+        """A Messages body decoded, checked and mapped (`anthropic.map_body`): here when small,
+        in the tokenizer's worker process past `scheduler.bulk_tokenize_bytes`."""
+        raw = await self._read_body(request)
+        limits, min_size = runtime.config.limits, runtime.config.scheduler.bulk_tokenize_bytes
+        if not min_size or len(raw) < min_size:
+            return map_body(None, raw, kind, limits)
+        return await offload.run(runtime.tokenizer_for(None), map_body, raw, kind, limits, size=len(raw), min_size=min_size)
 
     async def create_response(self, request: Request) -> Response:
         """OpenAI's Responses API (`responses_api`): the conversation of `previous_response_id`
@@ -481,10 +489,11 @@ def build_app(api: Api) -> Starlette:
         Route("/metrics", _endpoint(api, api.metrics, "metrics"), methods=["GET"]),
     ]
     config = api.config
-    # Outermost first: count every response, refuse what a browser page must not send, refuse
-    # past the request limit, answer CORS preflights, then check the key.
+    # Outermost first: count every response, pace each client, refuse what a browser page must not
+    # send, refuse past the request limit, answer CORS preflights, then check the key.
     middleware = [
         Middleware(ResponseCounter, counter=api.responses, model_name=api.model_name),
+        Middleware(ClientPacing, config=config),
         Middleware(BrowserGuard, allowed_hosts=api.allowed_hosts, json_only=not (config.api_key or config.api_keys)),
         Middleware(RequestLimit, limit=config.http_max_connections),
     ]

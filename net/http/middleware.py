@@ -54,30 +54,19 @@ def request_owner(scope: Scope) -> str:
     return scope.get(OWNER, "")
 
 
-class Authorization:
-    """API-key check (constant time, against every key) for every path but the open ones:
-    `Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic's header). The key's
-    fingerprint goes into the scope (`OWNER`)."""
+class KeyRing:
+    """The server's API keys: which one a request's headers prove (`Authorization: Bearer <key>`
+    or Anthropic's `x-api-key: <key>`), compared in constant time against every key."""
 
-    def __init__(self, app: ASGIApp, api_keys: Iterable[str], open_paths: tuple[str, ...] = ("/health",)):
-        self.app = app
+    def __init__(self, api_keys: Iterable[str]):
         self._keys = [(key.encode(), owner_fingerprint(key.encode())) for key in dict.fromkeys(api_keys) if key]
-        assert self._keys, "Authorization without a key"
-        self._open = open_paths
+        assert self._keys, "a key ring without a key"
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in self._open:
-            headers = dict(scope["headers"])
-            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-            bearer = token.strip() if scheme.lower() == b"bearer" else b""
-            owner = self._owner(bearer) or self._owner(headers.get(b"x-api-key", b"").strip())
-            if owner is None:
-                how = "x-api-key: <key>, or Authorization: Bearer <key>" if anthropic_route(scope["path"]) else "Authorization: Bearer <key>"
-                response = error_response(HttpError("unauthorized", f"a valid API key is required ({how})"), error_body_for(scope["path"]))
-                await response(scope, receive, send)
-                return
-            scope = {**scope, OWNER: owner}
-        await self.app(scope, receive, send)
+    def owner(self, headers: dict[bytes, bytes]) -> str | None:
+        """The fingerprint of the key the headers prove, or None."""
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        bearer = token.strip() if scheme.lower() == b"bearer" else b""
+        return self._owner(bearer) or self._owner(headers.get(b"x-api-key", b"").strip())
 
     def _owner(self, token: bytes) -> str | None:
         """The fingerprint of the key `token` is; every key is compared, so the time taken tells nothing."""
@@ -86,6 +75,27 @@ class Authorization:
             if hmac.compare_digest(token, key):
                 found = fingerprint
         return found
+
+
+class Authorization:
+    """API-key check for every path but the open ones (`KeyRing`). The key's fingerprint goes
+    into the scope (`OWNER`)."""
+
+    def __init__(self, app: ASGIApp, api_keys: Iterable[str], open_paths: tuple[str, ...] = ("/health",)):
+        self.app = app
+        self._keys = KeyRing(api_keys)
+        self._open = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self._open:
+            owner = self._keys.owner(dict(scope["headers"]))
+            if owner is None:
+                how = "x-api-key: <key>, or Authorization: Bearer <key>" if anthropic_route(scope["path"]) else "Authorization: Bearer <key>"
+                response = error_response(HttpError("unauthorized", f"a valid API key is required ({how})"), error_body_for(scope["path"]))
+                await response(scope, receive, send)
+                return
+            scope = {**scope, OWNER: owner}
+        await self.app(scope, receive, send)
 
 
 class ResponseCounter:

@@ -207,8 +207,35 @@ async def test_count_tokens_is_the_prompt_a_create_reports_and_stops_end_as_anth
     assert longest.stop_reason == "max_tokens" and longest.usage.output_tokens == 5 and longest.stop_sequence is None
 
 
-async def test_refusals_are_anthropic_errors_with_their_statuses():
-    async with serving() as served:
+async def test_a_conversation_mapped_in_the_worker_process_is_answered_as_one_mapped_here():
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": USER}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "Let me look."}, {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "12 C"}]}, {"type": "text", "text": "and?"}],
+        },
+    ]
+    answers = []
+    for config in (make_config(), make_config(bulk_tokenize_bytes=1)):
+        async with serving(config) as served:
+            client = _client(served)
+            base = dict(model=served.model, system=SYSTEM, messages=messages, tools=TOOLS)
+            counted = await client.messages.count_tokens(**base)
+            created = await client.messages.create(**base, max_tokens=12, extra_body=GREEDY)
+            await client.close()
+            answers.append((counted.input_tokens, created.usage.input_tokens, created.content))
+    assert answers[0] == answers[1] and answers[0][0] > 50
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+async def test_refusals_are_anthropic_errors_with_their_statuses(offloaded):
+    # (Offloaded: every body is decoded, checked and mapped in the tokenizer's worker process,
+    # as a big conversation's is, and its errors come back the same.)
+    async with serving(make_config(bulk_tokenize_bytes=1) if offloaded else None) as served:
         client = _client(served)
         user = [{"role": "user", "content": "hi"}]
 

@@ -127,7 +127,8 @@ async def _leave_early(url: str, head: bytes, body: bytes) -> None:
 
 
 async def test_hundreds_of_hostile_http_requests_are_typed_refusals_and_leave_nothing_behind():
-    async with serving(http_max_connections=16, body_timeout_s=2.0, http_header_timeout_s=5.0) as served:
+    # (Refusals paced fast enough for the fuzz to take seconds, slow enough that some are held.)
+    async with serving(http_max_connections=16, body_timeout_s=2.0, http_header_timeout_s=5.0, client_refusals_per_s=200.0) as served:
         prompt = [5, 6, 7, 8, 9]
         async with served.client() as client:
             before = await client.completions.create(model=served.model, prompt=prompt, max_tokens=8, temperature=0)

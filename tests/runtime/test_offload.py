@@ -14,9 +14,12 @@ import msgspec
 import pytest
 from mlx_lm.utils import load_tokenizer
 
+from net.http import anthropic_types as at
 from net.http import tokens
+from net.http.anthropic import map_body
 from net.http.errors import HttpError
 from protocols.api import GenerateRequest
+from protocols.config import LimitsConfig
 from protocols.errors import InvalidRequestError
 from runtime import offload
 from runtime.admission import render_prompt
@@ -78,6 +81,18 @@ async def test_the_worker_renders_tokenizes_and_decodes_as_the_thread_does(token
     assert msgspec.json.decode(answer, type=tokens.TokenizeResponse) == in_thread
     answer = await offload.run(tokenizer, tokens.detokenize_json, detok, len(tokenizer.get_vocab()), size=100, min_size=100)
     assert msgspec.json.decode(answer)["prompt"] == tokenizer.decode(thread_ids)
+
+
+async def test_an_anthropic_conversation_maps_in_the_worker_as_in_the_thread(tokenizer):
+    blocks = [{"type": "text", "text": f"part {k}"} for k in range(3)]
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user" if i % 2 == 0 else "assistant", "content": blocks} for i in range(41)]}
+    raw = msgspec.json.encode(body)
+    in_thread, in_process = await both(tokenizer, map_body, raw, at.MessagesRequest, LimitsConfig())
+    strip = lambda mapped: (mapped[0], mapped[1], msgspec.structs.replace(mapped[2], request_id=None))  # noqa: E731 (ids are new each time)
+    assert strip(in_thread) == strip(in_process) and len(in_process[2].messages or []) == 41
+    with pytest.raises(HttpError) as refused:
+        await offload.run(tokenizer, map_body, raw, at.MessagesRequest, LimitsConfig(max_messages=40), size=100, min_size=100)
+    assert refused.value.code == "invalid_request" and refused.value.param == "messages"
 
 
 async def test_errors_come_back_typed_with_their_fields(tokenizer):
