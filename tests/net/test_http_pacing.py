@@ -178,6 +178,7 @@ def test_the_defaults_pace_refusals_and_not_requests():
         msgspec.convert({"client_refusals_per_s": -1}, ServerConfig)
 
 
+@pytest.mark.server
 async def test_a_client_resending_a_refused_request_over_http_is_held_and_a_429_is_each_apis_own():
     async with serving(client_refusals_per_s=0.5, client_refusal_burst=6, client_max_delay_s=2.0, client_max_held=1) as served:
         body = json.dumps({"model": served.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}).encode()
