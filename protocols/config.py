@@ -57,8 +57,9 @@ class SchedulerConfig(Section, frozen=True):
     # Bulk requests (`GenerateRequest.bulk`: the choices of an `n` > 1 call, a list of prompts,
     # prompt scoring) and embedding forwards take at most this share of the engine while an
     # interactive request is live: they hold at most share / (1 - share) of the interactive
-    # decode rows' slots (at least one), and their prefill chunks wait after each one until
-    # the others have had the rest. Alone, they run at full speed. 1: no distinction.
+    # decode rows' slots (at least one) and this share of the time: after a step that did bulk
+    # work (its rows' cost beyond an interactive step alone, or a bulk prefill chunk's whole
+    # step) bulk waits until the others have had the rest. Alone, full speed. 1: no distinction.
     bulk_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.1
     # Rendering, tokenizing or decoding more than this (bytes of text, 4 per token id) for one
     # request runs in a worker process at low CPU priority (`runtime.offload`), so that it takes

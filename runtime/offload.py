@@ -4,7 +4,8 @@ Rendering a chat template, tokenizing a megabyte or decoding 200k token ids take
 a second or more: in a thread of the server's process it competes with the MLX thread for the
 cores (and, in its Python parts, for the GIL), so every stream slows while it runs. A job
 bigger than `scheduler.bulk_tokenize_bytes` runs instead in one worker process per tokenizer,
-started on the first such job and niced (+19): it gets the cores the engine leaves idle. It
+started on the first such job, niced (+19) and, on Linux, under SCHED_IDLE (a waking engine
+thread preempts it at once): it gets the cores the engine leaves idle. It
 holds a copy of the runtime's tokenizer (pickled: the same object, special tokens, chat template
 and tool parser included), so its answers are the ones the thread would give. Smaller jobs stay
 in a worker thread (a process round trip would cost them more than it saves), and so do all jobs
@@ -171,6 +172,10 @@ def _serve() -> None:
     try:
         os.nice(NICE)
     except OSError:  # (not permitted: it runs at the server's priority)
+        pass
+    try:  # Linux: below every normal thread, preempted at once when one wakes
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):
         pass
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # (a job's prints must not corrupt the replies)

@@ -39,6 +39,10 @@ def niceness(_tokenizer) -> tuple[int, int]:
     return os.getpid(), os.nice(0)
 
 
+def scheduling_policy(_tokenizer) -> int:
+    return os.sched_getscheduler(0)
+
+
 def fail_typed(_tokenizer, message: str) -> None:
     raise InvalidRequestError(message, field="messages[3]")
 
@@ -62,6 +66,9 @@ async def test_big_jobs_run_in_one_niced_worker_process_and_small_ones_here(toke
     pid, nice = await offload.run(tokenizer, niceness, size=100, min_size=100)
     assert pid != here[0] and nice >= min(here[1] + offload.NICE, 19)
     assert (await offload.run(tokenizer, niceness, size=100, min_size=100))[0] == pid  # the same worker
+    if sys.platform == "linux":  # below every normal thread there
+        assert await offload.run(tokenizer, scheduling_policy, size=100, min_size=100) == os.SCHED_IDLE
+        assert await offload.run(tokenizer, scheduling_policy, size=10, min_size=100) == os.sched_getscheduler(0)
 
 
 async def test_the_worker_renders_tokenizes_and_decodes_as_the_thread_does(tokenizer):
