@@ -7,6 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from engine import lanes
 from engine.embed import Batch, Chunk, Embedder, find_body, plan_forwards
 from protocols.errors import InvalidRequestError
 
@@ -87,3 +88,26 @@ def test_a_body_that_is_not_the_hidden_states_is_refused_with_the_reason(model, 
     with pytest.raises(InvalidRequestError, match=reason) as caught:
         embedder.embed([[1, 2]])
     assert caught.value.field == "model"
+
+
+class Recording(Stack):
+    """A Stack that notes whether each forward ran with the engine's kernels (`lanes.parallel`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels: list[bool] = []
+
+    def __call__(self, inputs: mx.array, cache=None) -> mx.array:
+        self.kernels.append(lanes.enabled())
+        return super().__call__(inputs, cache)
+
+
+def test_forwards_run_with_the_engines_kernels_as_its_steps_do():
+    # (Outside them a CPU model whose quantized weights the kernels keep multiplies through MLX's
+    # own quantized product: a 1,024-token forward of SmolLM2 held the MLX thread ~100 s.)
+    body = Recording()
+    embedder = Embedder(Lm(body), VOCAB)
+    body.kernels.clear()  # (the probe's forwards at construction)
+    embedder.embed([[1, 2, 3], [4, 5]])
+    assert body.kernels and all(body.kernels) == (mx.default_device() == mx.cpu)
+    assert not lanes.enabled()  # (and not past the forward)
