@@ -416,5 +416,6 @@ class EmbeddingsConfig(Section, frozen=True):
     max_inputs: Annotated[int, msgspec.Meta(ge=1, le=2048)] = 256
     max_tokens: Positive = 65536
     # Tokens one forward takes: inputs are batched (right-padded) up to it and longer ones go in
-    # chunks of it, each forward between two engine steps (the longest stall decoding streams see).
-    batch_tokens: Annotated[int, msgspec.Meta(ge=16)] = 1024
+    # chunks of it, each forward between two engine steps (the longest stall decoding streams see:
+    # by default a prefill chunk's, `scheduler.prefill_chunk_size`).
+    batch_tokens: Annotated[int, msgspec.Meta(ge=16)] = 256

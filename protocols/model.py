@@ -447,7 +447,7 @@ class Embed(Message, frozen=True):
     normalize: bool
     reply: Reply[list[list[float]] | Exception]
     # Tokens one forward takes (`embeddings.batch_tokens`).
-    batch_tokens: int = 1024
+    batch_tokens: int = 256
 
 
 class PrefixExport(Record, frozen=True):
