@@ -64,6 +64,8 @@ class HttpConnection:
         return self._exchange("POST", target, body)
 
     async def _exchange(self, method: str, target: str, body: bytes | None) -> AsyncIterator[bytes]:
+        if self._conn.our_state is not h11.IDLE:
+            raise ConnectionError("the server closed this connection after its last answer (Connection: close)")
         headers = [("Host", self._host), *self._headers]
         if body is not None:
             headers += [("Content-Type", "application/json"), ("Content-Length", str(len(body)))]
@@ -84,7 +86,8 @@ class HttpConnection:
                 else:
                     error += bytes(event.data)
             elif isinstance(event, h11.EndOfMessage):
-                self._conn.start_next_cycle()
+                if self._conn.our_state is h11.DONE and self._conn.their_state is h11.DONE:
+                    self._conn.start_next_cycle()  # (else the server closes it: `Connection: close`)
                 if status != 200:
                     raise HttpError(status, error)
                 return

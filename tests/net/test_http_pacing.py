@@ -13,6 +13,7 @@ import anyio
 import msgspec
 import pytest
 
+from net.http.client import HttpConnection, HttpError
 from net.http.pacing import MAX_CLIENTS, Cell, ClientPacing
 from protocols.config import ServerConfig
 from protocols.errors import ERROR_KINDS
@@ -201,6 +202,15 @@ async def test_a_client_resending_a_refused_request_over_http_is_held_and_a_429_
             tg.start_soon(held)
             await anyio.sleep(0.5)
             status, headers, answer = await post()
+            # mlxrt's own client: the 429, then the connection it closed is not reused.
+            async with HttpConnection.connect(served.url) as connection:
+                with pytest.raises(HttpError) as ours:
+                    async for _ in connection.post("/v1/chat/completions", body):
+                        pass
+                with pytest.raises(ConnectionError, match="Connection: close"):
+                    async for _ in connection.post("/v1/chat/completions", body):
+                        pass
+            assert ours.value.status == 429
             client = anthropic.AsyncAnthropic(base_url=served.url, api_key="unused", max_retries=0)
             with pytest.raises(anthropic.RateLimitError) as caught:
                 await client.messages.create(model=served.model, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
