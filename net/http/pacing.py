@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -49,13 +48,7 @@ class Cell:
         """Take a turn: the seconds until it comes (0: now), or None (nothing taken) when it is
         more than `max_wait` away."""
         tat = max(self._tat.get(key, now), now) + self.interval
-        wait = max(0.0, tat - now - self.tolerance)
-        if wait > max_wait:
-            return None
-        if len(self._tat) >= MAX_CLIENTS and key not in self._tat:
-            self._forget(now)
-        self._tat[key] = tat
-        return wait
+        return None if tat - now - self.tolerance > max_wait else self.charge(key, now)
 
     def charge(self, key: str, now: float) -> float:
         """Take a turn however far away: the seconds until it comes."""
@@ -70,11 +63,6 @@ class Cell:
             del self._tat[key]
         if len(self._tat) >= MAX_CLIENTS:
             del self._tat[min(self._tat, key=self._tat.__getitem__)]
-
-
-@dataclass
-class _Held:
-    count: int = 0
 
 
 class ClientPacing:
@@ -94,7 +82,7 @@ class ClientPacing:
         self._requests = Cell(config.client_requests_per_s, config.client_request_burst) if config.client_requests_per_s else None
         self._max_delay = config.client_max_delay_s
         self._max_held = config.client_max_held
-        self._held: dict[str, _Held] = {}
+        self._held: dict[str, int] = {}  # answers held back, by client
         self._clock, self._sleep = clock, sleep
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -102,9 +90,9 @@ class ClientPacing:
             await self.app(scope, receive, send)
             return
         client = self._client(scope)
-        held = self._held.get(client)
-        if held is not None and held.count >= self._max_held:
-            await self._refuse(scope, receive, send, f"{held.count} of this client's refused requests are being answered slowly", self._max_delay)
+        held = self._held.get(client, 0)
+        if held >= self._max_held:
+            await self._refuse(scope, receive, send, f"{held} of this client's refused requests are being answered slowly", self._max_delay)
             return
         if self._requests is not None:
             wait = self._requests.reserve(client, self._clock(), self._max_delay)
@@ -128,13 +116,12 @@ class ClientPacing:
         await self.app(scope, receive, pacing_send)
 
     async def _hold(self, client: str, wait: float) -> None:
-        held = self._held.setdefault(client, _Held())
-        held.count += 1
+        self._held[client] = self._held.get(client, 0) + 1
         try:
             await self._sleep(wait)
         finally:
-            held.count -= 1
-            if not held.count:
+            self._held[client] -= 1
+            if not self._held[client]:
                 del self._held[client]
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, why: str, retry_after: float) -> None:
