@@ -88,6 +88,12 @@ class Api:
         entries.labels(model_name).set_function(self.stored_responses.__len__)
         held = Gauge(f"{PREFIX}responses_store_bytes", "Bytes the responses kept hold (server.responses_store_bytes).", ["model_name"], registry=self.registry)
         held.labels(model_name).set_function(lambda: self.stored_responses.num_bytes)
+        # Answers the per-client pacing holds back now, by client (`net.http.pacing`).
+        self.held_answers: dict[str, int] = {}
+        paced = Gauge(
+            f"{PREFIX}http_answers_held", "Refusals held back by the per-client pacing (server.client_refusals_per_s).", ["model_name"], registry=self.registry
+        )
+        paced.labels(model_name).set_function(lambda: sum(self.held_answers.values()))
 
     def attach(self, runtime: Serving) -> None:
         """Serve this runtime (its model is loaded): /health turns ready."""
@@ -493,7 +499,7 @@ def build_app(api: Api) -> Starlette:
     # send, refuse past the request limit, answer CORS preflights, then check the key.
     middleware = [
         Middleware(ResponseCounter, counter=api.responses, model_name=api.model_name),
-        Middleware(ClientPacing, config=config),
+        Middleware(ClientPacing, config=config, held=api.held_answers),
         Middleware(BrowserGuard, allowed_hosts=api.allowed_hosts, json_only=not (config.api_key or config.api_keys)),
         Middleware(RequestLimit, limit=config.http_max_connections),
     ]

@@ -72,6 +72,7 @@ class ClientPacing:
         self,
         app: ASGIApp,
         config: ServerConfig,
+        held: dict[str, int] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = anyio.sleep,
     ):
@@ -82,7 +83,7 @@ class ClientPacing:
         self._requests = Cell(config.client_requests_per_s, config.client_request_burst) if config.client_requests_per_s else None
         self._max_delay = config.client_max_delay_s
         self._max_held = config.client_max_held
-        self._held: dict[str, int] = {}  # answers held back, by client
+        self._held: dict[str, int] = held if held is not None else {}  # answers held back, by client (`/metrics` reads it)
         self._clock, self._sleep = clock, sleep
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

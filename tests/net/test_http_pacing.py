@@ -179,6 +179,14 @@ def test_the_defaults_pace_refusals_and_not_requests():
         msgspec.convert({"client_refusals_per_s": -1}, ServerConfig)
 
 
+async def _held_answers(url: str) -> float:
+    _, _, body = await raw_request(url, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n")
+    for line in body.decode().splitlines():
+        if line.startswith("mlxrt:http_answers_held{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("/metrics has no mlxrt:http_answers_held")
+
+
 @pytest.mark.server
 async def test_a_client_resending_a_refused_request_over_http_is_held_and_a_429_is_each_apis_own():
     async with serving(client_refusals_per_s=0.5, client_refusal_burst=6, client_max_delay_s=2.0, client_max_held=1) as served:
@@ -200,7 +208,9 @@ async def test_a_client_resending_a_refused_request_over_http_is_held_and_a_429_
         # 429s in each API's own shape, Retry-After the longest hold.
         async with anyio.create_task_group() as tg:
             tg.start_soon(held)
-            await anyio.sleep(0.5)
+            with anyio.fail_after(10):  # (until the server holds it back: /metrics says so)
+                while await _held_answers(served.url) != 1:
+                    await anyio.sleep(0.02)
             status, headers, answer = await post()
             # mlxrt's own client: the 429, then the connection it closed is not reused.
             async with HttpConnection.connect(served.url) as connection:
@@ -214,6 +224,7 @@ async def test_a_client_resending_a_refused_request_over_http_is_held_and_a_429_
             client = anthropic.AsyncAnthropic(base_url=served.url, api_key="unused", max_retries=0)
             with pytest.raises(anthropic.RateLimitError) as caught:
                 await client.messages.create(model=served.model, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        assert await _held_answers(served.url) == 0
         assert status == 429 and headers["retry-after"] == "2"
         assert json.loads(answer)["error"]["type"] == "rate_limit_error"
         assert caught.value.status_code == 429 and caught.value.body["error"]["type"] == "rate_limit_error"
