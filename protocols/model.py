@@ -382,6 +382,9 @@ class ModelInfo(Record, frozen=True):
     eos_token_ids: list[int]
     num_parameters: int
     load_s: float
+    # The bytes of weights one decode step reads as held (`engine.model.weights.decode_weight_bytes`;
+    # 0: not a fixed count, as in a mixture of experts).
+    decode_weight_bytes: int = 0
     # Digests that tie checkpoints to this model and tokenizer.
     model_id: str = ""
     tokenizer_id: str = ""

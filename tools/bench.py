@@ -196,7 +196,10 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
             await thread.run(baseline.load, info.path)
             await _warm_up(rt, thread, baseline, info.vocab_size)
             if "concurrency" in options.workloads:
+                bandwidths = [await _read_bandwidth(progress)]
                 await _concurrency(rt, thread, baseline, options, source, results, progress)
+                bandwidths.append(await _read_bandwidth(progress))
+                results["roofline"] = c1_roofline(results["mlxrt"].get("c1"), info.decode_weight_bytes, info.kv_bytes_per_token, options, bandwidths)
             if "interference" in options.workloads:
                 long_prompt, short_prompt = source.prompts(2, options.long_prompt_tokens, options.seed + 99)
                 short_prompt = short_prompt[: options.short_prompt_tokens]
@@ -224,6 +227,43 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
     progress.done("benchmark finished")
     results["ratios"] = _ratios(results)
     return results
+
+
+async def _read_bandwidth(progress: Progress) -> float:
+    """This machine's memory read bandwidth now (bytes/s; it moves between runs here)."""
+    from tools.peers import roofline
+
+    progress.step("measuring read bandwidth")
+    return await anyio.to_thread.run_sync(roofline.measure_read_bandwidth)
+
+
+def c1_roofline(c1: dict | None, weight_bytes: int, kv_bytes_per_position: int, options: BenchOptions, bandwidths: list[float]) -> dict | None:
+    """mlxrt's c1 per-stream decode rate as a fraction of the memory-bandwidth roofline, once per
+    bandwidth measured (before and after the runs); None without a c1 figure or a fixed count of
+    weight bytes (a mixture of experts)."""
+    from tools.peers import roofline
+
+    if not c1 or not weight_bytes or not c1["decode_tok_s_per_stream"]:
+        return None
+    per_token = roofline.bytes_per_token(weight_bytes, kv_bytes_per_position, options.prompt_tokens, options.new_tokens)
+    measured = c1["decode_tok_s_per_stream"]
+    return {
+        "measured_tok_s": measured,
+        "bytes_per_token": per_token,
+        "bandwidth_bytes_s": bandwidths,
+        "roofline_tok_s": [roofline.roofline_tok_s(b, per_token) for b in bandwidths],
+        "fraction": [roofline.fraction_of_roofline(measured, b, per_token) for b in bandwidths],
+    }
+
+
+def format_roofline(line: dict) -> str:
+    bounds = " / ".join(f"{bound:.1f}" for bound in line["roofline_tok_s"])
+    fractions = " / ".join(f"{fraction:.1%}" for fraction in line["fraction"])
+    bandwidths = " and ".join(f"{b / 1e9:.1f}" for b in line["bandwidth_bytes_s"])
+    return (
+        f"roofline: c1 decode {line['measured_tok_s']:.1f} tok/s per stream = {fractions} of {bounds} tok/s "
+        f"({line['bytes_per_token'] / 2**20:.1f} MiB read a token; read bandwidth {bandwidths} GB/s before and after the runs)"
+    )
 
 
 def _check_fits(options: BenchOptions, max_context: int) -> None:

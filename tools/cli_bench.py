@@ -154,7 +154,7 @@ def _subset(value: str) -> tuple[str, ...]:
 
 
 def _compare(args, config: RuntimeConfig) -> int:
-    from tools.bench import BenchOptions, format_table, run_bench
+    from tools.bench import BenchOptions, format_roofline, format_table, run_bench
 
     config = with_model(config, args.model)
     workloads = _subset(args.workloads)
@@ -172,6 +172,8 @@ def _compare(args, config: RuntimeConfig) -> int:
     )
     results = anyio.run(run_bench, config, options)
     print(format_table(results))
+    if results.get("roofline"):
+        print(format_roofline(results["roofline"]))
     print(json.dumps(results["ratios"], indent=2))
     dump(results, args.json_path)
     if args.plot_dir:

@@ -38,7 +38,7 @@ from engine.model.diffusion import vocab_size as diffusion_vocab_size
 from engine.model.gguf import is_gguf, load_gguf
 from engine.model.patches import adapt_for_batches
 from engine.model.vision import VisionLanguageModel, is_vision_config, load_vision
-from engine.model.weights import apply_cpu_policy, keeps_quantized, parameter_count
+from engine.model.weights import apply_cpu_policy, decode_weight_bytes, keeps_quantized, parameter_count
 from engine.model.world import World, shard
 from policies.layout import full_token_bytes, is_trimmable, with_kv_blocks, with_kv_quantization
 from protocols.config import AUTO_BLOCK_SIZE, KvConfig, ModelConfig
@@ -303,6 +303,7 @@ def _facts(model: nn.Module, tokenizer: TokenizerWrapper, identity: _Identity, s
         "device": str(mx.default_device()),
         "eos_token_ids": sorted(tokenizer.eos_token_ids),
         "num_parameters": parameter_count(model),
+        "decode_weight_bytes": decode_weight_bytes(model),
         "load_s": time.perf_counter() - started,
         "model_id": identity.model_id,
         "tokenizer_id": identity.tokenizer_id,

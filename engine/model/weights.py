@@ -65,6 +65,25 @@ def parameter_count(model: nn.Module) -> int:
     return total
 
 
+def decode_weight_bytes(model: nn.Module) -> int:
+    """The bytes of weights one decode step reads, as the model holds them (quantized or float):
+    every parameter once, except an embedding table that is not also the output head (one row of
+    it a token). 0 for a mixture of experts: each token reads only the experts it is routed to."""
+    from mlx.utils import tree_flatten
+
+    modules = [module for _, module in model.named_modules()]
+    if any(isinstance(module, (SwitchLinear, QuantizedSwitchLinear)) for module in modules):
+        return 0
+    total = sum(value.nbytes for _, value in cast(list[tuple[str, mx.array]], tree_flatten(model.parameters())))
+    for table in (m for m in modules if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))):
+        rows = table.weight.shape[0]
+        # (Tied, the table is the head and read whole; untied, a linear layer has its rows as outputs.)
+        if any(isinstance(m, (nn.Linear, nn.QuantizedLinear)) and m.weight.shape[0] == rows for m in modules):
+            table_bytes = sum(value.nbytes for _, value in cast(list[tuple[str, mx.array]], tree_flatten(table.parameters())))
+            total -= table_bytes - table_bytes // rows
+    return total
+
+
 def _float_bytes(modules: list[tuple[str, nn.Module]]) -> int:
     total = 0
     for _, module in modules:

@@ -398,6 +398,8 @@ constexpr size_t kSplitBytes = 32 * 1024;
 // Output features per chunk (a multiple of eight: every tile stays whole), a few microseconds of
 // work each: enough chunks that whichever thread is late finds the rest taken.
 constexpr int kChunkFeatures = 64;
+// The largest input copy made on the stack (floats: 64 KB, a lone row of up to 16,384 features).
+constexpr size_t kStackInputFloats = size_t{1} << 14;
 
 template <int bits>
 static void qmm_kernel(const float* x, int rows, int k, const uint32_t* w32, const float* scales, const float* biases, int group, float* out, int n,
@@ -416,8 +418,16 @@ static void qmm_kernel(const float* x, int rows, int k, const uint32_t* w32, con
   // The input copied (for 4 bits, reordered) to cache-line-aligned rows (`k` is a multiple of 32):
   // the tiles read each row's floats once per feature tile, and reads straddling two lines cost
   // the many-row tiles ~30% (an 8-row product here: 56 against 78 GFLOP/s on one core).
-  std::unique_ptr<float[]> storage(new float[static_cast<size_t>(rows) * k + 16]);  // (not zeroed: all written)
-  float* xs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.get()) + 63) & ~uintptr_t{63});
+  // (Up to `kStackInputFloats` on the stack: a step's ~200 lone-row products each allocated and
+  // freed theirs on the thread that runs the kernels.)
+  const size_t need = static_cast<size_t>(rows) * k;
+  alignas(64) float local[kStackInputFloats];
+  std::unique_ptr<float[]> storage;  // (not zeroed: all written)
+  float* xs = local;
+  if (need > kStackInputFloats) {
+    storage.reset(new float[need + 16]);
+    xs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.get()) + 63) & ~uintptr_t{63});
+  }
   if constexpr (bits == 4) {
     deinterleave(x, xs, rows, k, wide ? 32 : 16);
   } else {

@@ -76,6 +76,11 @@ def test_bench_runs_and_reports_ratios(tmp_path):
         assert results["ratios"][key] > 0
     assert results["mlxrt"]["c2"]["tokens"] == 8 and results["mlx_lm"]["c2"]["tokens"] == 8
     assert "throughput_tok_s" in result.stdout
+    # c1 against the bandwidth roofline, measured before and after the runs.
+    roofline = results["roofline"]
+    assert roofline["measured_tok_s"] == results["mlxrt"]["c1"]["decode_tok_s_per_stream"]
+    assert len(roofline["fraction"]) == 2 and all(f > 0 for f in roofline["fraction"])
+    assert "roofline: c1 decode" in result.stdout
 
 
 def test_bench_refuses_prompts_the_models_context_cannot_hold_before_running_anything():

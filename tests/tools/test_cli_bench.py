@@ -56,3 +56,18 @@ def test_an_unknown_subset_exits_2_naming_the_known_ones(argv, said, capsys):
 
 def test_an_unknown_hostile_exits_2():
     assert main(["bench-hostile", "--config", TINY, "--hostiles", "n,nope"]) == 2
+
+
+def test_the_c1_roofline_is_the_rate_over_bandwidth_per_bytes_a_token():
+    from tools.bench import BenchOptions, c1_roofline, format_roofline
+
+    options = BenchOptions(prompt_tokens=100, new_tokens=20)
+    c1 = {"decode_tok_s_per_stream": 30.0}
+    # 1,000,000 weight bytes + 1,000 a position at 110 positions on average: 1.11 MB a token.
+    line = c1_roofline(c1, 1_000_000, 1_000, options, [55.5e6, 111e6])
+    assert line is not None and line["bytes_per_token"] == 1_110_000
+    assert line["roofline_tok_s"] == pytest.approx([50.0, 100.0])
+    assert line["fraction"] == pytest.approx([0.6, 0.3])
+    assert "= 60.0% / 30.0% of 50.0 / 100.0 tok/s" in format_roofline(line)
+    # No fixed weight bytes (a mixture of experts) or no c1 run: no line.
+    assert c1_roofline(c1, 0, 1_000, options, [1e9]) is None and c1_roofline(None, 1, 1, options, [1e9]) is None

@@ -161,3 +161,35 @@ async def test_kept_for_the_kernels_the_runtime_generates_mlx_lms_tokens_alone_a
 def test_an_unknown_policy_is_a_config_error():
     with pytest.raises(ConfigError, match="cpu_dequantize"):
         RuntimeConfig.from_tree({"model": {"path": "builtin:tiny", "cpu_dequantize": "sometimes"}}, source="test")
+
+
+def _tiny_llama(tied: bool) -> nn.Module:
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512, tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_decode_step_reads_every_weight_once_and_one_row_of_an_untied_table(tied):
+    model = _tiny_llama(tied)
+    everything = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    table = model.model.embed_tokens.weight.nbytes
+    expected = everything if tied else everything - table + table // 512
+    assert weights.decode_weight_bytes(model) == expected
+    nn.quantize(model, group_size=32, bits=4)
+    quantized = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    table = sum(v.nbytes for _, v in tree_flatten(model.model.embed_tokens.parameters()))
+    assert weights.decode_weight_bytes(model) == (quantized if tied else quantized - table + table // 512) < expected
+
+
+def test_a_mixture_of_experts_has_no_fixed_count_of_weight_bytes():
+    model, _ = load(str(build("qwen3_moe-4bit", env.home())))
+    assert weights.decode_weight_bytes(model) == 0
+    dense, _ = load(str(build("llama-4bit", env.home())))
+    assert weights.decode_weight_bytes(dense) > 0
