@@ -21,10 +21,13 @@ The inputs and outputs are the same arrays in the same order (`DecodeBatch.forwa
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import ArraysCache, CacheList
 
 from engine import lanes
@@ -191,6 +194,66 @@ class _TracedPaged:
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return self._masks.full(self._width, window_size)
 
+    def fused(self, attention: llama.Attention | qwen2.Attention, x: mx.array, mask) -> mx.array | None:
+        """mlx-lm's llama (or qwen2: the same operations) attention of one token a row after its projections as three of mlxrt's
+        primitives (`pool_write` for the keys and the values, `decode_attention`) in place of ~18
+        nodes (reshapes, transposes, RoPEs, scaling, slice updates, the paged attention: a
+        node's cost to build and run is most of a small one's), the same bits; None where
+        `attend` would not take the paged kernel or the RoPE is not mlxrt's."""
+        rope, heads, kv_heads = attention.rope, attention.n_heads, attention.n_kv_heads
+        if x.shape[1] != 1 or mask is not self.make_mask(1) or not isinstance(rope, lanes.KernelRoPE) or rope.base is None:
+            return None
+        module = lanes.kernels(x, self.keys, self.values)
+        if module is None or kv_heads == heads or heads % kv_heads:
+            return None
+        masks = self._masks
+        positions, writes = masks.positions, masks.paged_writes(self._block_size)
+        rotation = {"rope_dims": rope.dims, "traditional": rope.traditional, "base": rope.base, "rope_scale": rope.scale}
+        self.keys = module.pool_write(self.keys, attention.k_proj(x), positions, writes, **rotation)
+        self.values = module.pool_write(self.values, attention.v_proj(x), positions, writes)
+        out = module.decode_attention(
+            attention.q_proj(x), self.keys, self.values, masks.blocks, positions, masks.lengths(), heads=heads, scale=attention.scale,
+            width=self._width, block_size=self._block_size, **rotation,
+        )  # fmt: skip
+        self._fetched = None
+        return attention.o_proj(out)
+
+
+# mlx-lm's attention classes whose `__call__` is llama's, operation for operation (mistral is llama).
+FUSED_ATTENTION = (llama.Attention, qwen2.Attention)
+
+
+class _FusedAttention(nn.Module):
+    """A llama layer's attention while the step is traced: `_TracedPaged.fused` where it
+    applies, else the layer's own."""
+
+    def __init__(self, attention: llama.Attention | qwen2.Attention):
+        super().__init__()
+        self.attention = attention
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        out = cache.fused(self.attention, x, mask) if isinstance(cache, _TracedPaged) else None
+        return self.attention(x, mask, cache) if out is None else out
+
+
+@contextlib.contextmanager
+def _fused_attention(model, caches: list) -> Iterator[None]:
+    """The model's llama-style attention layers (`FUSED_ATTENTION`) over paged KV as
+    `_FusedAttention` while inside (the step's trace: its modules are the model's own again after)."""
+    layers = getattr(model, "layers", None)
+    swapped = []
+    if isinstance(layers, list) and len(layers) == len(caches):
+        for layer, cache in zip(layers, caches):
+            attention = getattr(layer, "self_attn", None)
+            if type(attention) in FUSED_ATTENTION and isinstance(cache, _TracedPaged):
+                layer.self_attn = _FusedAttention(attention)
+                swapped.append((layer, attention))
+    try:
+        yield
+    finally:
+        for layer, attention in swapped:
+            layer.self_attn = attention
+
 
 class _TracedState(ArraysCache):
     """A recurrent layer's state inside the compiled step (no padding: no lengths, no mask)."""
@@ -240,7 +303,7 @@ def compile_decode_step(model, layout: Sequence[LayerLayout]):
     def step(tokens: mx.array, positions: mx.array, blocks: mx.array, *buffers: mx.array):
         masks, remaining = _Masks(positions, blocks), iter(buffers)
         caches = [_trace(layer, remaining, masks) for layer in layout]
-        with lanes.suspended():  # one traced graph on one stream
+        with lanes.suspended(), _fused_attention(model, caches):  # one traced graph on one stream
             logits = model(tokens[:, None], cache=caches)[:, -1, :]
         return (logits, *(array for layer, cache in zip(layout, caches) for array in _outputs(layer, cache)))
 

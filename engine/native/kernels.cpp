@@ -828,6 +828,89 @@ class PagedAttention : public CpuPrimitive {
   int width_, block_size_;
 };
 
+// A decode step's attention after its projections, for a layer over paged KV (mlx-lm's llama
+// attention, `engine.compiled`), as three primitives in place of the ~18 nodes they stand for
+// (reshapes, transposes, two RoPEs, the scaling, two slice updates, the attention), doing the
+// same operations on the same values, so the same bits:
+// - `PoolWrite`: the rows' keys (rotated: `rope_rows`) or values, [rows, 1, kv_heads * dim], written
+//   into a pool [kv_heads, positions, dim] at each row's slot (`writes`); the pool's buffer is the
+//   output's where it may be given (as MLX's slice update), else copied first;
+// - `DecodeAttention`: the queries [rows, 1, heads * dim] rotated and scaled, then
+//   `paged_attention_rows` over each row's first `lengths` positions: [rows, 1, heads * dim].
+struct RopeParams {
+  int dims = 0;  // 0: no rotation
+  bool traditional = false;
+  float base = 0, scale = 1;
+  bool operator==(const RopeParams& o) const { return dims == o.dims && traditional == o.traditional && base == o.base && scale == o.scale; }
+};
+
+class PoolWrite : public CpuPrimitive {
+ public:
+  PoolWrite(mx::Stream stream, RopeParams rope) : CpuPrimitive(stream, "MlxrtPoolWrite"), rope_(rope) {}
+  void evaluate(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& pool = inputs[0];
+    auto& out = allocate(inputs, outputs, true);
+    const int rows = inputs[1].shape(0), kv_heads = pool.shape(0), positions = pool.shape(1), dim = pool.shape(2);
+    run(inputs, out,
+        [in = pool.data<float>(), o = out.data<float>(), bytes = pool.nbytes(), x = inputs[1].data<float>(), where = inputs[2].data<int32_t>(),
+         writes = inputs[3].data<int32_t>(), rows, kv_heads, positions, dim, rope = rope_]() {
+          if (o != in) std::memcpy(o, in, bytes);
+          std::vector<float> rotated;
+          const float* rows_in = x;
+          if (rope.dims) {
+            rotated.resize(static_cast<size_t>(rows) * kv_heads * dim);
+            rope_rows(x, rotated.data(), where, rows > 1, rows, kv_heads, 1, dim, rope.dims, rope.traditional, rope.base, rope.scale);
+            rows_in = rotated.data();
+          }
+          for (int r = 0; r < rows; r++) {
+            for (int h = 0; h < kv_heads; h++) {
+              std::memcpy(o + (static_cast<size_t>(h) * positions + writes[r]) * dim, rows_in + (static_cast<size_t>(r) * kv_heads + h) * dim,
+                          dim * sizeof(float));
+            }
+          }
+        });
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return CpuPrimitive::is_equivalent(other) && rope_ == static_cast<const PoolWrite&>(other).rope_;
+  }
+
+ private:
+  RopeParams rope_;
+};
+
+class DecodeAttention : public CpuPrimitive {
+ public:
+  DecodeAttention(mx::Stream stream, int heads, RopeParams rope, float scale, int width, int block_size)
+      : CpuPrimitive(stream, "MlxrtDecodeAttention"), heads_(heads), rope_(rope), scale_(scale), width_(width), block_size_(block_size) {}
+  void evaluate(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = allocate(inputs, outputs, false);
+    const auto& pool_k = inputs[1];
+    const int rows = inputs[0].shape(0), kv_heads = pool_k.shape(0), positions = pool_k.shape(1), dim = pool_k.shape(2);
+    const int per_row_blocks = static_cast<int>(inputs[3].size() / rows);
+    run(inputs, out,
+        [q = inputs[0].data<float>(), pk = pool_k.data<float>(), pv = inputs[2].data<float>(), blocks = inputs[3].data<int32_t>(),
+         where = inputs[4].data<int32_t>(), lengths = inputs[5].data<int32_t>(), o = out.data<float>(), rows, kv_heads, positions, dim, per_row_blocks,
+         heads = heads_, rope = rope_, scale = scale_, width = width_, block_size = block_size_]() {
+          std::vector<float> queries(static_cast<size_t>(rows) * heads * dim);
+          rope_rows(q, queries.data(), where, rows > 1, rows, heads, 1, dim, rope.dims, rope.traditional, rope.base, rope.scale);
+          for (float& x : queries) x = scale * x;
+          paged_attention_rows(queries.data(), pk, pv, blocks, nullptr, nullptr, false, lengths, o, rows, kv_heads, heads / kv_heads, dim, positions,
+                               per_row_blocks, width, block_size);
+        });
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    if (!CpuPrimitive::is_equivalent(other)) return false;
+    const auto& o = static_cast<const DecodeAttention&>(other);
+    return heads_ == o.heads_ && rope_ == o.rope_ && scale_ == o.scale_ && width_ == o.width_ && block_size_ == o.block_size_;
+  }
+
+ private:
+  int heads_;
+  RopeParams rope_;
+  float scale_;
+  int width_, block_size_;
+};
+
 static void check_float32(const mx::array& a, const char* what) {
   if (a.dtype() != mx::float32) {
     throw std::invalid_argument(std::string("[mlxrt.native] ") + what + " must be float32");
@@ -900,6 +983,51 @@ mx::array paged_attention(const mx::array& queries, const mx::array& pool_keys, 
     inputs.push_back(n);
   }
   return mx::array(queries.shape(), mx::float32, std::make_shared<PagedAttention>(stream, width, block_size), std::move(inputs));
+}
+
+static void check_rows(const mx::array& a, int rows, const char* what) {
+  if (a.dtype() != mx::int32 || a.ndim() != 1 || a.shape(0) != rows) throw std::invalid_argument(std::string("[mlxrt.native] ") + what + " must be int32 [rows]");
+}
+
+static RopeParams rope_params(int dims, bool traditional, float base, float scale, int head_dim) {
+  if (dims < 0 || dims % 2 != 0 || dims > head_dim) throw std::invalid_argument("[mlxrt.native] rope_dims must be even, up to the heads' width (0: none)");
+  return RopeParams{dims, traditional, base, scale};
+}
+
+// `PoolWrite` (above): `pool` [kv_heads, positions, dim] with `new_rows` [rows, 1, kv_heads * dim]
+// (rotated at `positions` first where `rope_dims`) at each row's slot `writes`.
+mx::array pool_write(const mx::array& pool, const mx::array& new_rows, const mx::array& positions, const mx::array& writes, int rope_dims,
+                     bool traditional, float base, float rope_scale, mx::StreamOrDevice s) {
+  check_float32(pool, "pool_write's pool");
+  check_float32(new_rows, "pool_write's rows");
+  if (pool.ndim() != 3 || new_rows.ndim() != 3 || new_rows.shape(1) != 1 || new_rows.shape(2) != pool.shape(0) * pool.shape(2)) {
+    throw std::invalid_argument("[mlxrt.native] pool_write: rows [rows, 1, kv_heads * dim] into a pool [kv_heads, positions, dim]");
+  }
+  check_rows(positions, new_rows.shape(0), "pool_write's positions");
+  check_rows(writes, new_rows.shape(0), "pool_write's writes");
+  auto rope = rope_params(rope_dims, traditional, base, rope_scale, pool.shape(2));
+  return mx::array(pool.shape(), mx::float32, std::make_shared<PoolWrite>(mx::to_stream(s), rope), {pool, new_rows, positions, writes});
+}
+
+// `DecodeAttention` (above).
+mx::array decode_attention(const mx::array& queries, const mx::array& pool_keys, const mx::array& pool_values, const mx::array& blocks,
+                           const mx::array& positions, const mx::array& lengths, int heads, int rope_dims, bool traditional, float base, float rope_scale,
+                           float scale, int width, int block_size, mx::StreamOrDevice s) {
+  for (const auto* a : {&queries, &pool_keys, &pool_values}) check_float32(*a, "decode attention's queries and pools");
+  if (pool_keys.ndim() != 3 || pool_keys.shape() != pool_values.shape() || queries.ndim() != 3 || queries.shape(1) != 1 || heads <= 0 ||
+      heads % pool_keys.shape(0) != 0 || queries.shape(2) != heads * pool_keys.shape(2)) {
+    throw std::invalid_argument("[mlxrt.native] decode attention: queries [rows, 1, heads * dim] over pools [kv_heads, positions, dim]");
+  }
+  const int rows = queries.shape(0);
+  check_rows(positions, rows, "decode attention's positions");
+  check_rows(lengths, rows, "decode attention's lengths");
+  if (blocks.dtype() != mx::int32 || blocks.ndim() != 1 || blocks.size() % rows != 0 || width <= 0 || block_size <= 0 ||
+      pool_keys.shape(1) % block_size != 0 || static_cast<size_t>(width) > (blocks.size() / rows) * static_cast<size_t>(block_size)) {
+    throw std::invalid_argument("[mlxrt.native] decode attention: mismatched blocks or width");
+  }
+  auto rope = rope_params(rope_dims, traditional, base, rope_scale, pool_keys.shape(2));
+  auto primitive = std::make_shared<DecodeAttention>(mx::to_stream(s), heads, rope, scale, width, block_size);
+  return mx::array(queries.shape(), mx::float32, primitive, {queries, pool_keys, pool_values, blocks, positions, lengths});
 }
 
 // `mx.exp(x)` for float32 (the kernel the others build on, exposed to be checked against MLX's).
@@ -985,6 +1113,12 @@ NB_MODULE(_kernels, m) {
   m.def("exp", &mlxrt::exp, "x"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.exp(x) for float32 on the CPU.");
   m.def("paged_attention", &mlxrt::paged_attention, "queries"_a, "pool_keys"_a, "pool_values"_a, "blocks"_a, nb::kw_only(), "width"_a, "block_size"_a,
         "mask"_a = nb::none(), "lengths"_a = nb::none(), "stream"_a = nb::none(), "A decode step's grouped attention over paged KV (float32, CPU).");
+  m.def("pool_write", &mlxrt::pool_write, "pool"_a, "rows"_a, "positions"_a, "writes"_a, nb::kw_only(), "rope_dims"_a = 0, "traditional"_a = false,
+        "base"_a = 0.0f, "rope_scale"_a = 1.0f, "stream"_a = nb::none(),
+        "A paged pool with each row's keys (rotated where rope_dims) or values written at its slot (float32, CPU).");
+  m.def("decode_attention", &mlxrt::decode_attention, "queries"_a, "pool_keys"_a, "pool_values"_a, "blocks"_a, "positions"_a, "lengths"_a,
+        nb::kw_only(), "heads"_a, "rope_dims"_a, "traditional"_a, "base"_a, "rope_scale"_a, "scale"_a, "width"_a, "block_size"_a, "stream"_a = nb::none(),
+        "A decode step's rotated, scaled queries' attention over paged KV (float32, CPU).");
   m.def("rope", &mlxrt::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a, "scale"_a, "offset"_a, "stream"_a = nb::none(),
         "mx.fast.rope (no freqs) for float32 on the CPU.");
   m.def("rms_norm", &mlxrt::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.fast.rms_norm(x, weight, eps) for float32 on the CPU.");

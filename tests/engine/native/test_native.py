@@ -174,7 +174,8 @@ def test_an_engines_tokens_with_them_are_mlx_lms(kernels, monkeypatch):
 
         return call
 
-    proxy = SimpleNamespace(**{name: counted(name) for name in ("swiglu", "softmax", "scaled_dot_product_attention", "rms_norm", "rope")})
+    names = ("swiglu", "softmax", "scaled_dot_product_attention", "rms_norm", "rope", "paged_attention", "decode_attention", "pool_write")
+    proxy = SimpleNamespace(**{name: counted(name) for name in names})
     model, tokenizer = load_reference("builtin:tiny")
     engine = Engine(model, probe_layout(model))
     monkeypatch.setattr(native, "_loaded", proxy)
@@ -193,9 +194,10 @@ def test_an_engines_tokens_with_them_are_mlx_lms(kernels, monkeypatch):
 
 
 def test_a_paged_batchs_tokens_through_the_kernel_are_mlx_lms(kernels, monkeypatch):
-    """Three requests of mixed lengths batched in blocks of 4 on `builtin:tiny`: every decode
-    step's attention through the paged kernel (counted: each row over its own positions, in
-    halves of the rows); the greedy tokens are mlx-lm's."""
+    """Four requests of mixed lengths batched in blocks of 4 on `builtin:tiny` (llama): every
+    decode step's attention through the kernels (counted: each row over its own positions, the
+    compiled step's RoPEs, pool writes and attention as one primitive a layer); the greedy tokens
+    are mlx-lm's."""
     from types import SimpleNamespace
 
     from policies.layout import with_kv_blocks
@@ -203,13 +205,18 @@ def test_a_paged_batchs_tokens_through_the_kernel_are_mlx_lms(kernels, monkeypat
     from tests.support.mlx_reference import greedy_tokens, load_reference
 
     calls: list[int] = []
+    fused: list[int] = []
 
     def paged_attention(queries, *args, **kwargs):
         calls.append(queries.shape[0])
         return kernels.paged_attention(queries, *args, **kwargs)
 
-    names = ("swiglu", "softmax", "scaled_dot_product_attention", "rms_norm", "rope")
-    proxy = SimpleNamespace(paged_attention=paged_attention, **{name: getattr(kernels, name) for name in names})
+    def decode_attention(queries, *args, **kwargs):
+        fused.append(queries.shape[0])
+        return kernels.decode_attention(queries, *args, **kwargs)
+
+    names = ("swiglu", "softmax", "scaled_dot_product_attention", "rms_norm", "rope", "pool_write")
+    proxy = SimpleNamespace(paged_attention=paged_attention, decode_attention=decode_attention, **{name: getattr(kernels, name) for name in names})
     model, tokenizer = load_reference("builtin:tiny")
     engine = Engine(model, with_kv_blocks(probe_layout(model), 4))
     monkeypatch.setattr(native, "_loaded", proxy)
@@ -218,9 +225,60 @@ def test_a_paged_batchs_tokens_through_the_kernel_are_mlx_lms(kernels, monkeypat
     driver = Driver(engine)
     driver.admit(*(admit_request(name, prompt, max_tokens=10) for name, prompt in zip("abcd", prompts)))
     driver.run()
-    assert 2 in calls, calls  # (halves of four rows)
+    # The compiled step's attention (traced once per batch geometry) as one primitive a layer.
+    assert not calls and {4, 3, 2, 1} <= set(fused), (calls, fused)
     for name, prompt in zip("abcd", prompts):
         assert driver.tokens[name] == greedy_tokens(model, tokenizer, prompt, 10)
+
+
+@pytest.mark.parametrize(("family", "block_size"), [("llama", 4), ("llama", 16), ("qwen2", 16)])
+def test_a_llama_layers_fused_decode_attention_gives_the_same_bits(kernels, monkeypatch, family, block_size):
+    """The compiled step's llama (and qwen2) attention as three primitives a layer
+    (`engine.compiled`'s `_FusedAttention`) against the same step built from its ~18 nodes: the
+    same tokens and the same logprobs, bit for bit, alone and batched (rows joining and leaving)."""
+    import contextlib
+
+    from mlx_lm.utils import load
+
+    from engine import compiled
+    from policies.layout import with_kv_blocks
+    from runtime import env
+    from tests.support.engine_driver import Driver, admit_request, random_prompts
+    from tests.support.families import build
+
+    model, _ = load(str(build(family, env.home())))
+    model.set_dtype(mx.float32)
+    prompts = random_prompts([9, 14, 5, 30])
+
+    def run(fused: bool):
+        if not fused:
+            monkeypatch.setattr(compiled, "_fused_attention", lambda model, caches: contextlib.nullcontext())
+        engine = Engine(model, with_kv_blocks(probe_layout(model), block_size))
+        seen: dict[str, list] = {}
+        driver = Driver(engine)
+        original = driver.step
+
+        def step(plan):
+            outcome = original(plan)
+            for row in outcome.outputs:
+                seen.setdefault(row.request_id, []).extend((p.token_id, p.logprob, [(a.token_id, a.logprob) for a in p.top or []]) for p in row.logprobs or [])
+            return outcome
+
+        driver.step = step
+        driver.admit(
+            *(admit_request(name, prompt, max_tokens=12 - 2 * i, logprobs=True, top_logprobs=3) for i, (name, prompt) in enumerate(zip("abcd", prompts)))
+        )
+        driver.run()
+        return driver.tokens, seen
+
+    calls: list[int] = []
+    real = kernels.decode_attention
+    monkeypatch.setattr(kernels, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k), raising=False)
+    fused_tokens, fused_logprobs = run(True)
+    assert calls, "the fused attention was not traced"
+    tokens, logprobs = run(False)
+    assert fused_tokens == tokens and fused_logprobs == logprobs
+    assert [len(logprobs[name]) for name in "abcd"] == [len(tokens[name]) for name in "abcd"] == [12, 10, 8, 6], (logprobs, tokens)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 576), (16, 1, 576), (3, 127, 576), (2, 5, 7), (9, 64), (4, 1, 2, 33)])
