@@ -200,11 +200,11 @@ class _TracedPaged:
         nodes (reshapes, transposes, RoPEs, scaling, slice updates, the paged attention: a
         node's cost to build and run is most of a small one's), the same bits; None where
         `attend` would not take the paged kernel or the RoPE is not mlxrt's."""
-        rope, heads, kv_heads = attention.rope, attention.n_heads, attention.n_kv_heads
+        rope, heads, kv_heads = attention.rope, attention.n_heads, int(attention.n_kv_heads or 0)
         if x.shape[1] != 1 or mask is not self.make_mask(1) or not isinstance(rope, lanes.KernelRoPE) or rope.base is None:
             return None
         module = lanes.kernels(x, self.keys, self.values)
-        if module is None or kv_heads == heads or heads % kv_heads:
+        if module is None or not kv_heads or kv_heads == heads or heads % kv_heads:
             return None
         masks = self._masks
         positions, writes = masks.positions, masks.paged_writes(self._block_size)
@@ -245,7 +245,7 @@ def _fused_attention(model, caches: list) -> Iterator[None]:
     if isinstance(layers, list) and len(layers) == len(caches):
         for layer, cache in zip(layers, caches):
             attention = getattr(layer, "self_attn", None)
-            if type(attention) in FUSED_ATTENTION and isinstance(cache, _TracedPaged):
+            if isinstance(attention, FUSED_ATTENTION) and type(attention) in FUSED_ATTENTION and isinstance(cache, _TracedPaged):
                 layer.self_attn = _FusedAttention(attention)
                 swapped.append((layer, attention))
     try:
