@@ -11,6 +11,9 @@ def rebind(model, name: str, original: Callable, replacement: Callable) -> list[
     `original` (mlx-lm's own function, imported by name); returns the modules rebound. The
     replacement falls back to `original` for every caller it does not serve."""
     names = {type(model).__module__} | {type(module).__module__ for _, module in model.named_modules()}
+    # (Never the module `original` is defined in: a model class of its own there, as gpt-oss's
+    # `SwigluOAI` in `activations`, would rebind the function for every user of mlx-lm.)
+    names.discard(getattr(original, "__module__", None))
     rebound = []
     for module_name in sorted(names):
         module = sys.modules.get(module_name)

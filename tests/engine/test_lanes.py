@@ -164,6 +164,21 @@ def test_install_rebinds_the_models_modules_only():
     assert activations.swiglu is _SWIGLU  # mlx-lm's own function, for everyone else
 
 
+def test_install_leaves_the_module_that_defines_a_function_alone():
+    """gpt-oss has a module class of `mlx_lm.models.activations` (`SwigluOAI`), the module that
+    defines `swiglu`: installing it rebinds its own module's name, never mlx-lm's for everyone."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load
+
+    from runtime import env
+    from tests.support.families import build
+
+    model, _ = load(str(build("gpt_oss", env.home())))
+    assert any(type(m).__module__ == activations.__name__ for _, m in model.named_modules()) and tree_flatten(model.parameters())
+    rebound = lanes.install(model)
+    assert activations.__name__ not in rebound and activations.swiglu is _SWIGLU
+
+
 def _assert_greedy_tokens_are_mlx_lms(block_size: int, max_tokens: int, compiled: bool = True) -> None:
     """Three requests batched on `builtin:tiny` (KV in blocks of `block_size`, or rows): the
     engine's greedy tokens are mlx-lm's (`compiled`: the engine's compiled decode step)."""
