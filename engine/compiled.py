@@ -17,6 +17,16 @@ Per layer kind, inside the traced function:
 - recurrent state: the rows' state arrays, as an `ArraysCache` the layer reads and replaces;
 - a list: its parts.
 The inputs and outputs are the same arrays in the same order (`DecodeBatch.forward_one`).
+
+Each node of the traced graph costs its evaluation on the CPU backend a few microseconds beyond
+its kernel (built anew from the trace every step, allocated, queued, and a task holding its
+inputs queued after it), on the MLX thread and the stream's thread that runs the kernels. So
+while tracing, a llama-style layer's attention over paged KV (`FUSED_ATTENTION`: llama, mistral,
+qwen2) runs as three of mlxrt's primitives after its projections (`_FusedAttention`): the rotated
+keys and the values written into the pools, then the rotated, scaled queries' paged attention,
+in place of ~18 nodes (reshapes, transposes, two RoPEs, the scaling, two slice updates, the
+attention), the same operations on the same values: the same bits (SmolLM2's step: 931 -> 481
+nodes).
 """
 
 from __future__ import annotations
