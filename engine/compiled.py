@@ -205,11 +205,12 @@ class _TracedPaged:
         return self._masks.full(self._width, window_size)
 
     def fused(self, attention: llama.Attention | qwen2.Attention, x: mx.array, mask) -> mx.array | None:
-        """mlx-lm's llama (or qwen2: the same operations) attention of one token a row after its projections as three of mlxrt's
-        primitives (`pool_write` for the keys and the values, `decode_attention`) in place of ~18
-        nodes (reshapes, transposes, RoPEs, scaling, slice updates, the paged attention: a
-        node's cost to build and run is most of a small one's), the same bits; None where
-        `attend` would not take the paged kernel or the RoPE is not mlxrt's."""
+        """mlx-lm's llama (or qwen2: the same operations) attention of one token a row, after its
+        projections, as three of mlxrt's primitives (`pool_write` for the keys and the values,
+        `decode_attention`) in place of ~18 nodes (reshapes, transposes, RoPEs, scaling, slice
+        updates, the paged attention: a node's cost to build and run is most of a small one's),
+        the same bits; None where `attend` would not take the paged kernel or the RoPE is not
+        mlxrt's."""
         rope, heads, kv_heads = attention.rope, attention.n_heads, int(attention.n_kv_heads or 0)
         if x.shape[1] != 1 or mask is not self.make_mask(1) or not isinstance(rope, lanes.KernelRoPE) or rope.base is None:
             return None
