@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -256,8 +256,8 @@ def _fused_attention(model, caches: list) -> Iterator[None]:
     if isinstance(layers, list) and len(layers) == len(caches):
         for layer, cache in zip(layers, caches):
             attention = getattr(layer, "self_attn", None)
-            if isinstance(attention, FUSED_ATTENTION) and type(attention) in FUSED_ATTENTION and isinstance(cache, _TracedPaged):
-                layer.self_attn = _FusedAttention(attention)
+            if type(attention) in FUSED_ATTENTION and isinstance(cache, _TracedPaged):  # (not a subclass: its own call)
+                layer.self_attn = _FusedAttention(cast(llama.Attention, attention))
                 swapped.append((layer, attention))
     try:
         yield

@@ -26,6 +26,7 @@ from runtime.config import RuntimeConfig
 from runtime.errors import ConfigError
 from runtime.progress import Progress
 from tools.bench_common import Run, load_mlx_lm_model, median_summary, mlxrt_run, random_prompts
+from tools.peers import roofline
 
 
 @dataclass(frozen=True)
@@ -196,10 +197,13 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
             await thread.run(baseline.load, info.path)
             await _warm_up(rt, thread, baseline, info.vocab_size)
             if "concurrency" in options.workloads:
-                bandwidths = [await _read_bandwidth(progress)]
+                # (The roofline's read bandwidth, around the runs, where there is a c1 figure to set against it.)
+                with_roofline = 1 in options.concurrency and info.decode_weight_bytes > 0
+                bandwidths = [await _read_bandwidth(progress)] if with_roofline else []
                 await _concurrency(rt, thread, baseline, options, source, results, progress)
-                bandwidths.append(await _read_bandwidth(progress))
-                results["roofline"] = c1_roofline(results["mlxrt"].get("c1"), info.decode_weight_bytes, info.kv_bytes_per_token, options, bandwidths)
+                if with_roofline:
+                    bandwidths.append(await _read_bandwidth(progress))
+                    results["roofline"] = c1_roofline(results["mlxrt"].get("c1"), info.decode_weight_bytes, info.kv_bytes_per_token, options, bandwidths)
             if "interference" in options.workloads:
                 long_prompt, short_prompt = source.prompts(2, options.long_prompt_tokens, options.seed + 99)
                 short_prompt = short_prompt[: options.short_prompt_tokens]
@@ -231,8 +235,6 @@ async def run_bench(config: RuntimeConfig, options: BenchOptions) -> dict:
 
 async def _read_bandwidth(progress: Progress) -> float:
     """This machine's memory read bandwidth now (bytes/s; it moves between runs here)."""
-    from tools.peers import roofline
-
     progress.step("measuring read bandwidth")
     return await anyio.to_thread.run_sync(roofline.measure_read_bandwidth)
 
@@ -241,8 +243,6 @@ def c1_roofline(c1: dict | None, weight_bytes: int, kv_bytes_per_position: int, 
     """mlxrt's c1 per-stream decode rate as a fraction of the memory-bandwidth roofline, once per
     bandwidth measured (before and after the runs); None without a c1 figure or a fixed count of
     weight bytes (a mixture of experts)."""
-    from tools.peers import roofline
-
     if not c1 or not weight_bytes or not c1["decode_tok_s_per_stream"]:
         return None
     per_token = roofline.bytes_per_token(weight_bytes, kv_bytes_per_position, options.prompt_tokens, options.new_tokens)
