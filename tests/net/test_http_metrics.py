@@ -72,6 +72,11 @@ async def test_metrics_count_a_known_workload_exactly():
     assert "# TYPE mlxrt:time_to_first_token_seconds histogram" in text
 
 
+# The clients' own leftovers, not the server's: httpx's response generator (`BoundAsyncStream`) of a
+# request whose client task was cancelled is finalized by the garbage collector whenever it runs,
+# once seen mid-way through another coroutine ("async generator already executing"). Any other
+# unraisable exception (the server's, in this process too) still fails the test.
+@pytest.mark.filterwarnings(r"ignore:Exception ignored in. <async_generator object BoundAsyncStream\.__aiter__:pytest.PytestUnraisableExceptionWarning")
 async def test_32_streaming_clients_some_leaving_mid_stream_end_clean():
     async with serving(make_config(max_batch_size=8)) as served:
         baseline = (await wait_runtime_idle(served.runtime)).kv
