@@ -116,6 +116,9 @@ class MlxThread:
 
     def _loop(self) -> None:
         self._serve_jobs()
+        affinity = sys.modules.get("engine.affinity")  # (imported only by a thread that pinned a core)
+        if affinity is not None:
+            affinity.release()
         self._stopped.set()
         # Park instead of exiting: MLX keeps per-thread state (the compile cache of every
         # `mx.compile`d function this thread ran, mlx.nn's activations included) whose

@@ -41,6 +41,7 @@ import structlog
 
 from actors.mailbox import Mailbox, abandoned, answer
 from actors.mlx_thread import Job, MlxThread
+from engine import affinity
 from engine.build import BuiltEngine, EngineSpec, MakeGrammars, build_engine
 from engine.denoise import Denoiser
 from engine.embed import Embedder
@@ -126,10 +127,12 @@ class ModelActor:
         world_secret: str = "",
         denoise_share: float = 1.0,
         bulk_share: float = 1.0,
+        pin_kernel_thread: bool = False,
     ):
         self._config = config
         self._denoise_share = denoise_share
         self._bulk_share = bulk_share
+        self._pin_kernel_thread = pin_kernel_thread
         # When a step for an interactive request last ended (embedding forwards yield to those).
         self._interactive_at = -math.inf
         self._kv = kv or KvConfig()
@@ -168,6 +171,8 @@ class ModelActor:
                 files = await anyio.to_thread.run_sync(read_adapter_files, adapter.name, adapter.path, bank.max_file_bytes)
                 await self._thread.run(lambda a=adapter, f=files: bank.register(f, pinned=a.pinned))
             log.info("model_loaded", **{k: getattr(loaded.info, k) for k in ("path", "model_type", "dtype", "device", "num_parameters", "load_s")})
+            if built.world is None and self._pin_kernel_thread and not self._distributed.backend:
+                await self._thread.run(affinity.pin)
             if built.world is None:  # (a world's ranks step together: a warm-up on one would wait for the others)
                 if self._progress is not None:
                     self._progress("warming up (MLX compiles the kernels of each kind of step once)")

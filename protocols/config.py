@@ -74,6 +74,10 @@ class SchedulerConfig(Section, frozen=True):
     # event loop between steps (the round trip is a share of a short step); a request arriving
     # meanwhile is admitted at most one such step later. 0: never.
     run_ahead_below_s: Annotated[float, msgspec.Meta(ge=0)] = 0.02
+    # On a Linux CPU with mlxrt's kernels: the thread that runs the model's kernels gets a core
+    # of its own, the MLX thread and the quantized products' helper keep to the others
+    # (`engine.affinity`; not in a distributed world, whose ranks may share the machine).
+    pin_kernel_thread: bool = True
 
 
 AUTO_BLOCK_SIZE = 16

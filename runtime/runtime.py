@@ -432,6 +432,7 @@ async def _start_model(config: RuntimeConfig, thread: MlxThread, tg) -> tuple[Mo
         world_secret=env.world_secret(),
         denoise_share=config.scheduler.denoise_share,
         bulk_share=config.scheduler.bulk_share,
+        pin_kernel_thread=config.scheduler.pin_kernel_thread,
     )
     try:
         ready: ModelReady = await tg.start(model.run)

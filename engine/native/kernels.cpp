@@ -13,6 +13,8 @@
 // MLX's own ops on any difference, on machines without AVX2, and on Metal.
 
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -1095,9 +1097,26 @@ mx::array sdpa(const mx::array& queries, const mx::array& keys, const mx::array&
   return out;
 }
 
+// The id of the OS thread that runs `stream`'s tasks (Linux's `gettid`), as the int32 value of
+// the array this evaluates to: what `engine.affinity` pins to a core of its own.
+class ThreadId : public CpuPrimitive {
+ public:
+  explicit ThreadId(mx::Stream stream) : CpuPrimitive(stream, "MlxrtThreadId") {}
+  void evaluate(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& out = allocate(inputs, outputs, false);
+    run(inputs, out, [o = out.data<int32_t>()]() { *o = static_cast<int32_t>(syscall(SYS_gettid)); });
+  }
+};
+
+mx::array stream_thread_id(mx::StreamOrDevice s) {
+  return mx::array(mx::Shape{}, mx::int32, std::make_shared<ThreadId>(mx::to_stream(s)), {mx::array(0, mx::int32)});
+}
+
 #include "quantized.h"
 
 static void share_chunks(int chunks, const std::function<void(int)>& work) { Helper::instance().share(chunks, work); }
+
+static int helper_thread_id() { return Helper::instance().thread_id(); }
 
 static bool cpu_supported() {
   __builtin_cpu_init();
@@ -1131,4 +1150,7 @@ NB_MODULE(_kernels, m) {
   m.def("set_avx512", &mlxrt::set_avx512, "on"_a, "Let quantized_matmul use AVX-512 where the CPU has it (on), or not; returns whether it does.");
   m.def("scaled_dot_product_attention", &mlxrt::sdpa, "queries"_a, "keys"_a, "values"_a, nb::kw_only(), "scale"_a, "mask_mode"_a = "",
         "mask"_a = nb::none(), "stream"_a = nb::none(), "mx.fast.scaled_dot_product_attention for float32 on the CPU, without sinks.");
+  m.def("stream_thread_id", &mlxrt::stream_thread_id, nb::kw_only(), "stream"_a = nb::none(),
+        "An int32 scalar that evaluates to the OS id (gettid) of the thread running the stream's tasks.");
+  m.def("helper_thread_id", &mlxrt::helper_thread_id, "The OS id (gettid) of the quantized products' helper thread (started if it was not).");
 }

@@ -321,6 +321,12 @@ class Helper {
     }
     while (here + helped_.load(std::memory_order_acquire) < chunks) _mm_pause();
   }
+  // The helper's OS thread id (`gettid`), once it has started.
+  int thread_id() const {
+    int tid;
+    while ((tid = tid_.load(std::memory_order_acquire)) == 0) std::this_thread::yield();
+    return tid;
+  }
 
  private:
   // `state_`: the job's tag (which product), its chunk count, and the chunks claimed from the
@@ -347,6 +353,7 @@ class Helper {
   Helper() : thread_([this] { loop(); }) { thread_.detach(); }
 
   void loop() {
+    tid_.store(static_cast<int>(syscall(SYS_gettid)), std::memory_order_release);
     uint64_t seen = 0;
     for (;;) {
       uint64_t tag = state_.load(std::memory_order_acquire) >> kTagShift;
@@ -385,6 +392,7 @@ class Helper {
   std::atomic<uint64_t> state_{0};
   std::atomic<int> helped_{0};
   std::atomic<bool> sleeping_{false};
+  std::atomic<int> tid_{0};
   uint64_t tag_ = 0;  // (the last job's tag: written under `busy_`)
   std::function<void(int)>* job_ = nullptr;
   std::thread thread_;
