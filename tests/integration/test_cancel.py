@@ -43,8 +43,10 @@ async def _cancel_by_id(rt: Runtime, prompt: list[int], phase: str) -> tuple[Fin
     async for event in rt.generate(request):
         in_phase = isinstance(event, PrefillProgress) if phase == "prefill" else isinstance(event, TokenDelta)
         if in_phase and steps_at_cancel is None:
-            steps_at_cancel = (await rt.stats()).scheduler.steps
             await rt.cancel(request.request_id)
+            # (A fresh stats answers after the scheduler has read every message sent before it: the
+            # steps from here on are the cancel's, not the ones run while it was in transit.)
+            steps_at_cancel = (await rt.stats()).scheduler.steps
         if isinstance(event, Finished):
             return event, (await rt.stats()).scheduler.steps - steps_at_cancel
     raise AssertionError("no Finished")
@@ -75,7 +77,8 @@ async def test_cancel_by_id_mid_prefill_and_mid_decode(tiny_config):
             assert finished.finish_reason == "cancelled"
             # The release rides the first plan after the scheduler reads the cancel (see the
             # policy and engine tests), or, while short decode steps run ahead, the plan after
-            # the one queued ahead; the margin covers steps run while events were in transit.
+            # the one queued ahead; the margin covers steps run while the Finished event and the
+            # last stats were in transit.
             assert steps <= 4, "the cancelled request must end within two steps of the cancel"
         for i, reference in enumerate(references):
             assert results[i][0] == reference
