@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("engine.native")
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
-HEADERS = (Path(__file__).with_name("quantized.h"),)  # (included by SOURCE)
+HEADERS = (Path(__file__).with_name("quantized.h"), Path(__file__).with_name("layer.h"))  # (included by SOURCE)
 _UNSET = object()
 _loaded: object = _UNSET
 

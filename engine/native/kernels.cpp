@@ -28,13 +28,16 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <tuple>
 #include <string>
 #include <vector>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -1023,10 +1026,9 @@ mx::array pool_write(const mx::array& pool, const mx::array& new_rows, const mx:
   return mx::array(pool.shape(), mx::float32, std::make_shared<PoolWrite>(mx::to_stream(s), rope), {pool, new_rows, positions, writes});
 }
 
-// `DecodeAttention` (above).
-mx::array decode_attention(const mx::array& queries, const mx::array& pool_keys, const mx::array& pool_values, const mx::array& blocks,
-                           const mx::array& positions, const mx::array& lengths, int heads, int rope_dims, bool traditional, float base, float rope_scale,
-                           float scale, int width, int block_size, mx::StreamOrDevice s) {
+// `DecodeAttention`'s operands checked.
+static void check_decode_attention(const mx::array& queries, const mx::array& pool_keys, const mx::array& pool_values, const mx::array& blocks,
+                                   const mx::array& positions, const mx::array& lengths, int heads, int width, int block_size) {
   for (const auto* a : {&queries, &pool_keys, &pool_values}) check_float32(*a, "decode attention's queries and pools");
   if (pool_keys.ndim() != 3 || pool_keys.shape() != pool_values.shape() || queries.ndim() != 3 || queries.shape(1) != 1 || heads <= 0 ||
       heads % pool_keys.shape(0) != 0 || queries.shape(2) != heads * pool_keys.shape(2)) {
@@ -1039,6 +1041,13 @@ mx::array decode_attention(const mx::array& queries, const mx::array& pool_keys,
       pool_keys.shape(1) % block_size != 0 || static_cast<size_t>(width) > (blocks.size() / rows) * static_cast<size_t>(block_size)) {
     throw std::invalid_argument("[mlxrt.native] decode attention: mismatched blocks or width");
   }
+}
+
+// `DecodeAttention` (above).
+mx::array decode_attention(const mx::array& queries, const mx::array& pool_keys, const mx::array& pool_values, const mx::array& blocks,
+                           const mx::array& positions, const mx::array& lengths, int heads, int rope_dims, bool traditional, float base, float rope_scale,
+                           float scale, int width, int block_size, mx::StreamOrDevice s) {
+  check_decode_attention(queries, pool_keys, pool_values, blocks, positions, lengths, heads, width, block_size);
   auto rope = rope_params(rope_dims, traditional, base, rope_scale, pool_keys.shape(2));
   auto primitive = std::make_shared<DecodeAttention>(mx::to_stream(s), heads, rope, scale, width, block_size);
   return mx::array(queries.shape(), mx::float32, primitive, {queries, pool_keys, pool_values, blocks, positions, lengths});
@@ -1125,6 +1134,7 @@ mx::array stream_thread_id(mx::StreamOrDevice s) {
 }
 
 #include "quantized.h"
+#include "layer.h"
 
 static void share_chunks(int chunks, const std::function<void(int)>& work) { Helper::instance().share(chunks, work); }
 
@@ -1150,6 +1160,12 @@ NB_MODULE(_kernels, m) {
   m.def("decode_attention", &mlxrt::decode_attention, "queries"_a, "pool_keys"_a, "pool_values"_a, "blocks"_a, "positions"_a, "lengths"_a,
         nb::kw_only(), "heads"_a, "rope_dims"_a, "traditional"_a, "base"_a, "rope_scale"_a, "scale"_a, "width"_a, "block_size"_a, "stream"_a = nb::none(),
         "A decode step's rotated, scaled queries' attention over paged KV (float32, CPU).");
+  m.def("normed_products", &mlxrt::normed_products, "x"_a, "weight"_a, "eps"_a, "products"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "[rms_norm(x, weight, eps) @ w.T (+ bias)] for each product (w, scales, biases, bias or None, group_size, bits): one node (float32, CPU).");
+  m.def("layer_tail", &mlxrt::layer_tail, "x"_a, "queries"_a, "pool_keys"_a, "pool_values"_a, "blocks"_a, "positions"_a, "lengths"_a, "weight"_a,
+        "products"_a, nb::kw_only(), "heads"_a, "rope_dims"_a, "traditional"_a, "base"_a, "rope_scale"_a, "scale"_a, "width"_a, "block_size"_a, "eps"_a,
+        "stream"_a = nb::none(),
+        "A llama decoder layer after its queries, keys and values: decode attention, output product, residual, norm, SwiGLU MLP, residual (one node).");
   m.def("rope", &mlxrt::rope, "x"_a, "dims"_a, nb::kw_only(), "traditional"_a, "base"_a, "scale"_a, "offset"_a, "stream"_a = nb::none(),
         "mx.fast.rope (no freqs) for float32 on the CPU.");
   m.def("rms_norm", &mlxrt::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.fast.rms_norm(x, weight, eps) for float32 on the CPU.");

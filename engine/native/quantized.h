@@ -492,22 +492,30 @@ class QuantizedMatmul : public CpuPrimitive {
   bool helped_;
 };
 
-// `mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits)` (affine mode) for
-// float32 `x` [..., k], `w` uint32 [n, k * bits / 32], float32 `scales` and `biases` [n, k / group].
-// `helped`: large products split their features with a helper thread (one more core).
-mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
-                           bool helped, mx::StreamOrDevice s) {
-  check_float32(x, "quantized_matmul's input");
+// Affine-quantized `w` uint32 [n, k * bits / 32] with float32 `scales` and `biases` [n, k / group]
+// checked for an input `k` wide; returns `n`.
+static int check_quantized(int k, const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
   check_float32(scales, "quantized_matmul's scales");
   check_float32(biases, "quantized_matmul's biases");
   if (bits != 4 && bits != 8) throw std::invalid_argument("[mlxrt.native] quantized_matmul takes 4 or 8 bits");
   if (group_size != 32 && group_size != 64 && group_size != 128) throw std::invalid_argument("[mlxrt.native] quantized_matmul takes groups of 32, 64 or 128");
-  if (x.ndim() < 1 || w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("[mlxrt.native] quantized_matmul: a 2-D uint32 weight");
-  const int k = x.shape(-1), n = w.shape(0);
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) throw std::invalid_argument("[mlxrt.native] quantized_matmul: a 2-D uint32 weight");
+  const int n = w.shape(0);
   if (k % group_size != 0 || static_cast<int64_t>(w.shape(1)) * 32 != static_cast<int64_t>(k) * bits || scales.ndim() != 2 || scales.shape(0) != n ||
       scales.shape(1) != k / group_size || biases.shape() != scales.shape()) {
     throw std::invalid_argument("[mlxrt.native] quantized_matmul: the input, weight, scales and biases do not match");
   }
+  return n;
+}
+
+// `mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits)` (affine mode) for
+// float32 `x` [..., k] (`check_quantized`'s operands).
+// `helped`: large products split their features with a helper thread (one more core).
+mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
+                           bool helped, mx::StreamOrDevice s) {
+  check_float32(x, "quantized_matmul's input");
+  if (x.ndim() < 1) throw std::invalid_argument("[mlxrt.native] quantized_matmul: an input of one or more dimensions");
+  const int n = check_quantized(x.shape(-1), w, scales, biases, group_size, bits);
   auto stream = mx::to_stream(s);
   auto shape = x.shape();
   shape.back() = n;

@@ -281,6 +281,66 @@ def test_a_llama_layers_fused_decode_attention_gives_the_same_bits(kernels, monk
     assert [len(logprobs[name]) for name in "abcd"] == [len(tokens[name]) for name in "abcd"] == [12, 10, 8, 6], (logprobs, tokens)
 
 
+@pytest.mark.parametrize(("family", "bits", "group", "block_size"), [("llama", 4, 32, 4), ("llama", 8, 64, 16), ("qwen2", 4, 32, 16)])
+def test_a_quantized_llama_layer_fused_whole_gives_the_same_bits(kernels, monkeypatch, family, bits, group, block_size):
+    """The compiled step's quantized llama (and qwen2: biased queries, keys and values) decoder
+    layer as four primitives (`normed_products`, two `pool_write`s, `layer_tail`) against the same
+    step built node by node with the same kernels: the same tokens and logprobs with their top
+    alternatives, bit for bit, alone and batched (rows joining and leaving)."""
+    import contextlib
+
+    import mlx.nn as nn
+    from mlx_lm.utils import load
+
+    from engine import compiled
+    from policies.layout import with_kv_blocks
+    from runtime import env
+    from tests.support.engine_driver import Driver, admit_request, random_prompts
+    from tests.support.families import build
+
+    model, _ = load(str(build(family, env.home())))
+    model.set_dtype(mx.float32)
+    nn.quantize(model, group_size=group, bits=bits)
+    prompts = random_prompts([9, 14, 5, 30])
+    calls: list[str] = []
+    for name in ("normed_products", "layer_tail"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _name=name, _real=real, **k: calls.append(_name) or _real(*a, **k), raising=False)
+
+    def run(fused: bool):
+        with monkeypatch.context() as patch:
+            if not fused:
+                patch.setattr(compiled, "_fused_attention", lambda model, caches: contextlib.nullcontext())
+            engine = Engine(model, with_kv_blocks(probe_layout(model), block_size))
+            seen: dict[str, list] = {}
+            driver = Driver(engine)
+            original = driver.step
+
+            def step(plan):
+                outcome = original(plan)
+                for row in outcome.outputs:
+                    seen.setdefault(row.request_id, []).extend(
+                        (p.token_id, p.logprob, [(a.token_id, a.logprob) for a in p.top or []]) for p in row.logprobs or []
+                    )
+                return outcome
+
+            driver.step = step
+            driver.admit(
+                *(admit_request(name, prompt, max_tokens=12 - 2 * i, logprobs=True, top_logprobs=3) for i, (name, prompt) in enumerate(zip("abcd", prompts)))
+            )
+            driver.run()
+            return driver.tokens, seen
+
+    fused_tokens, fused_logprobs = run(True)
+    layers = len(model.layers)
+    assert calls.count("normed_products") >= layers and calls.count("layer_tail") >= layers, calls
+    calls.clear()
+    tokens, logprobs = run(False)
+    assert not calls
+    assert fused_tokens == tokens and fused_logprobs == logprobs
+    assert [len(logprobs[name]) for name in "abcd"] == [len(tokens[name]) for name in "abcd"] == [12, 10, 8, 6], (logprobs, tokens)
+
+
 @pytest.mark.parametrize("shape", [(1, 1, 576), (16, 1, 576), (3, 127, 576), (2, 5, 7), (9, 64), (4, 1, 2, 33)])
 @pytest.mark.parametrize("eps", [1e-5, 1e-6, 0.5])
 def test_rms_norm_as_mlxs(kernels, shape, eps):
