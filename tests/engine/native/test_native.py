@@ -231,28 +231,21 @@ def test_a_paged_batchs_tokens_through_the_kernel_are_mlx_lms(kernels, monkeypat
         assert driver.tokens[name] == greedy_tokens(model, tokenizer, prompt, 10)
 
 
-@pytest.mark.parametrize(("family", "block_size"), [("llama", 4), ("llama", 16), ("qwen2", 16)])
-def test_a_llama_layers_fused_decode_attention_gives_the_same_bits(kernels, monkeypatch, family, block_size):
-    """The compiled step's llama (and qwen2) attention as three primitives a layer
-    (`engine.compiled`'s `_FusedAttention`) against the same step built from its ~18 nodes: the
-    same tokens and the same logprobs, bit for bit, alone and batched (rows joining and leaving)."""
+def _recorded_run(monkeypatch, model, block_size: int, *, fused: bool) -> tuple[dict, dict]:
+    """Four requests of mixed lengths (rows joining and leaving) greedily on `model` in paged
+    blocks of `block_size`, with logprobs and three top alternatives; `fused=False`: the compiled
+    step built node by node (`engine.compiled`'s fusions off). Returns the tokens and, per
+    request, each token's (id, logprob, top alternatives)."""
     import contextlib
-
-    from mlx_lm.utils import load
 
     from engine import compiled
     from policies.layout import with_kv_blocks
-    from runtime import env
     from tests.support.engine_driver import Driver, admit_request, random_prompts
-    from tests.support.families import build
 
-    model, _ = load(str(build(family, env.home())))
-    model.set_dtype(mx.float32)
     prompts = random_prompts([9, 14, 5, 30])
-
-    def run(fused: bool):
+    with monkeypatch.context() as patch:
         if not fused:
-            monkeypatch.setattr(compiled, "_fused_attention", lambda model, caches: contextlib.nullcontext())
+            patch.setattr(compiled, "_fused_attention", lambda model, caches: contextlib.nullcontext())
         engine = Engine(model, with_kv_blocks(probe_layout(model), block_size))
         seen: dict[str, list] = {}
         driver = Driver(engine)
@@ -271,12 +264,30 @@ def test_a_llama_layers_fused_decode_attention_gives_the_same_bits(kernels, monk
         driver.run()
         return driver.tokens, seen
 
+
+def _family(family: str):
+    from mlx_lm.utils import load
+
+    from runtime import env
+    from tests.support.families import build
+
+    model, _ = load(str(build(family, env.home())))
+    model.set_dtype(mx.float32)
+    return model
+
+
+@pytest.mark.parametrize(("family", "block_size"), [("llama", 4), ("llama", 16), ("qwen2", 16)])
+def test_a_llama_layers_fused_decode_attention_gives_the_same_bits(kernels, monkeypatch, family, block_size):
+    """The compiled step's llama (and qwen2) attention as three primitives a layer
+    (`engine.compiled`'s `_FusedAttention`) against the same step built from its ~18 nodes: the
+    same tokens and the same logprobs, bit for bit, alone and batched (rows joining and leaving)."""
+    model = _family(family)
     calls: list[int] = []
     real = kernels.decode_attention
     monkeypatch.setattr(kernels, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k), raising=False)
-    fused_tokens, fused_logprobs = run(True)
+    fused_tokens, fused_logprobs = _recorded_run(monkeypatch, model, block_size, fused=True)
     assert calls, "the fused attention was not traced"
-    tokens, logprobs = run(False)
+    tokens, logprobs = _recorded_run(monkeypatch, model, block_size, fused=False)
     assert fused_tokens == tokens and fused_logprobs == logprobs
     assert [len(logprobs[name]) for name in "abcd"] == [len(tokens[name]) for name in "abcd"] == [12, 10, 8, 6], (logprobs, tokens)
 
@@ -287,55 +298,19 @@ def test_a_quantized_llama_layer_fused_whole_gives_the_same_bits(kernels, monkey
     layer as four primitives (`normed_products`, two `pool_write`s, `layer_tail`) against the same
     step built node by node with the same kernels: the same tokens and logprobs with their top
     alternatives, bit for bit, alone and batched (rows joining and leaving)."""
-    import contextlib
-
     import mlx.nn as nn
-    from mlx_lm.utils import load
 
-    from engine import compiled
-    from policies.layout import with_kv_blocks
-    from runtime import env
-    from tests.support.engine_driver import Driver, admit_request, random_prompts
-    from tests.support.families import build
-
-    model, _ = load(str(build(family, env.home())))
-    model.set_dtype(mx.float32)
+    model = _family(family)
     nn.quantize(model, group_size=group, bits=bits)
-    prompts = random_prompts([9, 14, 5, 30])
     calls: list[str] = []
     for name in ("normed_products", "layer_tail"):
         real = getattr(kernels, name)
         monkeypatch.setattr(kernels, name, lambda *a, _name=name, _real=real, **k: calls.append(_name) or _real(*a, **k), raising=False)
-
-    def run(fused: bool):
-        with monkeypatch.context() as patch:
-            if not fused:
-                patch.setattr(compiled, "_fused_attention", lambda model, caches: contextlib.nullcontext())
-            engine = Engine(model, with_kv_blocks(probe_layout(model), block_size))
-            seen: dict[str, list] = {}
-            driver = Driver(engine)
-            original = driver.step
-
-            def step(plan):
-                outcome = original(plan)
-                for row in outcome.outputs:
-                    seen.setdefault(row.request_id, []).extend(
-                        (p.token_id, p.logprob, [(a.token_id, a.logprob) for a in p.top or []]) for p in row.logprobs or []
-                    )
-                return outcome
-
-            driver.step = step
-            driver.admit(
-                *(admit_request(name, prompt, max_tokens=12 - 2 * i, logprobs=True, top_logprobs=3) for i, (name, prompt) in enumerate(zip("abcd", prompts)))
-            )
-            driver.run()
-            return driver.tokens, seen
-
-    fused_tokens, fused_logprobs = run(True)
+    fused_tokens, fused_logprobs = _recorded_run(monkeypatch, model, block_size, fused=True)
     layers = len(model.layers)
     assert calls.count("normed_products") >= layers and calls.count("layer_tail") >= layers, calls
     calls.clear()
-    tokens, logprobs = run(False)
+    tokens, logprobs = _recorded_run(monkeypatch, model, block_size, fused=False)
     assert not calls
     assert fused_tokens == tokens and fused_logprobs == logprobs
     assert [len(logprobs[name]) for name in "abcd"] == [len(tokens[name]) for name in "abcd"] == [12, 10, 8, 6], (logprobs, tokens)
