@@ -31,6 +31,15 @@ struct ProductArgs {
 
 using Product = std::tuple<mx::array, mx::array, mx::array, std::optional<mx::array>, int, int>;  // (w, scales, biases, bias, group, bits)
 
+// `out` [rows, n] plus the product's bias, where it has one (as MLX adds it: one rounding each).
+static void add_bias(const ProductArgs& p, int rows, float* out) {
+  if (p.bias == nullptr) return;
+  for (int r = 0; r < rows; r++) {
+    float* row = out + static_cast<size_t>(r) * p.n;
+    for (int j = 0; j < p.n; j++) row[j] = row[j] + p.bias[j];
+  }
+}
+
 // `x` [rows, k] times the weight (transposed), plus the bias: `out` [rows, n].
 static void product(const float* x, int rows, const ProductArgs& p, float* out) {
   if (p.bits == 4) {
@@ -38,75 +47,46 @@ static void product(const float* x, int rows, const ProductArgs& p, float* out) 
   } else {
     qmm_kernel<8>(x, rows, p.k, p.w, p.scales, p.biases, p.group, out, p.n, true);
   }
-  if (p.bias != nullptr) {
-    for (int r = 0; r < rows; r++) {
-      float* row = out + static_cast<size_t>(r) * p.n;
-      for (int j = 0; j < p.n; j++) row[j] = row[j] + p.bias[j];
-    }
-  }
+  add_bias(p, rows, out);
 }
 
 // `x` [rows, k] times several products' weights (plus their biases) into `outs`: where they have
 // one bit width and a few rows, the input prepared once and every product's chunks one job shared
 // with the helper (one wait for it, not one a product; `qmm_kernel` otherwise). Each feature is
-// computed by the tile `qmm_kernel` computes it with (chunks of `kChunkFeatures`, or the whole
-// product below `kSplitBytes`): the same bits. (The layer's queries, keys and values, and its gate
-// and up products: SmolLM2 Q4's c1 step 7.50 against 7.90 ms, paired windows, faster in 7 of 8;
-// four rows' unchanged.)
+// computed by the tile `qmm_kernel` computes it with (the same chunks): the same bits. (The
+// layer's queries, keys and values, and its gate and up products: SmolLM2 Q4's c1 step 7.50
+// against 7.90 ms, paired windows, faster in 7 of 8; four rows' unchanged.)
 static void products(const float* x, int rows, const ProductArgs* const* ps, float* const* outs, int count) {
   const int k = ps[0]->k, bits = ps[0]->bits;
-  bool shared = count > 1 && !(rows >= kPanelRows && (k < kWideK || rows > kWideTileRows));
+  bool shared = count > 1 && !panel_rows(rows, k);
   for (int p = 0; p < count; p++) shared = shared && ps[p]->bits == bits && ps[p]->k == k;
   if (!shared) {
     for (int p = 0; p < count; p++) product(x, rows, *ps[p], outs[p]);
     return;
   }
   const bool wide = has_avx512();
-  const size_t need = static_cast<size_t>(rows) * k;
-  alignas(64) float local[kStackInputFloats];
-  std::unique_ptr<float[]> storage;
-  float* xs = local;
-  if (need > kStackInputFloats) {
-    storage.reset(new float[need + 16]);
-    xs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.get()) + 63) & ~uintptr_t{63});
-  }
-  if (bits == 4) {
-    deinterleave(x, xs, rows, k, wide ? 32 : 16);
-  } else {
-    std::memcpy(xs, x, need * sizeof(float));
-  }
+  const TileInput input(x, rows, k, bits, wide);
   struct Span {
-    int p, n0, n1;
+    int p, chunk, chunks;
   };
   std::vector<Span> spans;
   for (int p = 0; p < count; p++) {
-    const int n = ps[p]->n;
-    if (static_cast<size_t>(n) * k * bits / 8 < kSplitBytes || n < 2 * kChunkFeatures) {
-      spans.push_back({p, 0, n});
-    } else {
-      for (int n0 = 0; n0 < n; n0 += kChunkFeatures) spans.push_back({p, n0, std::min(n, n0 + kChunkFeatures)});
-    }
+    const int chunks = feature_chunks(ps[p]->n, k, bits);
+    for (int i = 0; i < chunks; i++) spans.push_back({p, i, chunks});
   }
   auto span = [&](int i) {
     const auto& s = spans[i];
     const auto& a = *ps[s.p];
+    const auto [n0, n1] = chunk_features(s.chunk, s.chunks, a.n);
     const auto* w = reinterpret_cast<const uint8_t*>(a.w);
     if (bits == 4) {
-      wide ? qmm_small<4, true>(xs, rows, k, w, a.scales, a.biases, a.group, outs[s.p], s.n0, s.n1, a.n)
-           : qmm_small<4, false>(xs, rows, k, w, a.scales, a.biases, a.group, outs[s.p], s.n0, s.n1, a.n);
+      tile_features<4>(input.data(), rows, k, w, a.scales, a.biases, a.group, outs[s.p], n0, n1, a.n, wide);
     } else {
-      wide ? qmm_small<8, true>(xs, rows, k, w, a.scales, a.biases, a.group, outs[s.p], s.n0, s.n1, a.n)
-           : qmm_small<8, false>(xs, rows, k, w, a.scales, a.biases, a.group, outs[s.p], s.n0, s.n1, a.n);
+      tile_features<8>(input.data(), rows, k, w, a.scales, a.biases, a.group, outs[s.p], n0, n1, a.n, wide);
     }
   };
   Helper::instance().share(static_cast<int>(spans.size()), span);
-  for (int p = 0; p < count; p++) {
-    if (ps[p]->bias == nullptr) continue;
-    for (int r = 0; r < rows; r++) {
-      float* row = outs[p] + static_cast<size_t>(r) * ps[p]->n;
-      for (int j = 0; j < ps[p]->n; j++) row[j] = row[j] + ps[p]->bias[j];
-    }
-  }
+  for (int p = 0; p < count; p++) add_bias(*ps[p], rows, outs[p]);
 }
 
 // The products' operands among `inputs`, from `first` on, as `specs` lay them out.

@@ -409,11 +409,65 @@ constexpr int kChunkFeatures = 64;
 // The largest input copy made on the stack (floats: 64 KB, a lone row of up to 16,384 features).
 constexpr size_t kStackInputFloats = size_t{1} << 14;
 
+// Whether a product of `rows` inputs `k` wide goes through dequantized panels and BLAS (else tiles).
+static bool panel_rows(int rows, int k) { return rows >= kPanelRows && (k < kWideK || rows > kWideTileRows); }
+
+// The input as the tiles read it: copied (for 4 bits, reordered) to cache-line-aligned rows (`k` is
+// a multiple of 32): the tiles read each row's floats once per feature tile, and reads straddling
+// two lines cost the many-row tiles ~30% (an 8-row product here: 56 against 78 GFLOP/s on one
+// core). (Up to `kStackInputFloats` in place, on the caller's stack: a step's ~200 lone-row products
+// each allocated and freed theirs on the thread that runs the kernels.)
+class TileInput {
+ public:
+  TileInput(const float* x, int rows, int k, int bits, bool wide) : data_(local_) {
+    const size_t need = static_cast<size_t>(rows) * k;
+    if (need > kStackInputFloats) {
+      storage_.reset(new float[need + 16]);  // (not zeroed: all written)
+      data_ = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage_.get()) + 63) & ~uintptr_t{63});
+    }
+    if (bits == 4) {
+      deinterleave(x, data_, rows, k, wide ? 32 : 16);
+    } else {
+      std::memcpy(data_, x, need * sizeof(float));
+    }
+  }
+  TileInput(const TileInput&) = delete;
+  TileInput& operator=(const TileInput&) = delete;
+  const float* data() const { return data_; }
+
+ private:
+  alignas(64) float local_[kStackInputFloats];
+  std::unique_ptr<float[]> storage_;
+  float* data_;
+};
+
+// How many chunks a product's features are shared in: one below `kSplitBytes` (or two chunks'
+// worth of features), else `kChunkFeatures` each; `chunk_features` gives chunk `i`'s range.
+static int feature_chunks(int n, int k, int bits) {
+  const size_t bytes = static_cast<size_t>(n) * k * bits / 8;
+  return bytes < kSplitBytes || n < 2 * kChunkFeatures ? 1 : (n + kChunkFeatures - 1) / kChunkFeatures;
+}
+
+static std::pair<int, int> chunk_features(int i, int chunks, int n) {
+  return chunks == 1 ? std::pair{0, n} : std::pair{i * kChunkFeatures, std::min(n, (i + 1) * kChunkFeatures)};
+}
+
+// Features [n0, n1) of a product over a prepared input (`TileInput`).
+template <int bits>
+static void tile_features(const float* xs, int rows, int k, const uint8_t* w, const float* scales, const float* biases, int group, float* out, int n0,
+                          int n1, int n, bool wide) {
+  if (wide) {
+    qmm_small<bits, true>(xs, rows, k, w, scales, biases, group, out, n0, n1, n);
+  } else {
+    qmm_small<bits, false>(xs, rows, k, w, scales, biases, group, out, n0, n1, n);
+  }
+}
+
 template <int bits>
 static void qmm_kernel(const float* x, int rows, int k, const uint32_t* w32, const float* scales, const float* biases, int group, float* out, int n,
                        bool helped) {
   const auto* w = reinterpret_cast<const uint8_t*>(w32);
-  if (rows >= kPanelRows && (k < kWideK || rows > kWideTileRows)) {
+  if (panel_rows(rows, k)) {
     std::vector<float> panel(static_cast<size_t>(kPanelFeatures) * k);
     for (int n0 = 0; n0 < n; n0 += kPanelFeatures) {
       const int count = std::min(kPanelFeatures, n - n0);
@@ -423,38 +477,17 @@ static void qmm_kernel(const float* x, int rows, int k, const uint32_t* w32, con
     return;
   }
   const bool wide = has_avx512();
-  // The input copied (for 4 bits, reordered) to cache-line-aligned rows (`k` is a multiple of 32):
-  // the tiles read each row's floats once per feature tile, and reads straddling two lines cost
-  // the many-row tiles ~30% (an 8-row product here: 56 against 78 GFLOP/s on one core).
-  // (Up to `kStackInputFloats` on the stack: a step's ~200 lone-row products each allocated and
-  // freed theirs on the thread that runs the kernels.)
-  const size_t need = static_cast<size_t>(rows) * k;
-  alignas(64) float local[kStackInputFloats];
-  std::unique_ptr<float[]> storage;  // (not zeroed: all written)
-  float* xs = local;
-  if (need > kStackInputFloats) {
-    storage.reset(new float[need + 16]);
-    xs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage.get()) + 63) & ~uintptr_t{63});
-  }
-  if constexpr (bits == 4) {
-    deinterleave(x, xs, rows, k, wide ? 32 : 16);
-  } else {
-    std::memcpy(xs, x, static_cast<size_t>(rows) * k * sizeof(float));
-  }
-  auto features = [&](int n0, int n1) {
-    if (wide) {
-      qmm_small<bits, true>(xs, rows, k, w, scales, biases, group, out, n0, n1, n);
-    } else {
-      qmm_small<bits, false>(xs, rows, k, w, scales, biases, group, out, n0, n1, n);
-    }
+  const TileInput input(x, rows, k, bits, wide);
+  const int chunks = helped ? feature_chunks(n, k, bits) : 1;
+  auto chunk = [&](int i) {
+    const auto [n0, n1] = chunk_features(i, chunks, n);
+    tile_features<bits>(input.data(), rows, k, w, scales, biases, group, out, n0, n1, n, wide);
   };
-  const size_t bytes = static_cast<size_t>(n) * k * bits / 8;
-  if (!helped || bytes < kSplitBytes || n < 2 * kChunkFeatures) {
-    features(0, n);
-    return;
+  if (chunks == 1) {
+    chunk(0);
+  } else {
+    Helper::instance().share(chunks, chunk);
   }
-  const int chunks = (n + kChunkFeatures - 1) / kChunkFeatures;
-  Helper::instance().share(chunks, [&](int chunk) { features(chunk * kChunkFeatures, std::min(n, (chunk + 1) * kChunkFeatures)); });
 }
 
 class QuantizedMatmul : public CpuPrimitive {
