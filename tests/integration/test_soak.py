@@ -93,11 +93,19 @@ async def test_a_soak_of_mixed_traffic_leaves_nothing_behind(server):
     fds_before, rss_before = server.num_fds(), server.rss_kib()
 
     tally = dict.fromkeys(["valid", "sampled", "invalid", "cancel", "abandon", "schema", "raw-abandon", "busy"], 0)
-    deadline = time.monotonic() + SOAK_S
-    async with anyio.create_task_group() as tg:
-        for worker in range(WORKERS):
-            tg.start_soon(_worker, server.socket, worker, deadline, tally)
-    assert server.alive, server.stderr()
+    # Two halves: a leak grows with the traffic, in the second half as in the first; what the
+    # allocator keeps after the first (arenas of threads it met, freed blocks) mostly does not.
+    rss_half, prefix_half = rss_before, baseline.kv.prefix_bytes
+    for half in range(2):
+        deadline = time.monotonic() + SOAK_S / 2
+        async with anyio.create_task_group() as tg:
+            for worker in range(WORKERS):
+                tg.start_soon(_worker, server.socket, worker + 100 * half, deadline, tally)
+        assert server.alive, server.stderr()
+        if half == 0:
+            async with Client.connect(server.socket) as client:
+                prefix_half = (await wait_idle(client, timeout=60, connections=1)).kv.prefix_bytes
+            rss_half = server.rss_kib()
     assert min(tally[k] for k in ("valid", "invalid", "cancel", "abandon")) > 0, tally
 
     async with Client.connect(server.socket) as client:
@@ -109,6 +117,11 @@ async def test_a_soak_of_mixed_traffic_leaves_nothing_behind(server):
     assert stats.kv.physical_bytes - stats.kv.prefix_bytes <= baseline.kv.physical_bytes
     assert server.num_fds() <= fds_before + 2, f"file descriptors {fds_before} -> {server.num_fds()}"
     # Memory grows by what the prefix cache keeps (bounded by kv.prefix_cache_bytes: a 2-minute soak
-    # leaves ~300 MB in ~9,000 entries) and not much more.
-    grown = server.rss_kib() - rss_before
-    assert grown < 250_000 + stats.kv.prefix_bytes // 1024, f"RSS +{grown} KiB, prefix cache {stats.kv.prefix_bytes} bytes in {stats.kv.prefix_entries} entries"
+    # leaves ~300 MB in ~9,000 entries), what the allocator keeps, and not much more.
+    # (Measured, 12 s: +150-170 MB alone, +240-285 MB beside a busy second core, where one run in
+    # CI failed the former bound of 250 MB; the second half +83-100 MB beside busy cores.)
+    rss_after = server.rss_kib()
+    grown, second = rss_after - rss_before, rss_after - rss_half
+    prefix_kib, second_prefix_kib = stats.kv.prefix_bytes // 1024, (stats.kv.prefix_bytes - prefix_half) // 1024
+    assert grown < 400_000 + prefix_kib, f"RSS +{grown} KiB, prefix cache {stats.kv.prefix_bytes} bytes in {stats.kv.prefix_entries} entries"
+    assert second < 200_000 + second_prefix_kib, f"RSS +{second} KiB in the second half (+{grown} KiB in all), prefix cache +{second_prefix_kib} KiB"
