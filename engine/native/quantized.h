@@ -141,28 +141,67 @@ MLXRT_AVX2 static inline void levels16(const uint8_t* row, int k, __m256& lo, __
   }
 }
 
-// One row times `C` output features [n, n + C) (AVX2): each group's `sum(x * (scale * q + bias))`
-// taken as `scale * sum(x * q) + bias * sum(x)` (MLX's Metal `qmv` sums it so; the same function,
-// another rounding), the input's sum shared by the C features. A lone row's product is bound by
-// its instructions, not by memory (8-bit weights, twice the bytes, streamed in the same time):
-// sixteen 4-bit weights cost a load-and-widen, two integer ops, two conversions and two FMAs here
-// in place of four FMAs. The 1B's 113 lone-row products a step, streamed from memory on two
-// cores: 52.8 -> 37.3 ms (4 output features a tile; 2, 6 and 8 measured 44.3, 39.8, 39.4);
-// SmolLM2-shaped in groups of 32: 9.2 -> 7.2 ms.
+// The largest input copy made on the stack (floats: 64 KB, a lone row of up to 16,384 features),
+// and its blocks' sums.
+constexpr size_t kStackInputFloats = size_t{1} << 14;
+constexpr int kStackSums = static_cast<int>(kStackInputFloats / 32);
+
+// A lone row's input is followed by the sums of its blocks of 32 floats (`TileInput`), from
+// which each group's `sum(x)` comes (the last row of 9, 17, ... rows as well).
+constexpr int kSumBlock = 32;
+
+// The sums of `x`'s blocks of `kSumBlock` floats (`k` a multiple of it) into `sums`.
+MLXRT_AVX2 static void block_sums(const float* x, int k, float* sums) {
+  for (int b = 0; b < k / kSumBlock; b++) {
+    const float* block = x + b * kSumBlock;
+    sums[b] = hsum8(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(block), _mm256_loadu_ps(block + 8)),
+                                  _mm256_add_ps(_mm256_loadu_ps(block + 16), _mm256_loadu_ps(block + 24))));
+  }
+}
+
+// `sum(a[i] * b[i])` over `n` floats.
+MLXRT_AVX2 static inline float dot(const float* a, const float* b, int n) {
+  __m256 acc = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float sum = hsum8(acc);
+  for (; i < n; i++) sum += a[i] * b[i];
+  return sum;
+}
+
+// One row times `C` output features [n, n + C) (AVX2): `sum(x * (scale * q + bias))` taken as
+// each group's `scale * sum(x * q)`, plus the feature's biases dotted with the groups' `sum(x)`
+// (MLX's Metal `qmv` sums it so; the same function, another rounding). A lone row's product is
+// bound by its instructions, not by memory (8-bit weights, twice the bytes, streamed in the same
+// time): sixteen 4-bit weights cost a load-and-widen, two integer ops, two conversions and two
+// FMAs here in place of four FMAs, and a group one FMA in place of two. The 1B's 113 lone-row
+// products a step, streamed from memory on two cores: 52.8 -> 37.3 ms (4 output features a tile;
+// 2, 6 and 8 measured 44.3, 39.8, 39.4); SmolLM2-shaped in groups of 32: 9.2 -> 7.2 ms.
 template <int bits, int C>
 MLXRT_AVX2 static void qmv_tile(const float* x, int k_total, const uint8_t* w, size_t row_bytes, const float* scales, const float* biases, int group,
                                  float* out, int n) {
+  const int groups = k_total / group;
+  const float* sums = x + k_total;  // (the blocks' sums; larger groups add theirs up)
+  float local[kStackSums];
+  std::unique_ptr<float[]> heap;
+  if (group != kSumBlock) {
+    float* group_sums = groups <= kStackSums ? local : (heap.reset(new float[groups]), heap.get());
+    const int per = group / kSumBlock;
+    for (int g = 0; g < groups; g++) {
+      float sum = 0.0f;
+      for (int b = 0; b < per; b++) sum += sums[g * per + b];
+      group_sums[g] = sum;
+    }
+    sums = group_sums;
+  }
   __m256 acc[C];
   for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
-  const int groups = k_total / group;
   for (int g = 0; g < groups; g++) {
     prefetch_tile<C>(w, row_bytes, scales, biases, groups, n + C, g);
     __m256 dot[C];
     for (int c = 0; c < C; c++) dot[c] = _mm256_setzero_ps();
-    __m256 sum = _mm256_setzero_ps();
     for (int k = g * group; k < (g + 1) * group; k += 16) {
       const __m256 x_lo = _mm256_load_ps(x + k), x_hi = _mm256_load_ps(x + k + 8);
-      sum = _mm256_add_ps(sum, _mm256_add_ps(x_lo, x_hi));
       for (int c = 0; c < C; c++) {
         __m256 lo, hi;
         levels16<bits>(w + static_cast<size_t>(n + c) * row_bytes, k, lo, hi);
@@ -170,13 +209,9 @@ MLXRT_AVX2 static void qmv_tile(const float* x, int k_total, const uint8_t* w, s
         dot[c] = _mm256_fmadd_ps(x_hi, hi, dot[c]);
       }
     }
-    for (int c = 0; c < C; c++) {
-      const size_t at = static_cast<size_t>(n + c) * groups + g;
-      acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(scales[at]), dot[c], acc[c]);
-      acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(biases[at]), sum, acc[c]);
-    }
+    for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(scales[static_cast<size_t>(n + c) * groups + g]), dot[c], acc[c]);
   }
-  for (int c = 0; c < C; c++) out[n + c] = hsum8(acc[c]);
+  for (int c = 0; c < C; c++) out[n + c] = hsum8(acc[c]) + dot(biases + static_cast<size_t>(n + c) * groups, sums, groups);
 }
 
 // Output features [n0, n1) of up to eight rows, C features at a time (then one at a time; a lone
@@ -468,8 +503,7 @@ constexpr size_t kSplitBytes = 32 * 1024;
 // Output features per chunk (a multiple of eight: every tile stays whole), a few microseconds of
 // work each: enough chunks that whichever thread is late finds the rest taken.
 constexpr int kChunkFeatures = 64;
-// The largest input copy made on the stack (floats: 64 KB, a lone row of up to 16,384 features).
-constexpr size_t kStackInputFloats = size_t{1} << 14;
+
 
 // Whether a product of `rows` inputs `k` wide goes through dequantized panels and BLAS (else tiles).
 static bool panel_rows(int rows, int k) { return rows >= kPanelRows && (k < kWideK || rows > kWideTileRows); }
@@ -482,23 +516,27 @@ static bool panel_rows(int rows, int k) { return rows >= kPanelRows && (k < kWid
 class TileInput {
  public:
   TileInput(const float* x, int rows, int k, int bits, bool wide) : data_(local_) {
-    const size_t need = static_cast<size_t>(rows) * k;
-    if (need > kStackInputFloats) {
+    // (The tiles take the rows eight at a time: a last row alone, of 1, 9, 17, ... rows, goes to
+    // `qmv_tile`, which reads its blocks' sums after it.)
+    const bool sums = rows % 8 == 1;
+    const size_t need = static_cast<size_t>(rows) * k + (sums ? k / kSumBlock : 0);
+    if (need > kStackInputFloats + kStackSums) {
       storage_.reset(new float[need + 16]);  // (not zeroed: all written)
       data_ = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(storage_.get()) + 63) & ~uintptr_t{63});
     }
     if (bits == 4) {
       deinterleave(x, data_, rows, k, wide ? 32 : 16);
     } else {
-      std::memcpy(data_, x, need * sizeof(float));
+      std::memcpy(data_, x, static_cast<size_t>(rows) * k * sizeof(float));
     }
+    if (sums) block_sums(data_ + static_cast<size_t>(rows - 1) * k, k, data_ + static_cast<size_t>(rows) * k);  // (a reordering stays within its block)
   }
   TileInput(const TileInput&) = delete;
   TileInput& operator=(const TileInput&) = delete;
   const float* data() const { return data_; }
 
  private:
-  alignas(64) float local_[kStackInputFloats];
+  alignas(64) float local_[kStackInputFloats + kStackSums];
   std::unique_ptr<float[]> storage_;
   float* data_;
 };
