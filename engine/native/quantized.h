@@ -76,19 +76,26 @@ static inline void prefetch_tile(const uint8_t* w, size_t row_bytes, const float
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(biases) + at * sizeof(float)), _MM_HINT_T0);
 }
 
+// Sixteen weights of one output feature as their integers `q` in floats (`dequant16`'s order).
+template <int bits>
+MLXRT_AVX2 static inline void levels16(const uint8_t* row, int k, __m256& lo, __m256& hi) {
+  if constexpr (bits == 4) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+  } else {
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k))));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k + 8))));
+  }
+}
+
 // Sixteen weights of one output feature as floats, starting at weight `k` of its packed row:
 // `lo` and `hi` hold weights (for 4 bits) 0, 2, ..., 14 and 1, 3, ..., 15, (for 8 bits) 0-7 and 8-15.
 template <int bits>
 MLXRT_AVX2 static inline void dequant16(const uint8_t* row, int k, __m256 scale, __m256 bias, __m256& lo, __m256& hi) {
-  if constexpr (bits == 4) {
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2)));
-    const __m256i mask = _mm256_set1_epi32(0xF);
-    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, mask)), scale, bias);
-    hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)), scale, bias);
-  } else {
-    lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k)))), scale, bias);
-    hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k + 8)))), scale, bias);
-  }
+  levels16<bits>(row, k, lo, hi);
+  lo = _mm256_fmadd_ps(lo, scale, bias);
+  hi = _mm256_fmadd_ps(hi, scale, bias);
 }
 
 // `R` rows of `x` (reordered for 4 bits) times `C` output features [n, n + C): each feature's
@@ -126,19 +133,6 @@ MLXRT_AVX2 static void qmm_tile(const float* x, int k_total, const uint8_t* w, s
   }
   for (int r = 0; r < R; r++)
     for (int c = 0; c < C; c++) out[static_cast<size_t>(r) * ldo + n + c] = hsum8(acc[r][c]);
-}
-
-// Sixteen weights of one output feature as their integers `q` in floats (`dequant16`'s order).
-template <int bits>
-MLXRT_AVX2 static inline void levels16(const uint8_t* row, int k, __m256& lo, __m256& hi) {
-  if constexpr (bits == 4) {
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2)));
-    lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0xF)));
-    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-  } else {
-    lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k))));
-    hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k + 8))));
-  }
 }
 
 // The largest input copy made on the stack (floats: 64 KB, a lone row of up to 16,384 features),
