@@ -98,7 +98,7 @@ MLXRT_AVX2 static inline void dequant16(const uint8_t* row, int k, __m256 scale,
   hi = _mm256_fmadd_ps(hi, scale, bias);
 }
 
-// `R` rows of `x` (reordered for 4 bits) times `C` output features [n, n + C): each feature's
+// `R` (2-8) rows of `x` (reordered for 4 bits) times `C` output features [n, n + C): each feature's
 // sixteen weights dequantized once and multiplied into the R rows' accumulators. R * C
 // independent accumulators keep the FMA units busy (their latency is ~4 cycles, two per cycle).
 template <int bits, int R, int C>
@@ -109,11 +109,10 @@ MLXRT_AVX2 static void qmm_tile(const float* x, int k_total, const uint8_t* w, s
     for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
   const int groups = k_total / group;
   for (int g = 0; g < groups; g++) {
-    // (Only a lone row's tiles prefetch: several rows' compute per byte keeps the hardware's
-    // prefetchers ahead, and here the prefetch loop cost GCC the accumulators' registers, each
-    // stored every sixteen weights: SmolLM2-shaped products streamed from memory on two cores,
-    // 2 / 4 / 8 / 16 rows 10.8 / 16.5 / 30.7 / 60.9 -> 9.6 / 13.5 / 23.4 / 44.6 ms.)
-    if constexpr (R == 1) prefetch_tile<C>(w, row_bytes, scales, biases, groups, n + C, g);
+    // (No prefetch here, unlike a lone row's `qmv_tile`: several rows' compute per byte keeps the
+    // hardware's prefetchers ahead, and the prefetch loop cost GCC the accumulators' registers,
+    // each stored every sixteen weights: SmolLM2-shaped products streamed from memory on two
+    // cores, 2 / 4 / 8 / 16 rows 10.8 / 16.5 / 30.7 / 60.9 -> 9.6 / 13.5 / 23.4 / 44.6 ms.)
     __m256 scale[C], bias[C];
     for (int c = 0; c < C; c++) {
       scale[c] = _mm256_set1_ps(scales[static_cast<size_t>(n + c) * groups + g]);
@@ -154,7 +153,7 @@ MLXRT_AVX2 static void block_sums(const float* x, int k, float* sums) {
 }
 
 // `sum(a[i] * b[i])` over `n` floats.
-MLXRT_AVX2 static inline float dot(const float* a, const float* b, int n) {
+MLXRT_AVX2 static inline float dot_product(const float* a, const float* b, int n) {
   __m256 acc = _mm256_setzero_ps();
   int i = 0;
   for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
@@ -192,20 +191,20 @@ MLXRT_AVX2 static void qmv_tile(const float* x, int k_total, const uint8_t* w, s
   for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();
   for (int g = 0; g < groups; g++) {
     prefetch_tile<C>(w, row_bytes, scales, biases, groups, n + C, g);
-    __m256 dot[C];
-    for (int c = 0; c < C; c++) dot[c] = _mm256_setzero_ps();
+    __m256 xq[C];  // (the group's sum(x * q) a feature)
+    for (int c = 0; c < C; c++) xq[c] = _mm256_setzero_ps();
     for (int k = g * group; k < (g + 1) * group; k += 16) {
       const __m256 x_lo = _mm256_load_ps(x + k), x_hi = _mm256_load_ps(x + k + 8);
       for (int c = 0; c < C; c++) {
         __m256 lo, hi;
         levels16<bits>(w + static_cast<size_t>(n + c) * row_bytes, k, lo, hi);
-        dot[c] = _mm256_fmadd_ps(x_lo, lo, dot[c]);
-        dot[c] = _mm256_fmadd_ps(x_hi, hi, dot[c]);
+        xq[c] = _mm256_fmadd_ps(x_lo, lo, xq[c]);
+        xq[c] = _mm256_fmadd_ps(x_hi, hi, xq[c]);
       }
     }
-    for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(scales[static_cast<size_t>(n + c) * groups + g]), dot[c], acc[c]);
+    for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(scales[static_cast<size_t>(n + c) * groups + g]), xq[c], acc[c]);
   }
-  for (int c = 0; c < C; c++) out[n + c] = hsum8(acc[c]) + dot(biases + static_cast<size_t>(n + c) * groups, sums, groups);
+  for (int c = 0; c < C; c++) out[n + c] = hsum8(acc[c]) + dot_product(biases + static_cast<size_t>(n + c) * groups, sums, groups);
 }
 
 // Output features [n0, n1) of up to eight rows, C features at a time (then one at a time; a lone
@@ -217,10 +216,10 @@ static void qmm_rows(const float* x, int k, const uint8_t* w, size_t row_bytes, 
   if constexpr (R == 1) {
     for (; n + 4 <= n1; n += 4) qmv_tile<bits, 4>(x, k, w, row_bytes, scales, biases, group, out, n);
     for (; n < n1; n++) qmv_tile<bits, 1>(x, k, w, row_bytes, scales, biases, group, out, n);
-    return;
+  } else {
+    for (; n + C <= n1; n += C) qmm_tile<bits, R, C>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
+    for (; n < n1; n++) qmm_tile<bits, R, 1>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
   }
-  for (; n + C <= n1; n += C) qmm_tile<bits, R, C>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
-  for (; n < n1; n++) qmm_tile<bits, R, 1>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
 }
 
 // The same with sixteen lanes (AVX-512, where the CPU has it): thirty-two weights a step, so for
@@ -497,7 +496,6 @@ constexpr size_t kSplitBytes = 32 * 1024;
 // Output features per chunk (a multiple of eight: every tile stays whole), a few microseconds of
 // work each: enough chunks that whichever thread is late finds the rest taken.
 constexpr int kChunkFeatures = 64;
-
 
 // Whether a product of `rows` inputs `k` wide goes through dequantized panels and BLAS (else tiles).
 static bool panel_rows(int rows, int k) { return rows >= kPanelRows && (k < kWideK || rows > kWideTileRows); }
