@@ -525,13 +525,227 @@ static bool chains_match_blas() {
   return match;
 }
 
+// The same two products on AVX2 machines, where OpenBLAS (0.3.21's Haswell and Zen kernels) has no
+// small-matrix path: every call packs both matrices (`sgemm_incopy`, `sgemm_itcopy`) before its
+// kernel runs, ~180 calls a SmolLM2 decode step, 12.7% of a served stream's CPU at ~700 positions
+// (perf, two cores; more than the attention's arithmetic by far). Its kernels sum each output of a
+// product with up to three rows (`n_rep` <= 3, OpenBLAS's N after the row-major transposition) as
+// one FMA chain over K in order, from zero, per block of K its driver takes (`GEMM_Q` positions,
+// the remainder halved as level3.c and, for threaded products, level3_thread.c do; each block's sum
+// added to the output in turn). `scores_chain_avx2` (K = dim: one block) and `values_chain_avx2`
+// (K = positions) sum so. Four and more rows take other kernels (even and odd K in two chains), so
+// `avx2_order` checks each (n_rep, dim) against `cblas_sgemm` on first use, over widths on both sides
+// of every block boundary and of OpenBLAS's threading threshold, and finds the block rule; what
+// does not match stays `cblas_sgemm`'s.
+struct Avx2Order {
+  bool scores = false;           // scores_chain_avx2 is cblas_sgemm's
+  bool values = false;           // values_chain_avx2, for products OpenBLAS runs on one thread
+  bool values_threaded = false;  // ... and for the ones it threads (kThreadedProduct)
+  int q = 0, unroll = 0;         // the driver's K block and the unroll its halves are rounded to
+  bool threaded_halves = false;  // threaded products halve a remainder as level3_thread.c does
+};
+
+// The length of the next block of K a driver takes with `left` of K to go.
+static int k_block(int left, const Avx2Order& order, bool threaded) {
+  if (left >= 2 * order.q) return order.q;
+  if (left <= order.q) return left;
+  if (threaded && order.threaded_halves) return (left + 1) / 2;
+  return ((left / 2 + order.unroll - 1) / order.unroll) * order.unroll;
+}
+
+// Eight rows of eight floats transposed in place.
+MLXRT_AVX2 static inline void transpose8(__m256 t[8]) {
+  __m256 a[8], b[8];
+  for (int i = 0; i < 8; i += 2) {
+    a[i] = _mm256_unpacklo_ps(t[i], t[i + 1]);
+    a[i + 1] = _mm256_unpackhi_ps(t[i], t[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    b[i] = _mm256_shuffle_ps(a[i], a[i + 2], 0x44);
+    b[i + 1] = _mm256_shuffle_ps(a[i], a[i + 2], 0xEE);
+    b[i + 2] = _mm256_shuffle_ps(a[i + 1], a[i + 3], 0x44);
+    b[i + 3] = _mm256_shuffle_ps(a[i + 1], a[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm256_permute2f128_ps(b[i], b[i + 4], 0x20);
+    t[i + 4] = _mm256_permute2f128_ps(b[i], b[i + 4], 0x31);
+  }
+}
+
+// scores[i * ld + j] = sum over d of q[i * dim + d] * keys[j * dim + d], one FMA chain over d in
+// order from zero, for i < n_rep <= 3, j < width (`dim` a multiple of 8): sixteen positions at a
+// time, as two tiles of eight whose keys are transposed in registers eight dimensions at a time
+// (six chains in flight: with one tile, its three waited on the FMA's latency. SmolLM2's attention
+// a layer at 700 positions, one row: 110 us with OpenBLAS's products, 95 with one tile, 52 with two).
+MLXRT_AVX2 static void scores_chain_avx2(const float* q, int n_rep, const Rows& keys, int width, int dim, float* scores, int ld) {
+  constexpr int kTiles = 2;
+  const size_t row_bytes = static_cast<size_t>(dim) * sizeof(float);
+  for (int j0 = 0; j0 < width; j0 += 8 * kTiles) {
+    const int n = std::min(8 * kTiles, width - j0);
+    for (int j = j0 + 32; j < std::min(j0 + 48, width); j++) {  // (two steps ahead)
+      const char* ahead = reinterpret_cast<const char*>(keys.at(j));
+      for (size_t b = 0; b < row_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    }
+    const float* rows[8 * kTiles];
+    for (int j = 0; j < 8 * kTiles; j++) rows[j] = keys.at(j0 + std::min(j, n - 1));  // (a short step repeats its last row)
+    __m256 acc[kTiles][3];
+    for (int t = 0; t < kTiles; t++)
+      for (int i = 0; i < 3; i++) acc[t][i] = _mm256_setzero_ps();
+    for (int d0 = 0; d0 < dim; d0 += 8) {
+      __m256 tile[kTiles][8];
+      for (int t = 0; t < kTiles; t++) {
+        for (int j = 0; j < 8; j++) tile[t][j] = _mm256_loadu_ps(rows[8 * t + j] + d0);
+        transpose8(tile[t]);
+      }
+      for (int d = 0; d < 8; d++) {
+        for (int i = 0; i < 3; i++) {
+          if (i >= n_rep) break;
+          const __m256 qd = _mm256_set1_ps(q[static_cast<size_t>(i) * dim + d0 + d]);
+          for (int t = 0; t < kTiles; t++) acc[t][i] = _mm256_fmadd_ps(qd, tile[t][d], acc[t][i]);
+        }
+      }
+    }
+    for (int i = 0; i < n_rep; i++) {
+      float* to = scores + static_cast<size_t>(i) * ld + j0;
+      if (n == 8 * kTiles) {
+        for (int t = 0; t < kTiles; t++) _mm256_storeu_ps(to + 8 * t, acc[t][i]);
+      } else {
+        alignas(32) float lanes[8 * kTiles];
+        for (int t = 0; t < kTiles; t++) _mm256_store_ps(lanes + 8 * t, acc[t][i]);
+        std::memcpy(to, lanes, static_cast<size_t>(n) * sizeof(float));
+      }
+    }
+  }
+}
+
+// out[i * dim + d] = sum over j of p[i * ld + j] * values[j * dim + d] for i < n_rep (`dim` a
+// multiple of 8): one FMA chain over j from zero per block of positions `k_block` gives, each
+// block's sum added to the output in turn.
+MLXRT_AVX2 static void values_chain_avx2(const float* p, int n_rep, int ld, const Rows& values, int width, int dim, float* out, const Avx2Order& order,
+                                          bool threaded) {
+  for (int d0 = 0; d0 < dim; d0 += 32) {
+    const int c = std::min(4, (dim - d0) / 8);
+    for (int i0 = 0; i0 < n_rep; i0 += 3) {
+      const int m = std::min(3, n_rep - i0);
+      for (int from = 0; from < width;) {
+        const int len = k_block(width - from, order, threaded);
+        __m256 acc[3][4];
+        for (int i = 0; i < 3; i++)
+          for (int u = 0; u < 4; u++) acc[i][u] = _mm256_setzero_ps();
+        for (int j = from; j < from + len; j++) {
+          const float* row = values.at(j) + d0;
+          __m256 v[4];
+          for (int u = 0; u < 4; u++) v[u] = u < c ? _mm256_loadu_ps(row + 8 * u) : _mm256_setzero_ps();
+          for (int i = 0; i < 3; i++) {
+            if (i >= m) break;
+            const __m256 weight = _mm256_set1_ps(p[static_cast<size_t>(i0 + i) * ld + j]);
+            for (int u = 0; u < 4; u++) {
+              if (u < c) acc[i][u] = _mm256_fmadd_ps(weight, v[u], acc[i][u]);
+            }
+          }
+        }
+        for (int i = 0; i < m; i++) {
+          for (int u = 0; u < c; u++) {
+            float* to = out + static_cast<size_t>(i0 + i) * dim + d0 + 8 * u;
+            _mm256_storeu_ps(to, from == 0 ? acc[i][u] : _mm256_add_ps(_mm256_loadu_ps(to), acc[i][u]));
+          }
+        }
+        from += len;
+      }
+    }
+  }
+}
+
+// What of the two products `scores_chain_avx2` and `values_chain_avx2` compute as `cblas_sgemm`
+// does for `n_rep` query heads of `dim` dimensions (see above): checked once per pair, bit for bit.
+static Avx2Order find_avx2_order(int n_rep, int dim) {
+  Avx2Order found;
+  if (n_rep < 1 || n_rep > 3 || dim % 8 != 0 || dim > 256) return found;
+  uint32_t seed = 2024u + static_cast<uint32_t>(n_rep * 1000 + dim);
+  auto next = [&seed] {
+    seed = seed * 1664525u + 1013904223u;
+    return static_cast<float>(static_cast<int32_t>(seed >> 8) - (1 << 23)) / static_cast<float>(1 << 23);
+  };
+  // (Short tiles; both sides of K blocks of 256-512 and of their halved remainders; both sides of
+  // the threading threshold for these shapes; long rows.)
+  std::vector<int> widths = {1, 3, 7, 8, 9, 17, 100, 255, 257, 319, 321, 383, 385, 511, 513, 650, 700, 841, 1000, 1211, 1433, 2100, 3001};
+  const int threshold = static_cast<int>(kThreadedProduct / (static_cast<double>(n_rep) * dim));
+  for (int w : {threshold - 9, threshold, threshold + 1, threshold + 37}) {
+    if (w > 0) widths.push_back(w);
+  }
+  const int most = *std::max_element(widths.begin(), widths.end());
+  std::vector<float> q(static_cast<size_t>(n_rep) * dim), keys(static_cast<size_t>(most) * dim), p(static_cast<size_t>(n_rep) * most);
+  for (auto& x : q) x = next();
+  for (auto& x : keys) x = next();
+  for (auto& x : p) x = std::fabs(next()) / static_cast<float>(most);
+  std::vector<float> a(static_cast<size_t>(n_rep) * most), b(a.size()), oa(q.size()), ob(q.size());
+  found.scores = true;
+  for (int w : widths) {
+    cblas_sgemm(kRowMajor, kNoTrans, kTrans, n_rep, w, dim, 1.0f, q.data(), dim, keys.data(), dim, 0.0f, a.data(), w);
+    scores_chain_avx2(q.data(), n_rep, Rows{keys.data(), nullptr, 0, 16, dim}, w, dim, b.data(), w);
+    if (std::memcmp(a.data(), b.data(), static_cast<size_t>(n_rep) * w * sizeof(float)) != 0) found.scores = false;
+  }
+  auto values_match = [&](const Avx2Order& order, bool threaded) {
+    for (int w : widths) {
+      if ((static_cast<double>(n_rep) * dim * w > kThreadedProduct) != threaded) continue;
+      cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, n_rep, dim, w, 1.0f, p.data(), most, keys.data(), dim, 0.0f, oa.data(), dim);
+      values_chain_avx2(p.data(), n_rep, most, Rows{keys.data(), nullptr, 0, 16, dim}, w, dim, ob.data(), order, threaded);
+      if (std::memcmp(oa.data(), ob.data(), oa.size() * sizeof(float)) != 0) return false;
+    }
+    return true;
+  };
+  for (const int q_block : {320, 384, 256, 512, 768}) {
+    for (const int unroll : {8, 16, 4, 2, 1}) {
+      Avx2Order order = found;
+      order.q = q_block;
+      order.unroll = unroll;
+      if (!values_match(order, false)) continue;
+      order.values = true;
+      for (const bool halves : {true, false}) {
+        order.threaded_halves = halves;
+        if (values_match(order, true)) {
+          order.values_threaded = true;
+          break;
+        }
+      }
+      if (!order.values_threaded) order.threaded_halves = false;
+      return order;
+    }
+  }
+  return found;
+}
+
+// `find_avx2_order` for (n_rep, dim), found once per pair.
+static Avx2Order avx2_order(int n_rep, int dim) {
+  static std::mutex lock;
+  static std::vector<std::tuple<int, int, Avx2Order>> known;
+  std::lock_guard<std::mutex> hold(lock);
+  for (const auto& [r, d, order] : known) {
+    if (r == n_rep && d == dim) return order;
+  }
+  known.emplace_back(n_rep, dim, find_avx2_order(n_rep, dim));
+  return std::get<2>(known.back());
+}
+
 // Whether the attention may use `scores_chain` and `values_chain` (tests turn them off to check
 // them against OpenBLAS's products).
 static std::atomic<bool> attention_chains_on{true};
 
 bool set_attention_chains(bool on) {
   attention_chains_on.store(on);
-  return on && has_avx512() && chains_match_blas();
+  return on && (has_avx512() ? chains_match_blas() : avx2_order(3, 64).scores);
+}
+
+// Which of a decode step's attention products for `n_rep` query heads per KV head of `dim`
+// dimensions the kernel computes itself on this machine (AVX2: `avx2_order`; AVX-512: its chains
+// where `chains_match_blas`): (scores, values, values of products OpenBLAS threads).
+std::tuple<bool, bool, bool> attention_chains_cover(int n_rep, int dim) {
+  if (has_avx512()) {
+    const bool on = dim % 16 == 0 && dim <= 256 && chains_match_blas();
+    return {on, on, false};
+  }
+  const Avx2Order order = avx2_order(n_rep, dim);
+  return {order.scores, order.values, order.values_threaded};
 }
 
 // One decode step's attention over paged KV: for each row and KV head, over the row's first
@@ -549,10 +763,13 @@ static void paged_attention_rows(const float* q, const float* pool_k, const floa
                                  const float* add_mask, bool mask_per_row, const int32_t* lengths, float* out, int rows, int kv_heads, int n_rep,
                                  int dim, int positions, int per_row, int width, int block_size) {
   constexpr float lowest = std::numeric_limits<float>::lowest();
-  const bool chains = attention_chains_on.load(std::memory_order_relaxed) && has_avx512() && dim % 16 == 0 && dim <= 256 && chains_match_blas();
+  const bool on = attention_chains_on.load(std::memory_order_relaxed);
+  const bool chains = on && has_avx512() && dim % 16 == 0 && dim <= 256 && chains_match_blas();
+  const Avx2Order order = on && !has_avx512() ? avx2_order(n_rep, dim) : Avx2Order{};
   auto row_width = [&](int r) { return lengths != nullptr ? std::clamp(lengths[r], 1, width) : width; };
-  auto own_scores = [&](int w) { return chains && !blas_small_scores(n_rep, w, dim); };
-  auto own_values = [&](int w) { return chains && blas_small_values(n_rep, w, dim); };
+  auto threaded_values = [&](int w) { return static_cast<double>(n_rep) * w * dim > kThreadedProduct; };
+  auto own_scores = [&](int w) { return chains ? !blas_small_scores(n_rep, w, dim) : order.scores; };
+  auto own_values = [&](int w) { return chains ? blas_small_values(n_rep, w, dim) : threaded_values(w) ? order.values_threaded : order.values; };
   auto attend = [&](int r, int h, std::vector<float>& scratch_k, std::vector<float>& scratch_v, std::vector<float>& scores) {
     const int32_t* own = blocks + static_cast<size_t>(r) * per_row;
     const size_t mask_row = mask_per_row ? static_cast<size_t>(r) * width : 0;
@@ -574,7 +791,11 @@ static void paged_attention_rows(const float* q, const float* pool_k, const floa
     scores.resize(static_cast<size_t>(n_rep) * width);
     const float* queries = q + (static_cast<size_t>(r) * kv_heads + h) * n_rep * dim;
     if (own_scores(w)) {
-      scores_chain(queries, n_rep, key_rows, w, dim, scores.data(), w);
+      if (chains) {
+        scores_chain(queries, n_rep, key_rows, w, dim, scores.data(), w);
+      } else {
+        scores_chain_avx2(queries, n_rep, key_rows, w, dim, scores.data(), w);
+      }
     } else {
       sgemm(kTrans, n_rep, w, dim, queries, dim, contiguous(head_k, scratch_k), dim, scores.data(), w);
     }
@@ -589,7 +810,11 @@ static void paged_attention_rows(const float* q, const float* pool_k, const floa
     softmax_rows(scores.data(), scores.data(), n_rep, w);
     float* result = out + (static_cast<size_t>(r) * kv_heads + h) * n_rep * dim;
     if (own_values(w)) {
-      values_chain(scores.data(), n_rep, w, value_rows, w, dim, result);
+      if (chains) {
+        values_chain(scores.data(), n_rep, w, value_rows, w, dim, result);
+      } else {
+        values_chain_avx2(scores.data(), n_rep, w, value_rows, w, dim, result, order, threaded_values(w));
+      }
     } else {
       sgemm(kNoTrans, n_rep, dim, w, scores.data(), w, contiguous(head_v, scratch_v), dim, result, dim);
     }
@@ -1174,6 +1399,8 @@ NB_MODULE(_kernels, m) {
         "helped"_a = true, "stream"_a = nb::none(), "mx.quantized_matmul(x, w, scales, biases, transpose=True) for affine 4/8-bit weights, float32 on the CPU.");
   m.def("set_attention_chains", &mlxrt::set_attention_chains, "on"_a,
         "Let paged attention compute its wide products itself where they match cblas_sgemm bit for bit (on), or not; returns whether it does.");
+  m.def("attention_chains_cover", &mlxrt::attention_chains_cover, "n_rep"_a, "dim"_a,
+        "Which of paged attention's products (scores, values, values OpenBLAS would thread) it computes itself for n_rep query heads per KV head of dim dimensions.");
   m.def("quantized_isa", &mlxrt::quantized_isa, "The instruction set quantized_matmul uses: 'avx512' or 'avx2'.");
   m.def("set_avx512", &mlxrt::set_avx512, "on"_a, "Let quantized_matmul use AVX-512 where the CPU has it (on), or not; returns whether it does.");
   m.def("scaled_dot_product_attention", &mlxrt::sdpa, "queries"_a, "keys"_a, "values"_a, nb::kw_only(), "scale"_a, "mask_mode"_a = "",
