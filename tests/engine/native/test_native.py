@@ -434,7 +434,7 @@ def test_paged_attention_is_decode_attention_over_the_gathered_blocks(kernels, m
         kernels.paged_attention(stacked, pool_keys, pool_values, blocks, width=per_row * block_size + 1, block_size=block_size)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (12, 1, 32), (16, 1, 64)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (8, 2, 128), (12, 1, 32), (16, 1, 64), (6, 2, 128), (4, 2, 32)])
 @pytest.mark.parametrize("width", [1, 17, 400, 401, 530, 1100, 5300])
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_paged_attention_own_products_are_openblas_bit_for_bit(kernels, heads, kv_heads, dim, width, block_size):
@@ -443,7 +443,9 @@ def test_paged_attention_own_products_are_openblas_bit_for_bit(kernels, heads, k
     with every product `cblas_sgemm`'s, across the widths where OpenBLAS changes path (a query
     group's scores at 1,200 entries, the values at 10^6 multiply-adds), and with the rows shared
     with the helper thread, from blocks scattered in the pool (read where they are, sixteen positions
-    of a block or four). With OpenBLAS and AVX-512 (this project's machines) the kernels are on."""
+    of a block or four). With OpenBLAS and AVX-512 (this project's machines) the kernels are on; on
+    AVX2 (OpenBLAS's Haswell and Zen kernels) for one to three query heads per KV head, where the
+    kernel's check finds OpenBLAS's order (`attention_chains_cover`)."""
     from runtime import blas
 
     rows = 2
@@ -472,6 +474,11 @@ def test_paged_attention_own_products_are_openblas_bit_for_bit(kernels, heads, k
     assert all(_equal(a, b) for a, b in zip(own, blas_only))
     if kernels.quantized_isa() == "avx512" and blas.status().state == "loaded":
         assert on
+    scores, values, threaded_values = kernels.attention_chains_cover(heads // kv_heads, dim)
+    if kernels.quantized_isa() == "avx2":
+        assert on == kernels.attention_chains_cover(3, 64)[0]
+        if heads // kv_heads > 3:  # (other kernels of OpenBLAS's: never claimed)
+            assert not (scores or values or threaded_values)
 
 
 @pytest.mark.parametrize("layout", ["scattered", "runs"])
