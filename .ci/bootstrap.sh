@@ -16,6 +16,10 @@ if [ "$(uname -s)" = Linux ]; then
     echo "[setup] installing OpenBLAS (MLX's CPU backend is ~50x slower without it)"
     apt_install libopenblas0-pthread || echo "[setup] WARNING: could not install OpenBLAS; MLX CPU matmul will be slow" >&2
   fi
+  if [ ! -e "/usr/lib/$(uname -m)-linux-gnu/libjemalloc.so.2" ]; then
+    echo "[setup] installing jemalloc (mlxrt serve's malloc: ~10% faster decode on two cores, runtime/allocator.py)"
+    apt_install libjemalloc2 || echo "[setup] note: could not install jemalloc; mlxrt serve uses the system's malloc" >&2
+  fi
 fi
 
 if [ ! -x .venv/bin/python ]; then

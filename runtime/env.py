@@ -3,7 +3,8 @@
 Known names: MLXRT_BLAS (path to a BLAS library, or "off"), MLXRT_HOME (where
 built-in models are cached), MLXRT_DISTRIBUTED_SECRET (a distributed world's shared secret,
 never a config key), MLXRT_NATIVE ("0" turns mlxrt's CPU kernels off; read where they load,
-`engine.native`, below this layer), and config overrides `MLXRT_<SECTION>_<KEY>`
+`engine.native`, below this layer), MLXRT_MALLOC ("system": `mlxrt serve` keeps the system's malloc,
+not jemalloc; `runtime.allocator`), and config overrides `MLXRT_<SECTION>_<KEY>`
 (e.g. MLXRT_SERVER_SOCKET, MLXRT_SCHEDULER_MAX_BATCH_SIZE; see runtime.config).
 """
 

@@ -39,7 +39,7 @@ from protocols.kv import DrainFiles, GetKvStats
 from protocols.model import AdapterCall, Embed, ModelInbox, ModelInfo
 from protocols.scheduler import GetSchedulerStats
 from protocols.stats import Stats
-from runtime import blas, env, kv_files, offload
+from runtime import allocator, blas, env, kv_files, offload
 from runtime.admission import Admission, Prepared, checkpoint_directory_problem
 from runtime.checkpoints import CheckpointStore
 from runtime.config import RuntimeConfig
@@ -408,6 +408,7 @@ def _report_blas() -> None:
         log.warning("slow_blas", state=status.state, message=status.warning())
     else:
         log.debug("blas", state=status.state, library=status.library)
+    log.debug("malloc", allocator=allocator.name())
 
 
 async def _start_model(config: RuntimeConfig, thread: MlxThread, tg) -> tuple[ModelActor, ModelReady]:

@@ -34,6 +34,10 @@ TRY_PROMPT = "What is the capital of France?"
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if argv is None and args.func is _serve:  # (a server process of its own: jemalloc, runtime.allocator)
+        from runtime import allocator
+
+        allocator.reexec_with_jemalloc()
     try:
         return args.func(args)
     except (ConfigError, SocketPathError) as exc:
