@@ -307,6 +307,9 @@ async def _serve_runtime(config: RuntimeConfig, path, http) -> None:
 
     async with ModelPool.open(config) if config.models else Runtime.open(config) as rt:
         server = Server(rt, config.server, path)
+        from engine import affinity
+
+        affinity.keep_off_pinned()  # (the loop's work off the kernels' core: engine.affinity)
         with single_errors():
             async with anyio.create_task_group() as tg:
                 await tg.start(server.serve)

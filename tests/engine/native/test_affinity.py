@@ -151,3 +151,31 @@ def test_two_mlx_threads_of_one_process_never_share_a_core(kernels, tmp_path):
     else:
         assert results["second"] is None and results["second_stream"] == set(allowed)
     assert results["after"] == allowed[-1]
+
+
+def test_a_thread_kept_off_the_pinned_core_only_while_one_is_pinned(kernels, tmp_path):
+    """`mlxrt serve`'s event loop (here another thread of the process) keeps off the core the MLX
+    thread pinned; with nothing pinned it is left as it is."""
+    allowed = os.sched_getaffinity(0)
+    assert _on_a_thread(affinity.keep_off_pinned) is None  # (nothing pinned: unchanged)
+    pinned = threading.Event()
+    done = threading.Event()
+    found: list = []
+
+    def mlx_thread() -> None:
+        found.append(affinity.pin(tmp_path))
+        pinned.set()
+        done.wait(timeout=60)
+        affinity.release()
+
+    thread = threading.Thread(target=mlx_thread)
+    thread.start()
+    try:
+        assert pinned.wait(timeout=60)
+        core = found[0]
+        kept = _on_a_thread(lambda: (affinity.keep_off_pinned(), os.sched_getaffinity(0)))
+    finally:
+        done.set()
+        thread.join()
+    assert core is not None
+    assert kept[0] == kept[1] == allowed - {core}
