@@ -230,7 +230,7 @@ def _check_quantized(module: ModuleType, normal: Callable[..., mx.array]) -> str
         for group in (32, 64, 128):
             weight = normal(72, 256)
             w, scales, biases = mx.quantize(weight, group_size=group, bits=bits)
-            for rows in (1, 2, 3, 5, 8, 13, 30):
+            for rows in (1, 2, 3, 5, 8, 9, 13, 30):
                 x = normal(rows, 256)
                 expected = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group, bits=bits)
                 got = module.quantized_matmul(x, w, scales, biases, group_size=group, bits=bits)
