@@ -1396,7 +1396,8 @@ NB_MODULE(_kernels, m) {
   m.def("rms_norm", &mlxrt::rms_norm, "x"_a, "weight"_a, "eps"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.fast.rms_norm(x, weight, eps) for float32 on the CPU.");
   m.def("softmax", &mlxrt::softmax, "x"_a, nb::kw_only(), "stream"_a = nb::none(), "mx.softmax(x, axis=-1, precise=True) for float32 on the CPU.");
   m.def("quantized_matmul", &mlxrt::quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(), "group_size"_a, "bits"_a,
-        "helped"_a = true, "stream"_a = nb::none(), "mx.quantized_matmul(x, w, scales, biases, transpose=True) for affine 4/8-bit weights, float32 on the CPU.");
+        "helped"_a = true, "bias_ratio"_a = 0.0f, "stream"_a = nb::none(),
+        "mx.quantized_matmul(x, w, scales, biases, transpose=True) for affine 4/8-bit weights, float32 on the CPU (bias_ratio: a power of two that biases are exactly scales times, else 0).");
   m.def("set_attention_chains", &mlxrt::set_attention_chains, "on"_a,
         "Let paged attention compute its wide products itself where they match cblas_sgemm bit for bit (on), or not; returns whether it does.");
   m.def("attention_chains_cover", &mlxrt::attention_chains_cover, "n_rep"_a, "dim"_a,

@@ -43,9 +43,9 @@ static void add_bias(const ProductArgs& p, int rows, float* out) {
 // `x` [rows, k] times the weight (transposed), plus the bias: `out` [rows, n].
 static void product(const float* x, int rows, const ProductArgs& p, float* out) {
   if (p.bits == 4) {
-    qmm_kernel<4>(x, rows, p.k, p.w, p.scales, p.biases, p.group, out, p.n, true);
+    qmm_kernel<4>(x, rows, p.k, p.w, p.scales, p.biases, 0.0f, p.group, out, p.n, true);
   } else {
-    qmm_kernel<8>(x, rows, p.k, p.w, p.scales, p.biases, p.group, out, p.n, true);
+    qmm_kernel<8>(x, rows, p.k, p.w, p.scales, p.biases, 0.0f, p.group, out, p.n, true);
   }
   add_bias(p, rows, out);
 }
@@ -80,9 +80,9 @@ static void products(const float* x, int rows, const ProductArgs* const* ps, flo
     const auto [n0, n1] = chunk_features(s.chunk, s.chunks, a.n);
     const auto* w = reinterpret_cast<const uint8_t*>(a.w);
     if (bits == 4) {
-      tile_features<4>(input.data(), rows, k, w, a.scales, a.biases, a.group, outs[s.p], n0, n1, a.n, wide);
+      tile_features<4>(input.data(), rows, k, w, a.scales, a.biases, 0.0f, a.group, outs[s.p], n0, n1, a.n, wide);
     } else {
-      tile_features<8>(input.data(), rows, k, w, a.scales, a.biases, a.group, outs[s.p], n0, n1, a.n, wide);
+      tile_features<8>(input.data(), rows, k, w, a.scales, a.biases, 0.0f, a.group, outs[s.p], n0, n1, a.n, wide);
     }
   };
   Helper::instance().share(static_cast<int>(spans.size()), span);

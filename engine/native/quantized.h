@@ -217,7 +217,7 @@ MLXRT_AVX2 static void qmv_groups(const float* x, int groups, const uint8_t* w, 
   for (int g = 0; g < groups; g++, x += G, ahead += kShare, ahead_scales += C, ahead_biases += C) {
     for (int b = 0; b < kShare; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(ahead_scales), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ahead_biases), _MM_HINT_T0);
+    if (biases != nullptr) _mm_prefetch(reinterpret_cast<const char*>(ahead_biases), _MM_HINT_T0);
     __m256 xq[C];  // (the group's sum(x * q) a feature)
     for (int c = 0; c < C; c++) xq[c] = _mm256_setzero_ps();
 #pragma GCC unroll 8
@@ -242,9 +242,13 @@ MLXRT_AVX2 static void qmv_groups(const float* x, int groups, const uint8_t* w, 
   for (int c = 0; c < C; c++) sum[c] = hsum8(acc[c]);
 }
 
+// `bias_ratio` (where not 0): the biases are `bias_ratio * scales` exactly, `bias_ratio` a power of
+// two (`engine.lanes`: GGUF's Q4_0 and Q8_0, `-8 d` and `-128 d`); the biases' term is then taken
+// from the scales, which the tile has just read, and the biases are not read: the same value (a
+// power of two's scaling is exact), and a Q8_0 output layer's bytes 40 -> 36 a 32 weights.
 template <int bits, int C>
-MLXRT_AVX2 static void qmv_tile(const float* x, int k_total, const uint8_t* w, size_t row_bytes, const float* scales, const float* biases, int group,
-                                 float* out, int n) {
+MLXRT_AVX2 static void qmv_tile(const float* x, int k_total, const uint8_t* w, size_t row_bytes, const float* scales, const float* biases,
+                                 float bias_ratio, int group, float* out, int n) {
   const int groups = k_total / group;
   const float* sums = x + k_total;  // (the blocks' sums; larger groups add theirs up)
   float local[kStackSums];
@@ -260,27 +264,34 @@ MLXRT_AVX2 static void qmv_tile(const float* x, int k_total, const uint8_t* w, s
     sums = group_sums;
   }
   float scaled[C];  // (each feature's sum over its groups of scale * sum(x * q))
+  const float* read_biases = bias_ratio != 0.0f ? nullptr : biases;
   switch (group) {  // (32, 64 or 128: `check_quantized`)
-    case 32: qmv_groups<bits, C, 32>(x, groups, w, row_bytes, scales, biases, n, scaled); break;
-    case 64: qmv_groups<bits, C, 64>(x, groups, w, row_bytes, scales, biases, n, scaled); break;
-    default: qmv_groups<bits, C, 128>(x, groups, w, row_bytes, scales, biases, n, scaled); break;
+    case 32: qmv_groups<bits, C, 32>(x, groups, w, row_bytes, scales, read_biases, n, scaled); break;
+    case 64: qmv_groups<bits, C, 64>(x, groups, w, row_bytes, scales, read_biases, n, scaled); break;
+    default: qmv_groups<bits, C, 128>(x, groups, w, row_bytes, scales, read_biases, n, scaled); break;
   }
-  for (int c = 0; c < C; c++) out[n + c] = scaled[c] + dot_product(biases + static_cast<size_t>(n + c) * groups, sums, groups);
+  for (int c = 0; c < C; c++) {
+    const size_t at = static_cast<size_t>(n + c) * groups;
+    out[n + c] = scaled[c] + (read_biases != nullptr ? dot_product(biases + at, sums, groups) : bias_ratio * dot_product(scales + at, sums, groups));
+  }
 }
 
-// Output features [n0, n1) of up to eight rows, C features at a time (then one at a time; a lone
-// row four at a time by `qmv_tile`).
+// Output features [n0, n1) of two to eight rows, C features at a time (then one at a time).
 template <int bits, int R, int C>
 static void qmm_rows(const float* x, int k, const uint8_t* w, size_t row_bytes, const float* scales, const float* biases, int group, float* out,
                      size_t ldo, int n0, int n1) {
   int n = n0;
-  if constexpr (R == 1) {
-    for (; n + 4 <= n1; n += 4) qmv_tile<bits, 4>(x, k, w, row_bytes, scales, biases, group, out, n);
-    for (; n < n1; n++) qmv_tile<bits, 1>(x, k, w, row_bytes, scales, biases, group, out, n);
-  } else {
-    for (; n + C <= n1; n += C) qmm_tile<bits, R, C>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
-    for (; n < n1; n++) qmm_tile<bits, R, 1>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
-  }
+  for (; n + C <= n1; n += C) qmm_tile<bits, R, C>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
+  for (; n < n1; n++) qmm_tile<bits, R, 1>(x, k, w, row_bytes, scales, biases, group, out, ldo, n);
+}
+
+// Output features [n0, n1) of a lone row (AVX2), four at a time by `qmv_tile`.
+template <int bits>
+static void qmv_rows(const float* x, int k, const uint8_t* w, size_t row_bytes, const float* scales, const float* biases, float bias_ratio, int group,
+                     float* out, int n0, int n1) {
+  int n = n0;
+  for (; n + 4 <= n1; n += 4) qmv_tile<bits, 4>(x, k, w, row_bytes, scales, biases, bias_ratio, group, out, n);
+  for (; n < n1; n++) qmv_tile<bits, 1>(x, k, w, row_bytes, scales, biases, bias_ratio, group, out, n);
 }
 
 // The same with sixteen lanes (AVX-512, where the CPU has it): thirty-two weights a step, so for
@@ -362,9 +373,10 @@ static void tile_rows(const float* x, int k, const uint8_t* w, size_t row_bytes,
   }
 }
 
+// (`bias_ratio`: `qmv_tile`'s, for a lone row on AVX2; 0 where the biases are to be read.)
 template <int bits, bool wide>
-static void qmm_small(const float* x, int rows, int k, const uint8_t* w, const float* scales, const float* biases, int group, float* out, int n0,
-                      int n1, int ldo) {
+static void qmm_small(const float* x, int rows, int k, const uint8_t* w, const float* scales, const float* biases, float bias_ratio, int group,
+                      float* out, int n0, int n1, int ldo) {
   const size_t row_bytes = static_cast<size_t>(k) * bits / 8;
   // Five to eight rows take four 4-bit features a tile but two 8-bit ones: eight rows by four
   // features is all 32 registers in accumulators, and where the 4-bit tile's table lookups leave
@@ -375,7 +387,13 @@ static void qmm_small(const float* x, int rows, int k, const uint8_t* w, const f
     const float* xr = x + static_cast<size_t>(r0) * k;
     float* o = out + static_cast<size_t>(r0) * ldo;
     switch (std::min(8, rows - r0)) {
-      case 1: tile_rows<bits, wide, 1, 8>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
+      case 1:
+        if constexpr (wide) {
+          tile_rows<bits, wide, 1, 8>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1);
+        } else {
+          qmv_rows<bits>(xr, k, w, row_bytes, scales, biases, bias_ratio, group, o, n0, n1);
+        }
+        break;
       case 2: tile_rows<bits, wide, 2, 4>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
       case 3: tile_rows<bits, wide, 3, wide ? 4 : 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
       case 4: tile_rows<bits, wide, 4, wide ? 4 : 2>(xr, k, w, row_bytes, scales, biases, group, o, ldo, n0, n1); break;
@@ -611,18 +629,18 @@ static std::pair<int, int> chunk_features(int i, int chunks, int n) {
 
 // Features [n0, n1) of a product over a prepared input (`TileInput`).
 template <int bits>
-static void tile_features(const float* xs, int rows, int k, const uint8_t* w, const float* scales, const float* biases, int group, float* out, int n0,
-                          int n1, int n, bool wide) {
+static void tile_features(const float* xs, int rows, int k, const uint8_t* w, const float* scales, const float* biases, float bias_ratio, int group,
+                          float* out, int n0, int n1, int n, bool wide) {
   if (wide) {
-    qmm_small<bits, true>(xs, rows, k, w, scales, biases, group, out, n0, n1, n);
+    qmm_small<bits, true>(xs, rows, k, w, scales, biases, bias_ratio, group, out, n0, n1, n);
   } else {
-    qmm_small<bits, false>(xs, rows, k, w, scales, biases, group, out, n0, n1, n);
+    qmm_small<bits, false>(xs, rows, k, w, scales, biases, bias_ratio, group, out, n0, n1, n);
   }
 }
 
 template <int bits>
-static void qmm_kernel(const float* x, int rows, int k, const uint32_t* w32, const float* scales, const float* biases, int group, float* out, int n,
-                       bool helped) {
+static void qmm_kernel(const float* x, int rows, int k, const uint32_t* w32, const float* scales, const float* biases, float bias_ratio, int group,
+                       float* out, int n, bool helped) {
   const auto* w = reinterpret_cast<const uint8_t*>(w32);
   if (panel_rows(rows, k)) {
     std::vector<float> panel(static_cast<size_t>(kPanelFeatures) * k);
@@ -638,7 +656,7 @@ static void qmm_kernel(const float* x, int rows, int k, const uint32_t* w32, con
   const int chunks = helped ? feature_chunks(n, k, bits) : 1;
   auto chunk = [&](int i) {
     const auto [n0, n1] = chunk_features(i, chunks, n);
-    tile_features<bits>(input.data(), rows, k, w, scales, biases, group, out, n0, n1, n, wide);
+    tile_features<bits>(input.data(), rows, k, w, scales, biases, bias_ratio, group, out, n0, n1, n, wide);
   };
   if (chunks == 1) {
     chunk(0);
@@ -649,8 +667,8 @@ static void qmm_kernel(const float* x, int rows, int k, const uint32_t* w32, con
 
 class QuantizedMatmul : public CpuPrimitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group, int bits, bool helped)
-      : CpuPrimitive(stream, "MlxrtQuantizedMatmul"), group_(group), bits_(bits), helped_(helped) {}
+  QuantizedMatmul(mx::Stream stream, int group, int bits, bool helped, float bias_ratio)
+      : CpuPrimitive(stream, "MlxrtQuantizedMatmul"), group_(group), bits_(bits), helped_(helped), bias_ratio_(bias_ratio) {}
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     auto shape = inputs[0].shape();
     shape.back() = inputs[1].shape(0);
@@ -663,23 +681,24 @@ class QuantizedMatmul : public CpuPrimitive {
     const int rows = static_cast<int>(x.size() / k);
     run(inputs, out,
         [x = x.data<float>(), w = inputs[1].data<uint32_t>(), s = inputs[2].data<float>(), b = inputs[3].data<float>(), o = out.data<float>(), rows, k, n,
-         group = group_, bits = bits_, helped = helped_]() {
+         group = group_, bits = bits_, helped = helped_, ratio = bias_ratio_]() {
           if (bits == 4) {
-            qmm_kernel<4>(x, rows, k, w, s, b, group, o, n, helped);
+            qmm_kernel<4>(x, rows, k, w, s, b, ratio, group, o, n, helped);
           } else {
-            qmm_kernel<8>(x, rows, k, w, s, b, group, o, n, helped);
+            qmm_kernel<8>(x, rows, k, w, s, b, ratio, group, o, n, helped);
           }
         });
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     if (!CpuPrimitive::is_equivalent(other)) return false;
     const auto& o = static_cast<const QuantizedMatmul&>(other);
-    return group_ == o.group_ && bits_ == o.bits_ && helped_ == o.helped_;
+    return group_ == o.group_ && bits_ == o.bits_ && helped_ == o.helped_ && bias_ratio_ == o.bias_ratio_;
   }
 
  private:
   int group_, bits_;
   bool helped_;
+  float bias_ratio_;
 };
 
 // Affine-quantized `w` uint32 [n, k * bits / 32] with float32 `scales` and `biases` [n, k / group]
@@ -701,14 +720,20 @@ static int check_quantized(int k, const mx::array& w, const mx::array& scales, c
 // `mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size, bits)` (affine mode) for
 // float32 `x` [..., k] (`check_quantized`'s operands).
 // `helped`: large products split their features with a helper thread (one more core).
+// `bias_ratio`: 0, or a power of two the caller has found `biases` to be exactly `scales` times
+// (`qmv_tile`: a lone row then takes the biases' term from the scales).
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
-                           bool helped, mx::StreamOrDevice s) {
+                           bool helped, float bias_ratio, mx::StreamOrDevice s) {
   check_float32(x, "quantized_matmul's input");
+  int exponent = 0;
+  if (bias_ratio != 0.0f && !(std::isfinite(bias_ratio) && std::fabs(std::frexp(bias_ratio, &exponent)) == 0.5f)) {
+    throw std::invalid_argument("[mlxrt.native] quantized_matmul: bias_ratio must be 0 or a power of two");
+  }
   if (x.ndim() < 1) throw std::invalid_argument("[mlxrt.native] quantized_matmul: an input of one or more dimensions");
   const int n = check_quantized(x.shape(-1), w, scales, biases, group_size, bits);
   auto stream = mx::to_stream(s);
   auto shape = x.shape();
   shape.back() = n;
-  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits, helped),
+  return mx::array(shape, mx::float32, std::make_shared<QuantizedMatmul>(stream, group_size, bits, helped, bias_ratio),
                    {x, w, scales, biases});
 }

@@ -93,6 +93,44 @@ def test_what_it_does_not_take_is_refused_typed(kernels):
         kernels.quantized_matmul(x, w.astype(mx.int32), scales, biases, group_size=32, bits=4)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_biases_the_scales_times_a_power_of_two_give_the_same_bits_through_the_ratio(kernels, isa, bits, group, rows):
+    """GGUF's Q4_0 and Q8_0 biases are -8 and -128 times their scales: given that ratio, a lone row's
+    product takes the biases' term from the scales, the same values (a power of two's scaling is
+    exact); other rows and AVX-512's tiles read the biases as before."""
+    rng = np.random.default_rng(rows * 10 + group + bits)
+    w, scales, _ = _quantized(rng, 1048, 384, group, bits)
+    ratio = -float(2 ** (bits - 1))
+    biases = scales * ratio
+    x = _normal(rng, rows, 384)
+    expected = kernels.quantized_matmul(x, w, scales, biases, group_size=group, bits=bits)
+    _close(expected, mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group, bits=bits), x, (w, scales, biases), group, bits)
+    assert mx.array_equal(kernels.quantized_matmul(x, w, scales, biases, group_size=group, bits=bits, bias_ratio=ratio), expected)
+
+
+def test_a_lone_row_given_the_ratio_reads_no_biases(kernels, isa):
+    """(Biases of NaNs: a lone row on AVX2 given the ratio never reads them.)"""
+    if isa != "avx2":
+        pytest.skip("AVX-512's tiles read the biases")
+    rng = np.random.default_rng(5)
+    w, scales, _ = _quantized(rng, 300, 256, 32, 8)
+    x = _normal(rng, 1, 256)
+    expected = kernels.quantized_matmul(x, w, scales, scales * -128.0, group_size=32, bits=8)
+    poisoned = mx.full(scales.shape, float("nan"))
+    assert mx.array_equal(kernels.quantized_matmul(x, w, scales, poisoned, group_size=32, bits=8, bias_ratio=-128.0), expected)
+
+
+def test_a_ratio_that_is_not_a_power_of_two_is_refused(kernels):
+    rng = np.random.default_rng(6)
+    w, scales, biases = _quantized(rng, 64, 128, 32, 4)
+    x = _normal(rng, 1, 128)
+    for ratio in (3.0, -7.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="power of two"):
+            kernels.quantized_matmul(x, w, scales, biases, group_size=32, bits=4, bias_ratio=ratio)
+
+
 def test_the_load_check_refuses_a_product_off_by_more_than_rounding(kernels):
     names = ("swiglu", "rms_norm", "rope", "softmax", "scaled_dot_product_attention")
     wrong = SimpleNamespace(**{name: getattr(kernels, name) for name in names})
@@ -129,6 +167,26 @@ def test_quantized_layers_use_the_kernel_inside_the_step_and_mlxs_outside(kernel
     assert not mx.array_equal(inside_head, expected_head)  # (another summation order: the kernel ran)
     _close(inside_linear - linear.bias, expected_linear - linear.bias, x, (linear.weight, linear.scales, linear.biases), 32, 4)
     _close(inside_head, expected_head, x, (embedding.weight, embedding.scales, embedding.biases), 32, 4)
+
+
+def test_install_gives_each_quantized_layer_its_bias_ratio_and_the_step_uses_it(kernels):
+    """A layer whose biases are its scales times -2^(bits - 1) (GGUF's Q4_0, Q8_0) gets that ratio; an
+    affine one (MLX's quantization, GGUF's Q4_1: a minimum a group) gets 0; the step's product is
+    the same either way."""
+    rng = np.random.default_rng(7)
+    symmetric = nn.QuantizedLinear(256, 72, bias=False, group_size=32, bits=8)
+    symmetric.biases = symmetric.scales * -128.0
+    affine = nn.QuantizedLinear(256, 72, bias=False, group_size=32, bits=4)
+    mx.eval(symmetric.parameters(), affine.parameters())
+    lanes.install(nn.Sequential(symmetric, affine))
+    assert getattr(symmetric, lanes.BIAS_RATIO) == -128.0 and getattr(affine, lanes.BIAS_RATIO) == 0.0
+    x = _normal(rng, 1, 256)
+    expected = kernels.quantized_matmul(x, symmetric.weight, symmetric.scales, symmetric.biases, group_size=32, bits=8)
+    with lanes.parallel():
+        assert mx.array_equal(symmetric(x), expected)
+        if kernels.quantized_isa() == "avx2":  # (the ratio is what the step passes: biases of NaNs go unread)
+            symmetric.biases = mx.full(symmetric.scales.shape, float("nan"))
+            assert mx.array_equal(symmetric(x), expected)
 
 
 def test_two_threads_products_at_once_share_the_helper_safely(kernels):
