@@ -277,7 +277,7 @@ def _product(layer: nn.Module) -> tuple | None:
     bias = layer.get("bias")
     if any(a is not None and a.dtype != mx.float32 for a in (layer["scales"], layer["biases"], bias)):
         return None
-    return (layer["weight"], layer["scales"], layer["biases"], bias, layer.group_size, layer.bits)
+    return (layer["weight"], layer["scales"], layer["biases"], bias, layer.group_size, layer.bits, getattr(layer, lanes.BIAS_RATIO, 0.0))
 
 
 def _layer_products(block: nn.Module, attention: llama.Attention | qwen2.Attention) -> list[tuple] | None:

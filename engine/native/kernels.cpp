@@ -1386,7 +1386,7 @@ NB_MODULE(_kernels, m) {
         nb::kw_only(), "heads"_a, "rope_dims"_a, "traditional"_a, "base"_a, "rope_scale"_a, "scale"_a, "width"_a, "block_size"_a, "stream"_a = nb::none(),
         "A decode step's rotated, scaled queries' attention over paged KV (float32, CPU).");
   m.def("normed_products", &mlxrt::normed_products, "x"_a, "weight"_a, "eps"_a, "products"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "[rms_norm(x, weight, eps) @ w.T (+ bias)] for each product (w, scales, biases, bias or None, group_size, bits): one node (float32, CPU).");
+        "[rms_norm(x, weight, eps) @ w.T (+ bias)] for each product (w, scales, biases, bias or None, group_size, bits, bias_ratio): one node (float32, CPU).");
   m.def("layer_tail", &mlxrt::layer_tail, "x"_a, "queries"_a, "pool_keys"_a, "pool_values"_a, "blocks"_a, "positions"_a, "lengths"_a, "weight"_a,
         "products"_a, nb::kw_only(), "heads"_a, "rope_dims"_a, "traditional"_a, "base"_a, "rope_scale"_a, "scale"_a, "width"_a, "block_size"_a, "eps"_a,
         "stream"_a = nb::none(),

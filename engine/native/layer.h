@@ -14,12 +14,14 @@
 // `rms_norm_rows`, `rope_rows`, `paged_attention_rows`, `swiglu_kernel`, and a bias or a residual
 // added as MLX adds two arrays: one rounding each), so the same bits.
 
-// A quantized product inside a fused primitive: its weight's group size and bits, and whether a
-// bias follows its weight, scales and biases among the primitive's inputs.
+// A quantized product inside a fused primitive: its weight's group size and bits, whether a bias
+// follows its weight, scales and biases among the primitive's inputs, and its biases' ratio to its
+// scales (`quantized_matmul`'s `bias_ratio`: 0, or the power of two they are exactly the scales times).
 struct ProductSpec {
   int group, bits;
   bool bias;
-  bool operator==(const ProductSpec& o) const { return group == o.group && bits == o.bits && bias == o.bias; }
+  float bias_ratio;
+  bool operator==(const ProductSpec& o) const { return group == o.group && bits == o.bits && bias == o.bias && bias_ratio == o.bias_ratio; }
 };
 
 // A product's operands as the kernels read them.
@@ -27,9 +29,11 @@ struct ProductArgs {
   const uint32_t* w;
   const float *scales, *biases, *bias;
   int n, k, group, bits;
+  float bias_ratio;
 };
 
-using Product = std::tuple<mx::array, mx::array, mx::array, std::optional<mx::array>, int, int>;  // (w, scales, biases, bias, group, bits)
+// (w, scales, biases, bias, group, bits, bias_ratio)
+using Product = std::tuple<mx::array, mx::array, mx::array, std::optional<mx::array>, int, int, float>;
 
 // `out` [rows, n] plus the product's bias, where it has one (as MLX adds it: one rounding each).
 static void add_bias(const ProductArgs& p, int rows, float* out) {
@@ -43,9 +47,9 @@ static void add_bias(const ProductArgs& p, int rows, float* out) {
 // `x` [rows, k] times the weight (transposed), plus the bias: `out` [rows, n].
 static void product(const float* x, int rows, const ProductArgs& p, float* out) {
   if (p.bits == 4) {
-    qmm_kernel<4>(x, rows, p.k, p.w, p.scales, p.biases, 0.0f, p.group, out, p.n, true);
+    qmm_kernel<4>(x, rows, p.k, p.w, p.scales, p.biases, p.bias_ratio, p.group, out, p.n, true);
   } else {
-    qmm_kernel<8>(x, rows, p.k, p.w, p.scales, p.biases, 0.0f, p.group, out, p.n, true);
+    qmm_kernel<8>(x, rows, p.k, p.w, p.scales, p.biases, p.bias_ratio, p.group, out, p.n, true);
   }
   add_bias(p, rows, out);
 }
@@ -80,9 +84,9 @@ static void products(const float* x, int rows, const ProductArgs* const* ps, flo
     const auto [n0, n1] = chunk_features(s.chunk, s.chunks, a.n);
     const auto* w = reinterpret_cast<const uint8_t*>(a.w);
     if (bits == 4) {
-      tile_features<4>(input.data(), rows, k, w, a.scales, a.biases, 0.0f, a.group, outs[s.p], n0, n1, a.n, wide);
+      tile_features<4>(input.data(), rows, k, w, a.scales, a.biases, a.bias_ratio, a.group, outs[s.p], n0, n1, a.n, wide);
     } else {
-      tile_features<8>(input.data(), rows, k, w, a.scales, a.biases, 0.0f, a.group, outs[s.p], n0, n1, a.n, wide);
+      tile_features<8>(input.data(), rows, k, w, a.scales, a.biases, a.bias_ratio, a.group, outs[s.p], n0, n1, a.n, wide);
     }
   };
   Helper::instance().share(static_cast<int>(spans.size()), span);
@@ -96,7 +100,7 @@ static std::vector<ProductArgs> product_args(const std::vector<mx::array>& input
   for (const auto& s : specs) {
     const auto& w = inputs[i];
     args.push_back({w.data<uint32_t>(), inputs[i + 1].data<float>(), inputs[i + 2].data<float>(), s.bias ? inputs[i + 3].data<float>() : nullptr, w.shape(0),
-                    static_cast<int>(w.shape(1) * 32 / s.bits), s.group, s.bits});
+                    static_cast<int>(w.shape(1) * 32 / s.bits), s.group, s.bits, s.bias_ratio});
     i += s.bias ? 4 : 3;
   }
   return args;
@@ -106,14 +110,15 @@ static std::vector<ProductArgs> product_args(const std::vector<mx::array>& input
 // returns their specs and output widths.
 static std::vector<ProductSpec> add_products(const std::vector<Product>& products, int k, std::vector<mx::array>& inputs, std::vector<int>& widths) {
   std::vector<ProductSpec> specs;
-  for (const auto& [w, scales, biases, bias, group, bits] : products) {
+  for (const auto& [w, scales, biases, bias, group, bits, bias_ratio] : products) {
     const int n = check_quantized(k, w, scales, biases, group, bits);
+    check_bias_ratio(bias_ratio);
     if (bias && (bias->dtype() != mx::float32 || bias->ndim() != 1 || bias->shape(0) != n)) {
       throw std::invalid_argument("[mlxrt.native] a product's bias must be float32 [n]");
     }
     inputs.insert(inputs.end(), {w, scales, biases});
     if (bias) inputs.push_back(*bias);
-    specs.push_back({group, bits, bias.has_value()});
+    specs.push_back({group, bits, bias.has_value(), bias_ratio});
     widths.push_back(n);
   }
   return specs;

@@ -701,6 +701,14 @@ class QuantizedMatmul : public CpuPrimitive {
   float bias_ratio_;
 };
 
+// A product's `bias_ratio`: 0, or a power of two (`qmv_tile`).
+static void check_bias_ratio(float bias_ratio) {
+  int exponent = 0;
+  if (bias_ratio != 0.0f && !(std::isfinite(bias_ratio) && std::fabs(std::frexp(bias_ratio, &exponent)) == 0.5f)) {
+    throw std::invalid_argument("[mlxrt.native] quantized_matmul: bias_ratio must be 0 or a power of two");
+  }
+}
+
 // Affine-quantized `w` uint32 [n, k * bits / 32] with float32 `scales` and `biases` [n, k / group]
 // checked for an input `k` wide; returns `n`.
 static int check_quantized(int k, const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits) {
@@ -725,10 +733,7 @@ static int check_quantized(int k, const mx::array& w, const mx::array& scales, c
 mx::array quantized_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size, int bits,
                            bool helped, float bias_ratio, mx::StreamOrDevice s) {
   check_float32(x, "quantized_matmul's input");
-  int exponent = 0;
-  if (bias_ratio != 0.0f && !(std::isfinite(bias_ratio) && std::fabs(std::frexp(bias_ratio, &exponent)) == 0.5f)) {
-    throw std::invalid_argument("[mlxrt.native] quantized_matmul: bias_ratio must be 0 or a power of two");
-  }
+  check_bias_ratio(bias_ratio);
   if (x.ndim() < 1) throw std::invalid_argument("[mlxrt.native] quantized_matmul: an input of one or more dimensions");
   const int n = check_quantized(x.shape(-1), w, scales, biases, group_size, bits);
   auto stream = mx::to_stream(s);

@@ -31,9 +31,10 @@ def test_weights_are_counted_as_each_engine_reads_them():
     # llama.cpp reads stored blocks; a tied embedding is the output matrix, read whole.
     assert roofline.llamacpp_weight_bytes(TIED) == 68_000 + 1280 + 256
     # mlxrt dequantized: float32 for every element; kept quantized: MLX's affine format, a float32
-    # scale and bias per 32 weights (Q8_0 as 8 bits: 1.25 bytes a weight; Q4_1 as 4: 0.75).
+    # scale and bias per 32 weights (Q4_1 as 4 bits: 0.75 bytes a weight), Q8_0's biases unread (its
+    # biases are -128 times its scales: 1.125).
     assert roofline.mlxrt_weight_bytes(TIED, dequantized=True) == 4 * (64_000 + 4096 + 64)
-    assert roofline.mlxrt_weight_bytes(TIED, dequantized=False) == 64_000 * 1.25 + 4096 * 0.75 + 256
+    assert roofline.mlxrt_weight_bytes(TIED, dequantized=False) == 64_000 * 1.125 + 4096 * 0.75 + 256
     # Untied: the embedding is one row per token (left out), the output matrix is read whole.
     assert roofline.llamacpp_weight_bytes(UNTIED) == 1280 + 256 + 20_000
     assert roofline.mlxrt_weight_bytes(UNTIED, dequantized=True) == 4 * (4096 + 64 + 64_000)

@@ -4,7 +4,8 @@ A single-stream decode step reads every weight the model multiplies by once, plu
 position so far, so `bandwidth / bytes` bounds its tokens per second. Bytes are counted as each
 engine holds them: llama.cpp reads a GGUF's quantized blocks as stored (KV in float16, its default);
 mlxrt on the CPU keeps quantized weights in MLX's affine format for its quantized kernels
-(`model.cpu_dequantize` "auto" where the kernels serve; float32 scales and biases per group of 32),
+(`model.cpu_dequantize` "auto" where the kernels serve; float32 scales and biases per group of 32,
+the biases unread where they are the scales times a power of two: Q4_0, Q8_0),
 else dequantizes them to float32 at load while they fit half the memory, and keeps KV in the model's dtype (float32) unless `kv.bits` is set.
 An embedding table is read one row per token, unless it is tied to the output (read whole).
 """
@@ -107,10 +108,12 @@ def mlxrt_dequantizes(tensors: Iterable[Tensor], policy: str, memory_bytes: int,
     return policy == "always" or not memory_bytes or float_bytes <= AUTO_MEMORY_SHARE * memory_bytes
 
 
-# Bytes per weight of a kept quantized tensor as mlxrt holds it: MLX's affine format, groups of 32
-# with a float32 scale and bias each (on the CPU every float is float32): Q4_0 and Q4_1 as 4 bits,
-# every other quantized type as 8 (Q8_0 as stored, K-quants requantized by the GGUF reader).
-_KEPT_BYTES = {"Q4_0": 0.5 + 8 / 32, "Q4_1": 0.5 + 8 / 32}
+# Bytes per weight a lone row reads of a kept quantized tensor as mlxrt holds it: MLX's affine
+# format, groups of 32 with a float32 scale and bias each (on the CPU every float is float32): Q4_0
+# and Q4_1 as 4 bits, every other quantized type as 8 (Q8_0 as stored, K-quants requantized by the
+# GGUF reader). Q4_0's and Q8_0's biases are -8 and -128 times their scales, which a lone row's
+# product takes their term from (`engine.lanes.bias_ratio`): it reads their scales only.
+_KEPT_BYTES = {"Q4_0": 0.5 + 4 / 32, "Q4_1": 0.5 + 8 / 32, "Q8_0": 1 + 4 / 32}
 _KEPT_8BIT = 1 + 8 / 32
 
 

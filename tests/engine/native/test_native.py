@@ -292,16 +292,26 @@ def test_a_llama_layers_fused_decode_attention_gives_the_same_bits(kernels, monk
     assert [len(logprobs[name]) for name in "abcd"] == [len(tokens[name]) for name in "abcd"] == [12, 10, 8, 6], (logprobs, tokens)
 
 
-@pytest.mark.parametrize(("family", "bits", "group", "block_size"), [("llama", 4, 32, 4), ("llama", 8, 64, 16), ("qwen2", 4, 32, 16)])
-def test_a_quantized_llama_layer_fused_whole_gives_the_same_bits(kernels, monkeypatch, family, bits, group, block_size):
+@pytest.mark.parametrize(
+    ("family", "bits", "group", "block_size", "symmetric"),
+    [("llama", 4, 32, 4, False), ("llama", 8, 64, 16, False), ("qwen2", 4, 32, 16, False), ("llama", 8, 32, 4, True)],
+)
+def test_a_quantized_llama_layer_fused_whole_gives_the_same_bits(kernels, monkeypatch, family, bits, group, block_size, symmetric):
     """The compiled step's quantized llama (and qwen2: biased queries, keys and values) decoder
     layer as four primitives (`normed_products`, two `pool_write`s, `layer_tail`) against the same
     step built node by node with the same kernels: the same tokens and logprobs with their top
-    alternatives, bit for bit, alone and batched (rows joining and leaving)."""
+    alternatives, bit for bit, alone and batched (rows joining and leaving). `symmetric`: biases
+    -2^(bits - 1) times the scales (GGUF's Q8_0), which both take from the scales (`bias_ratio`)."""
     import mlx.nn as nn
+
+    from engine import lanes
 
     model = _family(family)
     nn.quantize(model, group_size=group, bits=bits)
+    if symmetric:
+        for _, layer in model.named_modules():
+            if isinstance(layer, nn.QuantizedLinear | nn.QuantizedEmbedding):
+                layer.biases = layer.scales * -float(2 ** (bits - 1))
     calls: list[str] = []
     for name in ("normed_products", "layer_tail"):
         real = getattr(kernels, name)
@@ -314,6 +324,7 @@ def test_a_quantized_llama_layer_fused_whole_gives_the_same_bits(kernels, monkey
     assert not calls
     assert fused_tokens == tokens and fused_logprobs == logprobs
     assert [len(logprobs[name]) for name in "abcd"] == [len(tokens[name]) for name in "abcd"] == [12, 10, 8, 6], (logprobs, tokens)
+    assert getattr(model.layers[0].self_attn.q_proj, lanes.BIAS_RATIO) == (-float(2 ** (bits - 1)) if symmetric else 0.0)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 576), (16, 1, 576), (3, 127, 576), (2, 5, 7), (9, 64), (4, 1, 2, 33)])
